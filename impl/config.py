@@ -1,0 +1,95 @@
+"""Model configuration: read through transformers' own ``Qwen2Config`` so impl and HF never disagree on
+a default, plus the checks HF does not do for us (a missing ``rope_theta`` is an error, not 10000)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class ConfigError(ValueError):
+    """A checkpoint config or engine setting that impl refuses, with the numbers in the message."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _rope_theta(raw: dict, path: Path) -> float:
+    """transformers 4.x writes ``rope_theta`` at the top level; 5.x nests it in ``rope_parameters``."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ConfigError(f"{path}: rope type {kind!r} is not supported (only the default neox RoPE)")
+    theta = raw.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise ConfigError(f"{path}: no rope_theta (neither 'rope_theta' nor 'rope_parameters.rope_theta'); "
+                          "impl does not guess a default")
+    return float(theta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The numbers impl needs, taken from the HF config (``hf``) of a checkpoint directory."""
+
+    hf: Qwen2Config
+    model_dir: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    def check_tp(self, tp: int) -> None:
+        """Refuse a TP size the head layout cannot be split over, with the numbers."""
+        if tp < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {tp}")
+        if self.num_heads % tp:
+            raise ConfigError(f"num_attention_heads={self.num_heads} is not divisible by tp_size={tp}")
+        kv = self.num_kv_heads
+        if tp <= kv and kv % tp:
+            raise ConfigError(f"num_key_value_heads={kv} is not divisible by tp_size={tp}")
+        if tp > kv and tp % kv:
+            raise ConfigError(f"tp_size={tp} > num_key_value_heads={kv} needs tp_size % num_key_value_heads == 0 "
+                              "to replicate KV heads")
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``config.json`` of a Qwen2 checkpoint directory; anything not Qwen2 is refused."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
+    raw = json.loads(path.read_text())
+    if raw.get("model_type") != "qwen2":
+        raise ConfigError(f"{path}: model_type is {raw.get('model_type')!r}, impl supports only 'qwen2'")
+    if raw.get("use_sliding_window"):
+        raise ConfigError(f"{path}: use_sliding_window=true is not supported")
+    theta = _rope_theta(raw, path)
+    hf = Qwen2Config.from_pretrained(str(model_dir))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    eos = hf.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    return ModelConfig(
+        hf=hf, model_dir=str(model_dir), hidden_size=hf.hidden_size, num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads, head_dim=head_dim, intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers, vocab_size=hf.vocab_size, rope_theta=theta,
+        rms_norm_eps=hf.rms_norm_eps, max_position=hf.max_position_embeddings,
+        tie_word_embeddings=bool(hf.tie_word_embeddings), eos_token_ids=eos_ids,
+    )

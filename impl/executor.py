@@ -1,0 +1,187 @@
+"""Driver side of TP: one spawned worker process per rank, each holding a ``ModelRunner``.
+
+The driver sends every rank the same ``(method, args)`` over a pipe and waits for all answers with a
+deadline. A rank that dies, hangs past the deadline or fails while its peers are stuck in a collective
+gets the whole group torn down and an error naming the rank; workers also die with the driver
+(``PR_SET_PDEATHSIG``), so nothing is left orphaned. Workers are reused across calls.
+
+Under ``torchrun`` (``WORLD_SIZE`` set) ``LocalExecutor`` runs this process's rank in-process instead."""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+
+from impl.distributed import close_tp, init_tp
+
+
+class RankError(RuntimeError):
+    """A TP rank died, hung or failed; ``rank`` names it."""
+
+    def __init__(self, rank: int | list[int], message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _error_reply(rank: int, exc: BaseException) -> tuple:
+    return ("err", exc, f"rank {rank}: {type(exc).__name__}: {exc}", traceback.format_exc())
+
+
+def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pid: int, timeout_s: float):
+    _die_with_parent(parent_pid)
+    from impl.model_runner import ModelRunner  # imported here: the spawned child starts bare
+    try:
+        init_tp(rank, world, store, timeout_s=timeout_s, device=device)
+        conn.send(("ok", None))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send(_error_reply(rank, e))
+        return
+    runner = None
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            break  # driver gone
+        if method == "_close":
+            break
+        try:
+            if method == "_load":  # (re)build the runner on another checkpoint; the process stays
+                runner = None
+                runner = ModelRunner(*args, **kwargs)
+                conn.send(("ok", None))
+            else:
+                conn.send(("ok", getattr(runner, method)(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001
+            try:
+                conn.send(_error_reply(rank, e))
+            except Exception:  # unpicklable exception: send its text only
+                conn.send(("err", None, f"rank {rank}: {type(e).__name__}: {e}", traceback.format_exc()))
+    close_tp()
+
+
+class Executor:
+    def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, init_timeout_s: float = 120.0):
+        self.tp_size, self.timeout_s = tp_size, timeout_s
+        self._tmp = tempfile.mkdtemp(prefix="impl-tp-")
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(tp_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, daemon=True, name=f"impl-rank{rank}",
+                            args=(rank, tp_size, os.path.join(self._tmp, "store"), child, device,
+                                  os.getpid(), timeout_s))
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self._collect(init_timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        return not self.procs
+
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+        """Run ``runner.method(*args, **kwargs)`` on every rank; returns the per-rank results."""
+        if self.closed:
+            raise RuntimeError("the TP workers are stopped (closed, or torn down after a rank failed)")
+        for conn in self.conns:
+            conn.send((method, args, kwargs))
+        return self._collect(timeout_s or self.timeout_s)
+
+    def _collect(self, timeout_s: float) -> list:
+        results: list = [None] * self.tp_size
+        pending = dict(enumerate(self.conns))
+        failure = None
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            waiting = list(pending.values()) + [self.procs[r].sentinel for r in pending]
+            ready = wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for rank, conn in list(pending.items()):
+                if conn in ready or conn.poll():
+                    try:
+                        status, value, *info = conn.recv()
+                    except (EOFError, OSError):
+                        continue  # died mid-send: its sentinel reports it
+                    del pending[rank]
+                    results[rank] = value
+                    if status == "err" and failure is None:
+                        failure = (rank, value, info)
+                        deadline = min(deadline, time.monotonic() + 10.0)  # peers may be stuck in a collective
+                elif self.procs[rank].sentinel in ready:
+                    code = self.procs[rank].exitcode
+                    self.shutdown(force=True)
+                    raise RankError(rank, f"TP rank {rank} died (exit code {code})")
+        if failure is not None:
+            rank, exc, (text, tb) = failure
+            if pending:
+                self.shutdown(force=True)
+            if isinstance(exc, Exception):
+                exc.args = (text,) + tuple(exc.args[1:])
+                exc.rank = rank
+                raise exc
+            raise RankError(rank, f"{text}\n{tb}")
+        if pending:
+            ranks = sorted(pending)
+            self.shutdown(force=True)
+            raise RankError(ranks, f"TP rank(s) {ranks} gave no answer within {timeout_s:.0f}s; workers stopped")
+        return results
+
+    def shutdown(self, force: bool = False) -> None:
+        """Stop every worker; with ``force`` kill them at once (a rank may be stuck in a collective)."""
+        if not self.procs:
+            return
+        if not force:
+            for conn in self.conns:
+                try:
+                    conn.send(("_close", (), {}))
+                except OSError:
+                    pass
+        for p in self.procs:
+            p.join(timeout=0 if force else 10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class LocalExecutor:
+    """This process is one rank of a group launched by torchrun (``env://``); calls run in-process."""
+
+    def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, **_):
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp_size:
+            raise ValueError(f"tp_size={tp_size} but torchrun started WORLD_SIZE={world} processes")
+        init_tp(int(os.environ["RANK"]), world, None, timeout_s=timeout_s, device=device)
+        self.tp_size, self.closed, self.runner = tp_size, False, None
+
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+        if method == "_load":
+            from impl.model_runner import ModelRunner
+            self.runner = ModelRunner(*args, **kwargs)
+            return [None]
+        return [getattr(self.runner, method)(*args, **kwargs)]
+
+    def shutdown(self, force: bool = False) -> None:
+        if not self.closed:
+            close_tp()
+            self.closed = True

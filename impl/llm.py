@@ -1,0 +1,164 @@
+"""The public engine: ``impl.LLM``. It validates requests, schedules them (continuous batching over a
+paged KV cache), drives the TP workers step by step and samples on the driver."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from impl.block_manager import BlockManager
+from impl.config import load_config, parse_dtype
+from impl.executor import Executor, LocalExecutor
+from impl.sampler import sample
+from impl.sampling_params import SamplingParams
+from impl.scheduler import Scheduler
+from impl.sequence import Sequence
+
+
+class LLM:
+    """``with LLM(model_dir, tp_size=2) as llm: llm.logits([1, 2, 3])`` — closing it stops the workers.
+
+    ``num_kv_blocks`` defaults to what ``kv_cache_bytes`` (per rank) holds, capped at what ``max_num_seqs``
+    sequences of the model's maximum length could use."""
+
+    def __init__(self, model_dir: str | os.PathLike, tp_size: int = 1, dtype: str = "float32", block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                 kv_cache_bytes: int = 1 << 30, enable_prefix_caching: bool = True, device: str = "cpu",
+                 timeout_s: float = 300.0):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_kv_blocks is not None and num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        self.tp_size, self.block_size, self.device = tp_size, block_size, device
+        self.max_num_seqs, self.kv_cache_bytes = max_num_seqs, kv_cache_bytes
+        self.enable_prefix_caching, self._tokenizer = enable_prefix_caching, None
+        self._num_kv_blocks, self._max_batched = num_kv_blocks, max_num_batched_tokens
+        load_config(model_dir).check_tp(tp_size)  # refuse bad configs before any worker starts
+        under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+        self.executor = (LocalExecutor if under_torchrun else Executor)(tp_size, device=device, timeout_s=timeout_s)
+        try:
+            self.load(model_dir, dtype)
+        except BaseException:
+            self.close()
+            raise
+
+    def load(self, model_dir: str | os.PathLike, dtype: str | None = None) -> None:
+        """(Re)load the workers with a checkpoint, keeping the worker processes (no process start)."""
+        cfg = load_config(model_dir)
+        cfg.check_tp(self.tp_size)
+        self.model_dir, self.cfg, self._tokenizer = str(model_dir), cfg, None
+        self.dtype = parse_dtype(dtype) if dtype is not None else self.dtype
+        self.num_kv_blocks = self._num_kv_blocks or self._default_num_blocks(self.kv_cache_bytes, self.max_num_seqs)
+        self.max_num_batched_tokens = self._max_batched or max(8192, cfg.max_position)
+        self.executor.call("_load", self.model_dir, str(self.dtype).removeprefix("torch."), self.device)
+        self.executor.call("allocate_kv_cache", self.num_kv_blocks, self.block_size)
+        self._reset_scheduler()
+
+    def _default_num_blocks(self, budget: int, max_num_seqs: int) -> int:
+        c = self.cfg
+        local_kv = max(1, c.num_kv_heads // self.tp_size)
+        per_block = 2 * c.num_layers * self.block_size * local_kv * c.head_dim * self.dtype.itemsize
+        cap = max_num_seqs * -(-c.max_position // self.block_size)
+        return max(1, min(budget // per_block, cap))
+
+    def _reset_scheduler(self) -> None:
+        bm = BlockManager(self.num_kv_blocks, self.block_size, self.enable_prefix_caching)
+        self.scheduler = Scheduler(bm, self.max_num_seqs, self.max_num_batched_tokens, set(self.cfg.eos_token_ids))
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def _check_prompt(self, i: int, ids: list[int], extra: int = 0) -> None:
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocab [0, {self.cfg.vocab_size})")
+        if len(ids) + extra > self.cfg.max_position:
+            raise ValueError(f"prompt {i}: {len(ids)} tokens + {extra} new exceed the model's maximum of "
+                             f"{self.cfg.max_position} positions (max_position_embeddings)")
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            if not any((Path(self.model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                raise ValueError(f"{self.model_dir} has no tokenizer: pass token ids instead of text")
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    def _ids(self, prompts) -> list[list[int]]:
+        return [self.tokenizer().encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+
+    def logits(self, token_ids: list[int] | str) -> torch.Tensor:
+        """``[len, vocab]`` logits of one prompt (vocab = the checkpoint's real vocab size)."""
+        ids = self._ids([token_ids])[0]
+        self._check_prompt(0, ids)
+        return self.executor.call("logits", ids)[0]
+
+    def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[list[int]]:
+        """New token ids of each prompt, in order. Every request is checked before any work starts."""
+        ids = self._ids(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)
+        if len(plist) != len(ids):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts")
+        for i, (p, sp) in enumerate(zip(ids, plist)):
+            self._check_prompt(i, p, sp.max_tokens)
+        seqs = [Sequence(p, sp, self.block_size) for p, sp in zip(ids, plist)]
+        for s in seqs:
+            self.scheduler.check(s)
+        gens = {s.seq_id: (torch.Generator().manual_seed(s.params.seed) if s.params.seed is not None else None)
+                for s in seqs}
+        bar = _progress(sum(sp.max_tokens for sp in plist)) if progress else None
+        try:
+            for s in seqs:
+                self.scheduler.add(s)
+            while not self.scheduler.is_finished():
+                batch, is_prefill = self.scheduler.schedule()
+                inputs = [(s.token_ids[s.num_cached_tokens:], s.num_cached_tokens, s.block_table) if is_prefill
+                          else ([s.last_token], len(s) - 1, s.block_table) for s in batch]
+                logits = self.executor.call("step", inputs)[0]
+                tokens = sample(logits, [s.params for s in batch], [gens[s.seq_id] for s in batch])
+                self.scheduler.postprocess(batch, tokens.tolist())
+                if bar is not None:
+                    bar.update(len(batch))
+        except BaseException:
+            self._reset_scheduler()  # half-run sequences must not hold blocks for the next request
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [s.completion_token_ids for s in seqs]
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def kv_cache_shapes(self) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+        """Per rank, per layer: the (K, V) cache tensor shapes."""
+        return self.executor.call("kv_cache_shapes")
+
+    def call(self, target: str, *args, **kwargs) -> list:
+        """Run ``module:function(runner, ...)`` on every rank (hooks, faults, inspection)."""
+        return self.executor.call("call", target, *args, **kwargs)
+
+    def close(self) -> None:
+        ex = getattr(self, "executor", None)
+        if ex is not None:
+            ex.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="tok", desc="generate", leave=False)

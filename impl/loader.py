@@ -1,0 +1,111 @@
+"""Load-time sharding from safetensors: each rank reads only its own slices, never a full state dict.
+
+Checkpoint tensors are opened lazily (``safe_open(...).get_slice``) and handed to the target parameter's
+``weight_loader(param, loaded, shard_id)``, which narrows them to the rank's rows or columns; only that
+slice is read from disk. Separate HF tensors of a fused parameter (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj) are routed by the model's ``packed_modules_mapping``. A tensor the model has no place for,
+a parameter no tensor filled, or a shape mismatch is an error naming the tensor. Pickle files are refused."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from impl.layers.linear import ShapeMismatch, check_shape
+
+# Non-parameter buffers some older checkpoints carry; impl recomputes them from the config.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class LoadError(ValueError):
+    """A checkpoint that does not fit the model: the message names the tensor(s) at fault."""
+
+
+class LazySlice:
+    """A checkpoint tensor not yet read: ``.shape`` and ``.narrow(dim, start, length)`` read just a slice."""
+
+    def __init__(self, sl, dtype: torch.dtype):
+        self._sl, self._dtype = sl, dtype
+        self.shape = tuple(sl.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._sl[tuple(index)].to(self._dtype)
+
+
+def default_weight_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """Replicated parameter (norm weights): every rank reads the whole tensor."""
+    check_shape(loaded, param.shape)
+    param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, list[str]]:
+    """``{safetensors file: [tensor names]}`` from ``model.safetensors.index.json`` or a single file."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name, fname in json.loads(index.read_text())["weight_map"].items():
+            by_file[str(d / fname)].append(name)
+        for f in by_file:
+            if not Path(f).is_file():
+                raise LoadError(f"{index} lists {Path(f).name}, which does not exist")
+        return dict(by_file)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+        hint = f" (found {pickles}: pickle checkpoints are refused; convert to safetensors)" if pickles else ""
+        raise LoadError(f"{model_dir}: no *.safetensors weights{hint}")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            out[str(f)] = list(h.keys())
+    return out
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[str, object]]:
+    """Every checkpoint tensor name the model needs -> (its parameter name, shard id)."""
+    out = {}
+    for pname, _ in model.named_parameters():  # a tied lm_head shares the embedding's parameter: listed once
+        packed = [(hf, fused, sid) for hf, (fused, sid) in model.packed_modules_mapping.items()
+                  if f".{fused}." in f".{pname}"]
+        for hf, fused, sid in packed:
+            out[pname.replace(fused, hf)] = (pname, sid)
+        if not packed:
+            out[pname] = (pname, None)
+    return out
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) -> None:
+    params = dict(model.named_parameters())
+    wanted = expected_tensors(model)
+    tied = getattr(model.cfg, "tie_word_embeddings", False)
+    seen: set[str] = set()
+    for fname, names in checkpoint_files(model_dir).items():
+        with safe_open(fname, framework="pt") as f:
+            for name in names:
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if tied and name == "lm_head.weight":
+                    continue  # some tied checkpoints also store the (identical) head; the embedding is used
+                if name not in wanted:
+                    raise LoadError(f"unexpected tensor {name!r} in {Path(fname).name}: "
+                                    f"the Qwen2 model has no parameter for it")
+                pname, sid = wanted[name]
+                param = params[pname]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, LazySlice(f.get_slice(name), dtype), sid)
+                except ShapeMismatch as e:
+                    raise LoadError(f"tensor {name!r} in {Path(fname).name}: {e} (parameter {pname}"
+                                    f"{'' if sid is None else f', shard {sid!r}'}, local shape {list(param.shape)})") from None
+                seen.add(name)
+    missing = sorted(set(wanted) - seen)
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise LoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {missing[:8]}{more}")

@@ -1,0 +1,88 @@
+"""What one TP rank runs: builds its shard of the model, owns its KV cache, executes forward passes.
+
+The driver calls the same method on every rank with the same arguments; ranks meet only inside the
+model's collectives. Logits come back from rank 0 (the other ranks return None)."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from impl.config import load_config, parse_dtype
+from impl.context import Context, set_context
+from impl.distributed import get_tp_rank, get_tp_size
+from impl.layers.attention import Attention
+from impl.loader import load_weights
+from impl.models.qwen2 import Qwen2ForCausalLM
+
+# (new token ids, position of the first of them, block table) for one sequence in a step
+SeqInput = tuple[list[int], int, list[int]]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu"):
+        self.rank, self.tp_size = get_tp_rank(), get_tp_size()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+        self.cfg = load_config(model_dir)
+        self.cfg.check_tp(self.tp_size)
+        self.dtype, self.device = parse_dtype(dtype), torch.device(device)
+        self.model = Qwen2ForCausalLM(self.cfg, self.dtype).to(self.device)
+        load_weights(self.model, model_dir, self.dtype)
+        self.block_size = 0
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Per layer ``k_cache, v_cache: [num_blocks, block_size, local kv heads, head_dim]``."""
+        self.block_size = block_size
+        for attn in self.attention_layers():
+            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def kv_cache_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [(tuple(a.k_cache.shape), tuple(a.v_cache.shape)) for a in self.attention_layers()]
+
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int]) -> torch.Tensor | None:
+        """``[len, vocab]`` logits of one prompt, no KV cache involved."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        set_context(Context([len(token_ids)], [len(token_ids)]))
+        try:
+            hidden = self.model(ids, torch.arange(len(token_ids), device=self.device))
+            return self.model.compute_logits(hidden)
+        finally:
+            set_context(None)
+
+    @torch.inference_mode()
+    def step(self, batch: list[SeqInput]) -> torch.Tensor | None:
+        """One forward over a ragged batch through the paged KV cache; ``[B, vocab]`` logits of each
+        sequence's last token on rank 0. Slot of position p: ``table[p // bs] * bs + p % bs``."""
+        ids, pos, slots, lens_q, lens_k = [], [], [], [], []
+        for tokens, start, table in batch:
+            n = len(tokens)
+            ids += tokens
+            pos += range(start, start + n)
+            slots += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + n)]
+            lens_q.append(n)
+            lens_k.append(start + n)
+        tables = None
+        if any(start > 0 for _, start, _ in batch):  # keys come (partly) from the cache
+            width = max(len(t) for _, _, t in batch)
+            tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in batch], dtype=torch.long, device=self.device)
+        dev = self.device
+        set_context(Context(lens_q, lens_k, torch.tensor(slots, dtype=torch.long, device=dev), tables))
+        try:
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, device=dev))
+            last = torch.tensor(lens_q, device=dev).cumsum(0) - 1
+            return self.model.compute_logits(hidden[last])
+        finally:
+            set_context(None)
+
+    def call(self, target: str, *args, **kwargs):
+        """Run ``module:function(runner, *args, **kwargs)`` inside this rank: the seam through which a
+        harness installs hooks or faults without impl knowing about it."""
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)(self, *args, **kwargs)

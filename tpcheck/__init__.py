@@ -1,0 +1,1 @@
+"""tpcheck: a differential correctness harness for tensor-parallel LLM inference."""

@@ -1,0 +1,238 @@
+"""Synthetic Hugging Face Qwen2 checkpoints: random weights in the real HF layout.
+
+These are the test inputs for the whole project.  ``transformers`` loads them with
+``Qwen2ForCausalLM.from_pretrained(dir)`` with no missing or unexpected keys, and every
+tensor is distinguishable: q/k/v biases are clearly non-zero, every norm weight is well
+away from 1 (and from 0), gate and up are drawn independently, and an untied lm_head is
+independent of the embedding.  Loading any tensor wrongly (transposed, swapped with a
+sibling, skipped, left at its default) changes the model output.
+
+Presets (head_dim = hidden / heads = 8 or 16 for the tiny ones):
+
+* ``tiny``        8 heads / 2 KV heads: KV heads are replicated at tp 4.  vocab 250 is
+                  not divisible by 4 (and not a multiple of 64): vocab padding.  Tied.
+* ``tiny-untied`` like tiny, 3 layers, odd vocab 301 (padding at tp 2 and 4), untied
+                  lm_head, rope_theta 1e6.
+* ``tiny-mha``    4 heads / 4 KV heads (plain MHA, no replication), vocab 256 divides
+                  evenly, untied.
+* ``tiny-mqa``    4 heads / 1 KV head: KV replicated at tp 2 and 4; odd vocab 203; tied.
+* ``small``       a slightly larger GQA model (4 layers, replication at tp 4), untied.
+* ``qwen2.5-0.5b`` the real Qwen2.5-0.5B shape (14 heads / 2 KV heads, so tp 1 or 2;
+                  tied; ~2 GB in float32) with random weights, for scale tests.
+
+Value recipe (float32 ``torch.Generator`` seeded with ``seed``, then cast to ``dtype``;
+tensors are drawn in one fixed order, so output is bit-for-bit deterministic for
+(preset, seed, dtype) and independent of ``shards``): linear weights N(0, 1/fan_in),
+embeddings N(0, 1), biases N(0, 0.5**2), norm weights ``1 + s*u`` with u ~ U(0.2, 0.6)
+and a random sign s.  Activations stay O(1)-O(10) through many layers, finite in fp16.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+_TINY = dict(max_position_embeddings=1024, rms_norm_eps=1e-6, use_sliding_window=False,
+             bos_token_id=1, eos_token_id=2)
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(_TINY, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                 intermediate_size=96, num_hidden_layers=2, vocab_size=250,
+                 tie_word_embeddings=True, rope_theta=10000.0),
+    "tiny-untied": dict(_TINY, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                        intermediate_size=96, num_hidden_layers=3, vocab_size=301,
+                        tie_word_embeddings=False, rope_theta=1000000.0),
+    "tiny-mha": dict(_TINY, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+                     tie_word_embeddings=False, rope_theta=10000.0),
+    "tiny-mqa": dict(_TINY, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                     intermediate_size=80, num_hidden_layers=2, vocab_size=203,
+                     tie_word_embeddings=True, rope_theta=500000.0),
+    "small": dict(_TINY, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=352, num_hidden_layers=4, vocab_size=1000,
+                  tie_word_embeddings=False, rope_theta=1000000.0,
+                  max_position_embeddings=2048),
+    "qwen2.5-0.5b": dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, num_hidden_layers=24, vocab_size=151936,
+                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         max_position_embeddings=32768, bos_token_id=151643,
+                         eos_token_id=151645, use_sliding_window=False),
+}
+
+
+def preset_names() -> list[str]:
+    """Names of the available presets, in definition order."""
+    return list(PRESETS)
+
+
+def _check_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _check_preset(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def preset_config(name: str, dtype: str = "float32") -> "transformers.Qwen2Config":  # noqa: F821
+    """The ``Qwen2Config`` of preset ``name`` with ``dtype`` recorded in it.
+
+    Raises ValueError for an unknown preset (listing the valid names) or dtype.
+    Note: transformers 5.x stores ``rope_theta`` inside ``config.rope_parameters``.
+    """
+    from transformers import Qwen2Config
+
+    kwargs = _check_preset(name)
+    _check_dtype(dtype)
+    return Qwen2Config(**kwargs, dtype=dtype, architectures=["Qwen2ForCausalLM"])
+
+
+def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor, in the fixed generation order."""
+    h, v, inter = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    d = h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    specs = [("model.embed_tokens.weight", (v, h), "embed")]
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        specs += [
+            (a + "q_proj.weight", (q, h), "linear"), (a + "q_proj.bias", (q,), "bias"),
+            (a + "k_proj.weight", (kv, h), "linear"), (a + "k_proj.bias", (kv,), "bias"),
+            (a + "v_proj.weight", (kv, h), "linear"), (a + "v_proj.bias", (kv,), "bias"),
+            (a + "o_proj.weight", (h, q), "linear"),
+            (m + "gate_proj.weight", (inter, h), "linear"),
+            (m + "up_proj.weight", (inter, h), "linear"),
+            (m + "down_proj.weight", (h, inter), "linear"),
+            (f"model.layers.{i}.input_layernorm.weight", (h,), "norm"),
+            (f"model.layers.{i}.post_attention_layernorm.weight", (h,), "norm"),
+        ]
+    specs.append(("model.norm.weight", (h,), "norm"))
+    if not cfg.tie_word_embeddings:
+        specs.append(("lm_head.weight", (v, h), "linear"))
+    return specs
+
+
+def _draw(shape: tuple[int, ...], kind: str, gen: torch.Generator) -> torch.Tensor:
+    """One float32 tensor following the value recipe in the module docstring."""
+    if kind == "embed":
+        return torch.randn(shape, generator=gen)
+    if kind == "linear":
+        return torch.randn(shape, generator=gen).mul_(shape[1] ** -0.5)
+    if kind == "bias":
+        return torch.randn(shape, generator=gen).mul_(0.5)
+    u = torch.rand(shape, generator=gen).mul_(0.4).add_(0.2)
+    sign = torch.randint(0, 2, shape, generator=gen).mul_(2).sub_(1)
+    return u.mul_(sign).add_(1.0)
+
+
+def _split(sizes: list[int], shards: int) -> list[int]:
+    """Shard index of each tensor: contiguous groups of roughly equal byte size."""
+    total, acc, out = sum(sizes), 0, []
+    for i, n in enumerate(sizes):
+        # Never leave fewer tensors than remaining shards, never skip a shard.
+        s = min(acc * shards // total, shards - 1)
+        s = max(s, shards - (len(sizes) - i))
+        if out:
+            s = min(max(s, out[-1]), out[-1] + 1)
+        out.append(s)
+        acc += n
+    return out
+
+
+def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
+                    dtype: str = "float32", shards: int = 1) -> pathlib.Path:
+    """Write a random-weight HF Qwen2 checkpoint for ``preset`` into directory ``out``.
+
+    ``out`` may be missing or empty; non-empty raises FileExistsError.  Files are written
+    into a temporary sibling directory that is renamed into place at the end; if another
+    process created ``out`` meanwhile, its checkpoint is kept and ours discarded.
+    ``shards > 1`` writes ``model-0000i-of-0000N.safetensors`` plus an index json.
+    Returns ``out`` as a Path.
+    """
+    cfg = preset_config(preset, dtype)
+    tdtype = _check_dtype(dtype)
+    specs = _tensor_specs(cfg)
+    if not isinstance(shards, int) or not 1 <= shards <= len(specs):
+        raise ValueError(f"shards must be an int in [1, {len(specs)}], got {shards!r}")
+    out = pathlib.Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"checkpoint destination exists and is not empty: {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        cfg.save_pretrained(tmp)
+        itemsize = torch.empty((), dtype=tdtype).element_size()
+        sizes = [itemsize * torch.Size(shape).numel() for _, shape, _ in specs]
+        owner = _split(sizes, shards)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        weight_map: dict[str, str] = {}
+        for s in range(shards):
+            fname = ("model.safetensors" if shards == 1
+                     else f"model-{s + 1:05d}-of-{shards:05d}.safetensors")
+            tensors = {}
+            for (name, shape, kind), o in zip(specs, owner):
+                if o == s:  # shards are contiguous, so the draw order is always `specs`
+                    tensors[name] = _draw(shape, kind, gen).to(tdtype)
+                    weight_map[name] = fname
+            save_file(tensors, tmp / fname, metadata={"format": "pt"})
+            del tensors
+        if shards > 1:
+            index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)  # safetensors creates its files 0600
+        try:
+            os.replace(tmp, out)  # POSIX: succeeds onto a missing or empty directory
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not out.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # lost a race: keep the winner's
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def default_cache_root() -> pathlib.Path:
+    """``$TPCHECK_CACHE`` or ``~/.cache/tpcheck/checkpoints``."""
+    env = os.environ.get("TPCHECK_CACHE")
+    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "tpcheck" / "checkpoints"
+
+
+def cached_checkpoint(preset: str, seed: int = 0, dtype: str = "float32",
+                      root: str | os.PathLike | None = None) -> pathlib.Path:
+    """Path of the checkpoint ``root/<preset>-s<seed>-<dtype>``, created when missing.
+
+    Safe under concurrent callers (pytest-xdist): creation is an atomic rename, so a
+    directory that has a ``config.json`` is complete.
+    """
+    _check_preset(preset)
+    _check_dtype(dtype)
+    path = pathlib.Path(root) if root is not None else default_cache_root()
+    path = path / f"{preset}-s{seed}-{dtype}"
+    if (path / "config.json").is_file():
+        return path
+    try:
+        return make_checkpoint(preset, path, seed=seed, dtype=dtype)
+    except FileExistsError:
+        if (path / "config.json").is_file():  # another process finished first
+            return path
+        raise
