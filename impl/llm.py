@@ -26,27 +26,32 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  kv_cache_bytes: int = 1 << 30, enable_prefix_caching: bool = True, device: str = "cpu",
                  timeout_s: float = 300.0):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_kv_blocks is not None and num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
-        self.tp_size, self.block_size, self.device = tp_size, block_size, device
+        self.tp_size, self.device = tp_size, device
         self.max_num_seqs, self.kv_cache_bytes = max_num_seqs, kv_cache_bytes
         self.enable_prefix_caching, self._tokenizer = enable_prefix_caching, None
-        self._num_kv_blocks, self._max_batched = num_kv_blocks, max_num_batched_tokens
+        self._num_kv_blocks, self._max_batched = None, max_num_batched_tokens
         load_config(model_dir).check_tp(tp_size)  # refuse bad configs before any worker starts
         under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         self.executor = (LocalExecutor if under_torchrun else Executor)(tp_size, device=device, timeout_s=timeout_s)
         try:
-            self.load(model_dir, dtype)
+            self.load(model_dir, dtype, block_size, num_kv_blocks)
         except BaseException:
             self.close()
             raise
 
-    def load(self, model_dir: str | os.PathLike, dtype: str | None = None) -> None:
-        """(Re)load the workers with a checkpoint, keeping the worker processes (no process start)."""
+    def load(self, model_dir: str | os.PathLike, dtype: str | None = None, block_size: int | None = None,
+             num_kv_blocks: int | None = None) -> None:
+        """(Re)load the workers with a checkpoint and cache layout, keeping the worker processes.
+        ``dtype`` / ``block_size`` None keep the current ones; ``num_kv_blocks`` None sizes the cache."""
         cfg = load_config(model_dir)
         cfg.check_tp(self.tp_size)
+        if block_size is not None:
+            if block_size < 1:
+                raise ValueError(f"block_size must be >= 1, got {block_size}")
+            self.block_size = block_size
+        if num_kv_blocks is not None and num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        self._num_kv_blocks = num_kv_blocks  # None: sized from kv_cache_bytes
         self.model_dir, self.cfg, self._tokenizer = str(model_dir), cfg, None
         self.dtype = parse_dtype(dtype) if dtype is not None else self.dtype
         self.num_kv_blocks = self._num_kv_blocks or self._default_num_blocks(self.kv_cache_bytes, self.max_num_seqs)

@@ -1,0 +1,110 @@
+"""TP workers: a rank that dies, hangs or fails is named, and no worker outlives the group."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from impl import LLM
+from impl.executor import RankError
+from impl.loader import LoadError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, seconds=10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_dead_rank_is_named_and_group_torn_down(ckpt):
+    llm = LLM(ckpt("tiny"), tp_size=2)
+    pids = llm.call("worker_fns:pid")
+    with pytest.raises(RankError, match="rank 1 died") as e:
+        llm.call("worker_fns:exit_on_rank", 1)
+    assert e.value.rank == 1
+    assert _wait_gone(pids) == []
+    with pytest.raises(RuntimeError, match="stopped"):
+        llm.logits([1, 2])
+
+
+def test_hung_rank_is_named_within_deadline(ckpt):
+    llm = LLM(ckpt("tiny"), tp_size=2, timeout_s=3)
+    pids = llm.call("worker_fns:pid")
+    t = time.monotonic()
+    with pytest.raises(RankError, match=r"\[1\] gave no answer") as e:
+        llm.call("worker_fns:sleep_on_rank", 1, 120)
+    assert time.monotonic() - t < 15
+    assert e.value.rank == [1]
+    assert _wait_gone(pids) == []
+
+
+def test_error_on_one_rank_keeps_engine_usable(ckpt):
+    with LLM(ckpt("tiny"), tp_size=2) as llm:
+        with pytest.raises(ValueError, match="rank 1: ValueError: boom on rank 1"):
+            llm.call("worker_fns:raise_on_rank", 1)
+        assert llm.logits([1, 2, 3]).shape == (3, 250)
+
+
+def test_failure_while_peer_waits_in_collective(ckpt):
+    llm = LLM(ckpt("tiny"), tp_size=2)
+    pids = llm.call("worker_fns:pid")
+    with pytest.raises(ValueError, match="rank 1: .*before the all-reduce"):
+        llm.call("worker_fns:fail_then_collective", 1)
+    assert llm.executor.closed  # rank 0 was stuck in the all-reduce: the group was stopped
+    assert _wait_gone(pids) == []
+
+
+def test_load_error_names_tensor_and_leaves_no_workers(ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+    src = ckpt("tiny")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    before = set(_children())
+    with pytest.raises(LoadError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        LLM(tmp_path, tp_size=2)
+    assert _wait_gone(set(_children()) - before) == []
+
+
+def _children() -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_workers_die_with_killed_driver(ckpt, tmp_path):
+    """SIGKILL the driver: its ranks must not be left orphaned (PR_SET_PDEATHSIG)."""
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from impl import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(ckpt("tiny"))!r}, tp_size=2)
+            print(*llm.call("worker_fns:pid"), flush=True)
+            time.sleep(600)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _wait_gone(pids) == []
+    finally:
+        proc.kill()

@@ -1,0 +1,41 @@
+"""Persistent TP engines: one ``impl.LLM`` per TP size, reused across checks and test examples.
+
+Starting a rank costs a process spawn and a torch import (~1.3 s each); loading a tiny checkpoint costs
+milliseconds. The pool keeps the workers and reloads weights only when the checkpoint or cache layout
+changes."""
+from __future__ import annotations
+
+import os
+
+from impl import LLM
+
+
+class EnginePool:
+    def __init__(self, **llm_kwargs):
+        self.llm_kwargs = llm_kwargs
+        self._engines: dict[int, LLM] = {}
+        self._loaded: dict[int, tuple] = {}
+
+    def get(self, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
+            num_kv_blocks: int | None = None) -> LLM:
+        key = (str(model_dir), dtype, block_size, num_kv_blocks)
+        llm = self._engines.get(tp)
+        if llm is not None and llm.executor.closed:  # torn down after a rank failure: start afresh
+            del self._engines[tp]
+            self._loaded.pop(tp, None)
+            llm = None
+        if llm is None:
+            llm = LLM(model_dir, tp_size=tp, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                      **self.llm_kwargs)
+            self._engines[tp] = llm
+        elif self._loaded.get(tp) != key:
+            self._loaded.pop(tp, None)
+            llm.load(model_dir, dtype, block_size, num_kv_blocks)
+        self._loaded[tp] = key
+        return llm
+
+    def close(self) -> None:
+        for llm in self._engines.values():
+            llm.close()
+        self._engines.clear()
+        self._loaded.clear()
