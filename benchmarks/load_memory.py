@@ -216,7 +216,7 @@ def measure(model_dir: Path, tp: int, dtype: str, interval_s: float, kv_blocks: 
         base = {p: read_status(p) for p in pids}
         hwm_reset = all(reset_hwm(p) for p in pids)
         log(f"tp={tp}: workers up in {time.perf_counter() - t0:.1f}s (pids {pids}); "
-            f"baseline RSS {', '.join(f'{base[p]['VmRSS'] / MiB:.0f}' for p in pids)} MiB; loading ...")
+            f"baseline RSS {', '.join(format(base[p]['VmRSS'] / MiB, '.0f') for p in pids)} MiB; loading ...")
         sampler = Sampler(pids, interval_s)
         sampler.start()
         t1 = time.perf_counter()

@@ -394,7 +394,8 @@ def paged_setup(lens, block_size, seed):
 
 
 def slots_of(tables, block_size, seq, positions):
-    return torch.tensor([int(tables[seq, p // block_size]) * block_size + p % block_size for p in positions])
+    return torch.tensor([int(tables[seq, p // block_size]) * block_size + p % block_size for p in positions],
+                        dtype=torch.long)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

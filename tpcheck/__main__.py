@@ -1,0 +1,3 @@
+from tpcheck.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,115 @@
+"""``tpcheck`` command line. Exit codes: 0 every check passed, 1 a check failed, 2 bad usage or input.
+
+With no arguments it runs ``tpcheck check`` on the embedded ``tiny`` synthetic checkpoint at tp 1, 2, 4."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from tpcheck import checkpoints
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tpcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+
+    mk = sub.add_parser("make-checkpoint", help="write a synthetic Hugging Face Qwen2 checkpoint")
+    mk.add_argument("--preset", required=True, choices=checkpoints.preset_names())
+    mk.add_argument("--out", required=True, type=Path)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--dtype", default="float32", choices=sorted(checkpoints.DTYPES))
+    mk.add_argument("--shards", type=int, default=1, help="number of safetensors files (>1 writes an index)")
+
+    sub.add_parser("presets", help="list the synthetic checkpoint presets")
+
+    ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
+    src = ck.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="a Hugging Face Qwen2 checkpoint directory")
+    src.add_argument("--preset", default="tiny", choices=checkpoints.preset_names(),
+                     help="synthetic checkpoint used when --model is not given (default: tiny)")
+    ck.add_argument("--tp", type=_ints, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
+    ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ck.add_argument("--prompt-ids", type=_ints, action="append", help="a prompt as token ids (repeatable)")
+    ck.add_argument("--seq-len", type=int, default=64)
+    ck.add_argument("--batch", type=int, default=2)
+    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--json", type=Path, help="write the table as JSON")
+    return ap
+
+
+def _cmd_check(a) -> int:
+    from impl.config import ConfigError, load_config
+    from tpcheck.check import check_logits, random_prompts
+    model = a.model
+    if model is None:
+        model = checkpoints.cached_checkpoint(a.preset, seed=0, dtype="float32",
+                                              root=Path(tempfile.gettempdir()) / "tpcheck-checkpoints")
+    cfg = load_config(model)
+    if a.tp is None:
+        tps = [t for t in (1, 2, 4) if _tp_ok(cfg, t)]
+    else:
+        tps = a.tp
+        for t in tps:
+            cfg.check_tp(t)
+    prompts = a.prompt_ids or random_prompts(cfg.vocab_size, a.batch, a.seq_len, a.seed)
+    for i, p in enumerate(prompts):
+        if not p or not all(0 <= t < cfg.vocab_size for t in p):
+            raise ConfigError(f"prompt {i}: empty or a token id outside the vocab [0, {cfg.vocab_size})")
+    df = check_logits(model, tps, a.dtype, prompts)
+    print(f"model: {model}\n")
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    ok = bool(df["passed"].all())
+    worst = df.loc[(df["rel_err"] / df["ref_rel_err"].clip(lower=1e-30)).idxmax()]
+    print(f"\n{'PASS' if ok else 'FAIL'}: worst tp={worst.tp} prompt {worst.prompt}: rel_err {worst.rel_err:.3g} vs "
+          f"HF {a.dtype} {worst.ref_rel_err:.3g}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"passed": ok, "model": str(model), "rows": df.to_dict("records")}, indent=1))
+    return 0 if ok else 1
+
+
+def _tp_ok(cfg, tp: int) -> bool:
+    try:
+        cfg.check_tp(tp)
+        return True
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = _parser().parse_args(argv or ["check"])
+    from impl.config import ConfigError
+    from impl.loader import LoadError
+    try:
+        if a.cmd == "make-checkpoint":
+            print(checkpoints.make_checkpoint(a.preset, a.out, seed=a.seed, dtype=a.dtype, shards=a.shards))
+            return 0
+        if a.cmd == "presets":
+            for name in checkpoints.preset_names():
+                c = checkpoints.PRESETS[name]
+                print(f"{name:14s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
+                      f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
+                      f"{'tied' if c.get('tie_word_embeddings') else 'untied'}")
+            return 0
+        if a.cmd == "check":
+            return _cmd_check(a)
+    except (ConfigError, LoadError, FileExistsError, ValueError) as e:
+        print(f"tpcheck: error: {e}", file=sys.stderr)
+        return 2
+    _parser().print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
