@@ -60,6 +60,10 @@ class LLM:
         self.executor.call("allocate_kv_cache", self.num_kv_blocks, self.block_size)
         self._reset_scheduler()
 
+    def reload(self) -> None:
+        """Reload the current checkpoint and cache layout (undoes anything done to the ranks' models)."""
+        self.load(self.model_dir, None, self.block_size, self._num_kv_blocks)
+
     def _default_num_blocks(self, budget: int, max_num_seqs: int) -> int:
         c = self.cfg
         local_kv = max(1, c.num_kv_heads // self.tp_size)

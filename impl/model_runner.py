@@ -57,9 +57,10 @@ class ModelRunner:
             set_context(None)
 
     @torch.inference_mode()
-    def step(self, batch: list[SeqInput]) -> torch.Tensor | None:
+    def step(self, batch: list[SeqInput], all_logits: bool = False) -> torch.Tensor | None:
         """One forward over a ragged batch through the paged KV cache; ``[B, vocab]`` logits of each
-        sequence's last token on rank 0. Slot of position p: ``table[p // bs] * bs + p % bs``."""
+        sequence's last token (``[T, vocab]`` of every token with ``all_logits``) on rank 0.
+        Slot of position p: ``table[p // bs] * bs + p % bs``."""
         ids, pos, slots, lens_q, lens_k = [], [], [], [], []
         for tokens, start, table in batch:
             n = len(tokens)
@@ -76,8 +77,9 @@ class ModelRunner:
         set_context(Context(lens_q, lens_k, torch.tensor(slots, dtype=torch.long, device=dev), tables))
         try:
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, device=dev))
-            last = torch.tensor(lens_q, device=dev).cumsum(0) - 1
-            return self.model.compute_logits(hidden[last])
+            if not all_logits:
+                hidden = hidden[torch.tensor(lens_q, device=dev).cumsum(0) - 1]
+            return self.model.compute_logits(hidden)
         finally:
             set_context(None)
 

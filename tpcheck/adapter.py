@@ -1,0 +1,65 @@
+"""How tpcheck reaches an engine under test: a small protocol, and the built-in adapter for impl.
+
+An adapter runs the engine's TP ranks on a checkpoint and, for each step, returns its hook points as
+``{name: (placement, [rank 0 tensor, rank 1 tensor, ...])}`` with canonical names (``tpcheck.points``),
+``[rows, features]`` tensors and ``impl.placements`` placements (a rank that does not hold a point gives
+None). Points an engine does not report are simply not compared. See ``docs/adapters.md``."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+Points = dict[str, tuple[object, list[torch.Tensor | None]]]
+
+
+class EngineAdapter(Protocol):
+    def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
+        """Start fresh sequences (one per prompt) with room for ``decode_steps`` more tokens each."""
+
+    def step(self, new_tokens: list[list[int]], teacher: dict[int, torch.Tensor] | None,
+             capture_kv: bool) -> Points:
+        """Feed each sequence its new tokens (the whole prompt first, then one token per decode step).
+        ``teacher`` (isolate mode): ``{layer i: input of decoder layer i, num_layers: input of the final
+        norm}``, full ``[rows, hidden]`` tensors the engine should use in place of its own."""
+
+    def close(self) -> None:
+        """Release what ``begin`` took; leave the engine reusable."""
+
+
+class ImplAdapter:
+    """impl through ``impl.LLM.call``: hooks live in ``tpcheck.impl_worker`` inside each rank. Faults
+    (``tpcheck.faults``) are applied after loading and undone at ``close`` by reloading the weights."""
+
+    def __init__(self, llm, inject: list[str] = (), inject_layer: int | None = None, block_size: int = 16):
+        self.llm, self.block_size = llm, block_size
+        self.inject, self.inject_layer = list(inject), inject_layer
+        self.tables: list[list[int]] = []
+        self.lens: list[int] = []
+        if self.inject:
+            llm.call("tpcheck.faults:apply", self.inject, inject_layer)
+
+    def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
+        bs, self.tables, nxt = self.block_size, [], 0
+        for p in prompts:
+            n = -(-(len(p) + decode_steps) // bs)
+            self.tables.append(list(range(nxt, nxt + n)))
+            nxt += n
+        self.lens = [0] * len(prompts)
+        self.llm.call("tpcheck.impl_worker:setup", nxt, bs)
+
+    def step(self, new_tokens, teacher, capture_kv) -> Points:
+        batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]
+        self.lens = [n + len(t) for n, t in zip(self.lens, new_tokens)]
+        per_rank = self.llm.call("tpcheck.impl_worker:step", batch, teacher, self.lens if capture_kv else None)
+        points: Points = {}
+        for rank, pts in enumerate(per_rank):
+            for name, (placement, t) in pts.items():
+                points.setdefault(name, (placement, [None] * len(per_rank)))[1][rank] = t
+        return points
+
+    def close(self) -> None:
+        if self.inject:
+            self.llm.reload()  # undo the faults: fresh weights and module code
+        else:  # give the engine back its own cache layout
+            self.llm.executor.call("allocate_kv_cache", self.llm.num_kv_blocks, self.llm.block_size)

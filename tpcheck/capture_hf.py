@@ -1,0 +1,116 @@
+"""Capture the canonical points of Hugging Face ``Qwen2ForCausalLM`` (the golden run and the noise floor).
+
+Forward hooks and pre-hooks on HF's own modules, plus one custom attention function registered through
+transformers' attention interface (to see the post-RoPE query/key): no fork of HF code. Each prompt runs
+as a batch of one, so no padding reaches the comparison. ``teacher`` (isolate mode) replaces each decoder
+layer's input and the final norm's input with given tensors."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ATTN_NAME = "tpcheck_sdpa"
+_STATE: dict = {}
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    sink = _STATE.get("sink")
+    if sink is not None:
+        i, n = module.layer_idx, query.shape[2]
+        sink(f"layers.{i}.attn.q_rope", query[0].transpose(0, 1).reshape(n, -1))
+        sink(f"layers.{i}.attn.k_rope", key[0, :, -n:].transpose(0, 1).reshape(n, -1))
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_NAME, _attention)
+    try:  # transformers >= 4.53 builds masks per attention implementation
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    except ImportError:
+        pass
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """HF ``[1, n, ...]`` -> ``[n, features]``."""
+    t = t[0] if isinstance(t, tuple) else t
+    return t[0].reshape(t.shape[1], -1)
+
+
+class HFCapture:
+    """Hooks installed once on a model; ``sink(name, tensor)`` receives every point of a forward."""
+
+    def __init__(self, model: nn.Module):
+        _register()
+        model.config._attn_implementation = ATTN_NAME
+        self.model, self.sink, self.teacher = model, None, None
+        self.num_layers = model.config.num_hidden_layers
+        m = model.model
+        out = lambda name: (lambda mod, args, output: self._emit(name, _rows(output)))  # noqa: E731
+        pre = lambda name: (lambda mod, args: self._emit(name, _rows(args[0])))  # noqa: E731
+        m.embed_tokens.register_forward_hook(out("embed"))
+        for i, layer in enumerate(m.layers):
+            p, a, mlp = f"layers.{i}.", layer.self_attn, layer.mlp
+            layer.register_forward_pre_hook(self._teach(i), with_kwargs=True)
+            layer.input_layernorm.register_forward_hook(out(p + "input_norm"))
+            for proj, name in ((a.q_proj, "attn.q"), (a.k_proj, "attn.k"), (a.v_proj, "attn.v")):
+                proj.register_forward_hook(out(p + name))
+            a.o_proj.register_forward_pre_hook(pre(p + "attn.context"))
+            a.o_proj.register_forward_hook(out(p + "attn.out"))
+            layer.post_attention_layernorm.register_forward_pre_hook(pre(p + "attn.residual"))
+            layer.post_attention_layernorm.register_forward_hook(out(p + "post_attn_norm"))
+            mlp.gate_proj.register_forward_hook(out(p + "mlp.gate"))
+            mlp.up_proj.register_forward_hook(out(p + "mlp.up"))
+            mlp.down_proj.register_forward_pre_hook(pre(p + "mlp.act"))
+            mlp.down_proj.register_forward_hook(out(p + "mlp.out"))
+            layer.register_forward_hook(out(p + "out"))
+        m.norm.register_forward_pre_hook(self._teach(self.num_layers), with_kwargs=True)
+        m.norm.register_forward_hook(out("final_norm"))
+        model.lm_head.register_forward_hook(out("logits"))
+
+    def _emit(self, name: str, t: torch.Tensor) -> None:
+        if self.sink is not None:
+            self.sink(name, t.detach())
+
+    def _teach(self, i: int):
+        def hook(mod, args, kwargs):
+            if self.teacher is None:
+                return None
+            x = self.teacher[i].to(self.model.dtype)[None]
+            if args:
+                return (x, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x}
+        return hook
+
+    @torch.no_grad()
+    def run(self, input_ids: list[int], cache, start: int, sink, teacher: dict | None = None) -> None:
+        """One forward of one prompt's new tokens at positions ``start..``, feeding ``cache``."""
+        self.sink, self.teacher = sink, teacher
+        _STATE["sink"] = self._emit
+        try:
+            ids = torch.tensor([input_ids])
+            pos = torch.arange(start, start + len(input_ids))[None]
+            self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        finally:
+            self.sink = self.teacher = None
+            _STATE["sink"] = None
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x
+        return DynamicCache()
+
+
+def cache_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[positions, kv_heads * head_dim]`` keys and values of one layer of a DynamicCache."""
+    if hasattr(cache, "layers"):  # transformers 5.x
+        k, v = cache.layers[layer].keys, cache.layers[layer].values
+    else:
+        k, v = cache.key_cache[layer], cache.value_cache[layer]
+    flat = lambda t: t[0].transpose(0, 1).reshape(t.shape[2], -1)  # noqa: E731
+    return flat(k), flat(v)

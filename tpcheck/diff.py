@@ -1,0 +1,206 @@
+"""``tpcheck.diff``: the engine against a float64 golden run, point by point, step by step.
+
+Per step: HF float64 (golden) runs and its points are kept for that step only; HF at the test dtype (the
+noise floor) and the engine run next and each of their points is compared as it is unsharded, then
+dropped. Decode tokens are the golden run's greedy choices, so all three models see the same inputs.
+``isolate`` adds a teacher-forced pass: every layer of the engine and of the noise-floor model gets the
+golden input of that layer, so each row shows the layer's local error apart from what it inherited."""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+
+import torch
+
+from impl.config import load_config, parse_dtype
+from tpcheck.capture_hf import HFCapture, cache_kv, new_cache
+from tpcheck.metrics import compare
+from tpcheck.points import point_names, split_point
+from tpcheck.result import DiffResult, Tolerances
+from tpcheck.unshard import unshard
+
+_HF: dict = {}
+
+
+def hf_capture(model_dir: str, dtype: str) -> HFCapture:
+    """HF model with capture hooks, cached per (checkpoint, dtype) in this process (at most 4 kept)."""
+    key = (str(model_dir), dtype)
+    if key not in _HF:
+        from transformers import Qwen2ForCausalLM
+        while len(_HF) >= 4:
+            _HF.pop(next(iter(_HF)))
+        model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).eval()
+        _HF[key] = HFCapture(model)
+    return _HF[key]
+
+
+def _row_index(flat_row: int, row_lens: list[int], starts: list[int]) -> tuple[int, int]:
+    for b, n in enumerate(row_lens):
+        if flat_row < n:
+            return b, starts[b] + flat_row
+        flat_row -= n
+    return -1, -1
+
+
+class _Run:
+    """One mode (propagated or isolated) over prefill + decode steps."""
+
+    def __init__(self, golden: HFCapture, ref: HFCapture, engine, prompts, decode_steps, num_layers, dtype,
+                 tol: Tolerances, isolated: bool, log):
+        self.golden, self.ref, self.engine, self.prompts = golden, ref, engine, prompts
+        self.steps, self.L, self.dtype, self.tol, self.isolated, self.log = decode_steps, num_layers, dtype, tol, isolated, log
+        self.with_kv = decode_steps > 0
+        self.order = {n: i for i, n in enumerate(point_names(num_layers, self.with_kv))}
+
+    def _hf_step(self, cap: HFCapture, caches, tokens, starts, teacher) -> dict[str, torch.Tensor]:
+        parts: dict[str, list[torch.Tensor]] = {}
+        offset = 0
+        for b, toks in enumerate(tokens):
+            t_b = None
+            if teacher is not None:
+                t_b = {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
+            cap.run(toks, caches[b], starts[b], lambda n, t: parts.setdefault(n, []).append(t), t_b)
+            offset += len(toks)
+        out = {n: torch.cat(ts) for n, ts in parts.items()}
+        if self.with_kv:
+            for i in range(self.L):
+                ks, vs = zip(*(cache_kv(c, i) for c in caches))
+                out[f"layers.{i}.kv.k"], out[f"layers.{i}.kv.v"] = torch.cat(ks), torch.cat(vs)
+        return out
+
+    def run(self) -> list[dict]:
+        rows: list[dict] = []
+        mode = "isolated" if self.isolated else "propagated"
+        g_caches = [new_cache(self.golden.model) for _ in self.prompts]
+        r_caches = [new_cache(self.ref.model) for _ in self.prompts]
+        self.engine.begin(self.prompts, self.steps)
+        tokens, starts = [list(p) for p in self.prompts], [0] * len(self.prompts)
+        for step in range(self.steps + 1):
+            t0 = time.monotonic()
+            gold = self._hf_step(self.golden, g_caches, tokens, starts, None)
+            teacher = None
+            if self.isolated:
+                teacher = {i: gold["embed" if i == 0 else f"layers.{i - 1}.out"] for i in range(self.L)}
+                teacher[self.L] = gold[f"layers.{self.L - 1}.out"]
+            ref = self._hf_step(self.ref, r_caches, tokens, starts, teacher)
+            ref_err = {n: compare(t, gold[n])["rel_err"] for n, t in ref.items() if n in gold and t.shape == gold[n].shape}
+            del ref
+            eng_teacher = None if teacher is None else {i: t.to(self.dtype) for i, t in teacher.items()}
+            points = self.engine.step(tokens, eng_teacher, self.with_kv)
+            row_lens = [len(t) for t in tokens]
+            kv_lens = [s + len(t) for s, t in zip(starts, tokens)]
+            for name, (placement, per_rank) in points.items():
+                for u in unshard(name, placement, per_rank):
+                    if u.name not in gold:
+                        continue
+                    is_kv = ".kv." in u.name
+                    rows.append(self._row(u, gold[u.name], ref_err.get(u.name), step, mode,
+                                          kv_lens if is_kv else row_lens, [0] * len(tokens) if is_kv else starts))
+            # the next inputs: golden greedy tokens at each prompt's last row
+            last = torch.tensor(row_lens).cumsum(0) - 1
+            nxt = gold["logits"][last].argmax(-1).tolist()
+            starts = kv_lens
+            tokens = [[t] for t in nxt]
+            del gold, points
+            what = "prefill" if step == 0 else f"decode {step}/{self.steps}"
+            print(f"  [{mode}] {what}: {time.monotonic() - t0:.1f}s", file=self.log, flush=True)
+        self.engine.close()
+        return rows
+
+    def _row(self, u, gold, ref_err, step, mode, row_lens, starts) -> dict:
+        layer, kind = split_point(u.name)
+        row = {"point": u.name, "layer": layer, "kind": kind, "step": step, "mode": mode,
+               "order": self.order.get(u.name, 10**6), "note": ""}
+        if u.tensor.shape != gold.shape:
+            stats = {"rel_err": float("inf"), "cosine": float("nan"), "max_abs": float("inf"), "max_abs_index": [],
+                     "mean_abs": float("inf"), "p99_abs": float("inf"), "ref_norm": float(gold.double().norm()),
+                     "nan": 0, "inf": 0}
+            row["note"] = f"shape {list(u.tensor.shape)} != golden {list(gold.shape)}"
+        else:
+            stats = compare(u.tensor, gold)
+        if stats["max_abs_index"]:
+            r, f = stats["max_abs_index"]
+            b, t = _row_index(r, row_lens, starts)
+            stats["max_abs_index"] = [b, t, f]
+        ref_err = float("nan") if ref_err is None else ref_err
+        threshold = self.tol.threshold(kind, self.dtype_name, ref_err)
+        passed = stats["rel_err"] <= threshold and not u.rank_mismatch and not row["note"]
+        if u.rank_mismatch:
+            row["note"] = u.rank_mismatch
+        return {**row, **stats, "ref_rel_err": ref_err, "threshold": threshold,
+                "excess": stats["rel_err"] / threshold if threshold > 0 else float("inf"), "passed": bool(passed)}
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts: list[list[int]] | None = None,
+         decode_steps: int = 0, isolate: bool = False, *, preset: str = "small", inject: list[str] = (),
+         inject_layer: int | None = None, tolerances: Tolerances | None = None, pool=None, block_size: int = 16,
+         seq_len: int = 32, batch: int = 2, seed: int = 0, log=sys.stderr, command: str | None = None) -> DiffResult:
+    """Compare impl at ``tp``/``dtype`` with Hugging Face, every point, every step.
+
+    ``model`` is a checkpoint directory (default: the synthetic ``preset``); ``prompts`` token ids
+    (default: ``batch`` random prompts of ``seq_len`` tokens from ``seed``)."""
+    from tpcheck.adapter import ImplAdapter
+    from tpcheck.check import random_prompts
+    from tpcheck.checkpoints import cached_checkpoint
+    from tpcheck.pool import EnginePool
+    model_dir = str(model or cached_checkpoint(preset))
+    cfg = load_config(model_dir)
+    cfg.check_tp(tp)
+    if decode_steps < 0:
+        raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
+    prompts = prompts or random_prompts(cfg.vocab_size, batch, seq_len, seed)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocab [0, {cfg.vocab_size})")
+        if len(p) + decode_steps > cfg.max_position:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + {decode_steps} decode steps exceed "
+                             f"max_position_embeddings={cfg.max_position}")
+    tol = tolerances or Tolerances()
+    tdtype = parse_dtype(dtype)
+    print(f"tpcheck diff: {model_dir} tp={tp} {dtype}, {len(prompts)} prompt(s), {decode_steps} decode step(s)"
+          f"{', isolate' if isolate else ''}{', inject ' + ','.join(inject) if inject else ''}", file=log, flush=True)
+    golden, ref = hf_capture(model_dir, "float64"), hf_capture(model_dir, dtype)
+    own = pool is None
+    pool = pool or EnginePool()
+    rows = []
+    try:
+        for isolated in [False] + ([True] if isolate else []):
+            llm = pool.get(model_dir, tp, dtype)
+            engine = ImplAdapter(llm, inject, inject_layer, block_size)
+            try:
+                rows += _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, tdtype, tol, isolated, log).run()
+            except BaseException:
+                if not llm.executor.closed:
+                    engine.close()
+                raise
+    finally:
+        if own:
+            pool.close()
+    meta = {"model": model_dir, "tp": tp, "dtype": dtype, "decode_steps": decode_steps, "isolate": isolate,
+            "inject": list(inject), "inject_layer": inject_layer, "num_layers": cfg.num_layers,
+            "prompt_lens": [len(p) for p in prompts], "command": command or _command(model_dir, tp, dtype, prompts,
+                                                                                    decode_steps, isolate, inject, inject_layer)}
+    return DiffResult.from_rows(rows, meta)
+
+
+def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer) -> str:
+    parts = ["tpcheck", "diff", "--layer-by-layer", "--model", model_dir, "--tp", str(tp), "--dtype", dtype]
+    for p in prompts:
+        parts += ["--prompt-ids", ",".join(map(str, p))]
+    if decode_steps:
+        parts += ["--decode-steps", str(decode_steps)]
+    if isolate:
+        parts.append("--isolate")
+    if inject:
+        parts += ["--inject", ",".join(inject)]
+    if inject_layer is not None:
+        parts += ["--inject-layer", str(inject_layer)]
+    return shlex.join(parts)
