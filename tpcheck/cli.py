@@ -44,7 +44,63 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("--batch", type=int, default=2)
     ck.add_argument("--seed", type=int, default=0)
     ck.add_argument("--json", type=Path, help="write the table as JSON")
+    df = sub.add_parser("diff", help="layer-by-layer differential run: where the engine leaves the noise floor")
+    df.add_argument("--layer-by-layer", action="store_true", help="(the only mode; accepted for clarity)")
+    src = df.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="a Hugging Face Qwen2 checkpoint directory")
+    src.add_argument("--preset", default="small", choices=checkpoints.preset_names(),
+                     help="synthetic checkpoint used when --model is not given (default: small)")
+    df.add_argument("--tp", type=int, default=2)
+    df.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    inp = df.add_mutually_exclusive_group()
+    inp.add_argument("--prompt-ids", type=_ints, action="append", help="a prompt as token ids (repeatable)")
+    inp.add_argument("--prompt", action="append", help="prompt text (needs a tokenizer in --model; repeatable)")
+    df.add_argument("--seq-len", type=int, default=32, help="random prompts: tokens each (default 32)")
+    df.add_argument("--batch", type=int, default=2, help="random prompts: how many (default 2)")
+    df.add_argument("--seed", type=int, default=0, help="random prompts: seed")
+    df.add_argument("--decode-steps", type=int, default=0)
+    df.add_argument("--isolate", action="store_true", help="also run teacher-forced: each layer's local error")
+    df.add_argument("--inject", type=lambda s: [x for x in s.split(",") if x], default=[],
+                    help="faults to inject into impl (tpcheck faults list)")
+    df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
+    df.add_argument("--block-size", type=int, default=16)
+    df.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
+    df.add_argument("--csv", type=Path, help="write every row as CSV")
+    df.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
     return ap
+
+
+def _fmt(df) -> str:
+    return df.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3g}")
+
+
+def _cmd_diff(a, argv: list[str]) -> int:
+    import shlex
+    import tpcheck
+    prompts = a.prompt_ids
+    if a.prompt:
+        from transformers import AutoTokenizer
+        if a.model is None:
+            raise ValueError("--prompt needs --model with a tokenizer (synthetic presets have none)")
+        tok = AutoTokenizer.from_pretrained(str(a.model))
+        prompts = [tok.encode(t) for t in a.prompt]
+    r = tpcheck.diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
+                     decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
+                     block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed,
+                     command=shlex.join(["tpcheck", *argv]))
+    for mode in ["propagated"] + (["isolated"] if a.isolate else []):
+        t = r.table[r.table["mode"] == mode]
+        shown = t.drop(columns=["order", "mode", "kind"]) if a.all_rows else r.layer_table(mode)
+        print(f"\n{mode}: {'every row' if a.all_rows else 'worst point per layer and step'}")
+        print(_fmt(shown))
+    print()
+    print(r.summary())
+    for path, write in ((a.json, r.to_json), (a.csv, r.to_csv)):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(path)
+            print(f"wrote {path}")
+    return 0 if r.passed else 1
 
 
 def _cmd_check(a) -> int:
@@ -104,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.cmd == "check":
             return _cmd_check(a)
+        if a.cmd == "diff":
+            return _cmd_diff(a, argv)
     except (ConfigError, LoadError, FileExistsError, ValueError) as e:
         print(f"tpcheck: error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,9 @@ Use from the driver::
     ...
     llm.load(llm.model_dir)                                 # undo: recreates every rank's runner
 
-or ``with injected(llm, ["rope_skipped"], layer=1): ...``, which restores the engine on exit.
+or ``inject(llm, names, layer)`` (the same call, and it also drops the driver's prefix cache, whose blocks
+the clean model computed), or ``with injected(llm, ["rope_skipped"], layer=1): ...``, which restores the
+engine on exit.
 
 ``apply`` mutates the rank's already-loaded model in place: parameters (load-time bugs re-read the
 checkpoint tensors they need from ``runner.cfg.model_dir`` and rewrite the rank's shard; they never call
@@ -410,23 +412,40 @@ def apply(runner, names: list[str] | str, layer: int | None = None) -> list[str]
 
 
 def describe(runner) -> dict:
-    """Which faults this rank carries: ``{"model": [...], "layers": [[...] per decoder layer]}`` (the marks
-    ``apply`` left on the modules of each decoder layer and on the model), plus the KV cache head count
-    per layer."""
-    layers = []
+    """What this rank carries, for checking that a fault landed where it was aimed:
+
+    * ``model``: faults marked on the model itself (layer-independent ones);
+    * ``layers``: per decoder layer, the fault names marked on its modules;
+    * ``overrides``: per decoder layer, the instance-level method overrides on its modules
+      (``"self_attn.rotary_emb.forward"``): a clean layer has none;
+    * ``kv_heads``: per attention layer, the head count of its KV cache (None before allocation)."""
+    layers, overrides = [], []
     for layer in runner.model.model.layers:
-        found: list[str] = []
-        for m in layer.modules():
+        found, over = [], []
+        for mname, m in layer.named_modules():
             for n in m.__dict__.get(MARK, []):
                 if n not in found:
                     found.append(n)
+            over += [f"{mname}.{a}".lstrip(".") for a in ("forward", "_prefill", "_decode") if a in m.__dict__]
         layers.append(found)
-    return {"model": list(runner.model.__dict__.get(MARK, [])), "layers": layers,
+        overrides.append(over)
+    return {"model": list(runner.model.__dict__.get(MARK, [])), "layers": layers, "overrides": overrides,
             "kv_heads": [int(a.k_cache.shape[2]) if a.k_cache.dim() == 4 else None
                          for a in runner.attention_layers()]}
 
 
 # ---- driver side -----------------------------------------------------------------------------------------
+
+def inject(llm, names: list[str] | str, layer: int | None = None) -> list[list[str]]:
+    """``apply`` on every rank of ``llm``, then forget the driver's prefix cache: its blocks were computed by
+    the clean model (and ``gqa_cache_repeated_heads`` re-allocates the cache, zeroing them), so a request
+    sharing a prefix with an earlier one would otherwise reuse them. Returns the per-rank results."""
+    out = llm.call("tpcheck.faults:apply", names, layer)
+    reset = getattr(llm, "_reset_scheduler", None)
+    if reset is not None:
+        reset()
+    return out
+
 
 def restore(llm) -> None:
     """Reload every rank's runner, dropping all faults; checkpoint, dtype and cache layout unchanged."""
@@ -437,7 +456,7 @@ def restore(llm) -> None:
 def injected(llm, names: list[str] | str, layer: int | None = None):
     """``with injected(llm, ["rope_skipped"]): ...`` — the faults are live inside, the engine clean after."""
     try:
-        llm.call("tpcheck.faults:apply", names, layer)
+        inject(llm, names, layer)
         yield llm
     finally:
         if not llm.executor.closed:

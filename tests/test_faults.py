@@ -1,0 +1,168 @@
+"""tpcheck.faults: the registry, and each fault injected into a live (pooled) engine breaks it as described,
+only where aimed, and a reload restores it. Every test restores its engine in a ``finally``."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from impl import SamplingParams
+from impl.config import load_config
+from tpcheck import faults
+from tpcheck.faults import FAULTS, fault_names, get_fault
+
+APPLY = "tpcheck.faults:apply"
+DESCRIBE = "tpcheck.faults:describe"
+PREFILL = [n for n, f in FAULTS.items() if not f.decode_only]
+
+
+def smallest_tp(fault, cfg) -> int:
+    return next(tp for tp in (1, 2, 4) if fault.applies(cfg, tp, "float32"))
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def max_diff(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return out.sequences[0, len(prompt):].tolist(), gaps
+
+
+# ---- registry ---------------------------------------------------------------------------------------
+
+def test_registry():
+    names = fault_names()
+    assert len(names) == len(set(names)) == len(FAULTS) == 11
+    for n in names:
+        f = get_fault(n)
+        assert f.name == n
+        assert f.description and "\n" not in f.description
+        assert f.shows_when and f.expected_origin
+        assert f.origin(3) == f.expected_origin.format(layer=3)
+    assert {n for n, f in FAULTS.items() if f.decode_only} == {"gqa_cache_repeated_heads", "decode_position_off_by_one"}
+    assert get_fault("untied_lm_head").origin(1) == "logits" and not get_fault("untied_lm_head").per_layer
+    assert get_fault("rope_skipped").origin(1) == "layers.1.attn.q_rope"
+    with pytest.raises(ValueError) as e:
+        get_fault("nope")
+    assert all(n in str(e.value) for n in names)
+
+
+def test_applies(ckpt):
+    tiny, mqa, mha, untied = (load_config(ckpt(p)) for p in ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied"))
+    at = lambda name, cfg: [get_fault(name).applies(cfg, tp, "float32") for tp in (1, 2, 4)]  # noqa: E731
+    assert at("qkv_shard_dim1", tiny) == [False, True, True]
+    assert at("row_bias_every_rank", tiny) == [False, True, True]
+    assert at("skip_o_proj_allreduce", tiny) == [False, True, True]
+    assert at("kv_replica_index", tiny) == [False, False, True]
+    assert at("kv_replica_index", mqa) == [False, False, False]  # one KV head: r % 1 == r // tp == 0
+    assert at("gqa_cache_repeated_heads", tiny) == [True, True, True]  # 8/2, 4/1, 2/1 local heads
+    assert at("gqa_cache_repeated_heads", mqa) == [True, True, False]  # 4/1, 2/1, 1/1
+    assert at("gqa_cache_repeated_heads", mha) == [False, False, False]
+    assert at("untied_lm_head", tiny) == [True, True, True]
+    assert at("untied_lm_head", untied) == [False, False, False]
+    for n in ("nan_causal_mask", "rope_skipped", "qkv_bias_missing", "gate_up_swapped", "decode_position_off_by_one"):
+        assert at(n, tiny) == [True, True, True], n
+    assert not any(f.applies(tiny, 3, "float32") for f in FAULTS.values())  # 8 heads do not split 3 ways
+    assert faults.applicable(tiny, 1) == [n for n in fault_names() if n not in
+                                          ("qkv_shard_dim1", "row_bias_every_rank", "skip_o_proj_allreduce",
+                                           "kv_replica_index")]
+
+
+# ---- prefill faults on a live engine ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PREFILL)
+def test_prefill_fault_breaks_logits_reload_restores(name, ckpt, engines, hf_model):
+    d = ckpt("tiny")
+    fault = get_fault(name)
+    tp = smallest_tp(fault, load_config(d))
+    llm = engines.get(d, tp)
+    ids = [random.Random(name).randrange(llm.cfg.vocab_size) for _ in range(16)]
+    ref = hf_logits(hf_model(d), ids)
+    try:
+        assert llm.call(APPLY, [name]) == [[name]] * tp
+        got = llm.logits(ids)
+        if name == "nan_causal_mask":
+            assert torch.isnan(got).any()
+        else:
+            assert torch.isfinite(got).all()
+            assert max_diff(got, ref) > 1e-2, f"{name} at tp {tp} left the logits unchanged"
+    finally:
+        llm.load(llm.model_dir)
+    assert max_diff(llm.logits(ids), ref) <= 1e-4
+
+
+def test_layer_selects_one_decoder_layer(ckpt, engines, hf_model):
+    d = ckpt("small")
+    llm = engines.get(d, 2)
+    ids = [random.Random(1).randrange(llm.cfg.vocab_size) for _ in range(16)]
+    try:
+        assert llm.call(DESCRIBE)[0]["overrides"] == [[]] * 4  # a clean engine
+        llm.call(APPLY, ["rope_skipped", "gate_up_swapped"], 1)
+        for rank in llm.call(DESCRIBE):
+            assert rank["model"] == []
+            assert rank["layers"] == [[], ["rope_skipped", "gate_up_swapped"], [], []]
+            assert rank["overrides"] == [[], ["self_attn.rotary_emb.forward"], [], []]
+        assert max_diff(llm.logits(ids), hf_logits(hf_model(d), ids)) > 1e-2
+        # errors are raised before anything is touched
+        with pytest.raises(ValueError, match="out of range"):
+            llm.call(APPLY, ["rope_skipped"], 4)
+        with pytest.raises(ValueError, match="known faults"):
+            llm.call(APPLY, ["rope_skipped", "nope"])
+        assert llm.call(DESCRIBE)[0]["layers"][0] == []
+    finally:
+        llm.load(llm.model_dir)
+    assert llm.call(DESCRIBE)[1]["layers"] == [[]] * 4
+
+
+# ---- decode-only faults -----------------------------------------------------------------------------
+
+def test_gqa_cache_repeated_heads_is_numerically_harmless(ckpt, engines, hf_model):
+    d = ckpt("tiny")
+    llm = engines.get(d, 2)  # 4 local query heads over 1 local KV head
+    hf = hf_model(d)
+    rng = random.Random("gqa")
+    prompts = [[rng.randrange(llm.cfg.vocab_size) for _ in range(n)] for n in (5, 20)]
+    ref_logits = hf_logits(hf, prompts[1])
+    try:
+        before = llm.kv_cache_shapes()
+        assert {k[2] for rank in before for k, _ in rank} == {1}
+        faults.inject(llm, ["gqa_cache_repeated_heads"])
+        after = llm.kv_cache_shapes()
+        for rank_b, rank_a in zip(before, after):
+            for (kb, vb), (ka, va) in zip(rank_b, rank_a):
+                assert ka == va == (*kb[:2], 4, kb[3])  # same blocks, heads repeated to the query count
+        got = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        for g, p in zip(got, prompts):
+            ref, gaps = hf_greedy(hf, p, 8)
+            n = next((i for i, gap in enumerate(gaps) if gap < 1e-4), len(ref))  # up to a near-tie
+            assert g[:n] == ref[:n]
+        assert max_diff(llm.logits(prompts[1]), ref_logits) <= 1e-4
+    finally:
+        llm.load(llm.model_dir)
+    assert llm.kv_cache_shapes() == before
+
+
+def test_decode_position_off_by_one_changes_generation(ckpt, engines, hf_model):
+    d = ckpt("tiny")
+    llm = engines.get(d, 1)
+    rng = random.Random("decode-pos")
+    prompts = [[rng.randrange(llm.cfg.vocab_size) for _ in range(n)] for n in (3, 17)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    clean = llm.generate(prompts, params)
+    with faults.injected(llm, ["decode_position_off_by_one"]):
+        assert max_diff(llm.logits(prompts[1]), hf_logits(hf_model(d), prompts[1])) <= 1e-4  # prefill untouched
+        bad = llm.generate(prompts, params)
+        assert [b[0] for b in bad] == [c[0] for c in clean]  # the first token comes from the prefill
+    assert bad != clean
+    assert llm.generate(prompts, params) == clean
