@@ -70,8 +70,16 @@ class StepTimes:
         pass
 
 
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads) from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_impl(llm, prompts, n_new: int) -> dict:
     from impl import SamplingParams
+    pids = [p.pid for p in llm.executor.procs]
     stamps = []
     call = llm.executor.call
 
@@ -83,16 +91,19 @@ def run_impl(llm, prompts, n_new: int) -> dict:
 
     llm.executor.call = timed_call
     try:
+        w0, c0 = sum(proc_cpu_s(p) for p in pids), time.process_time()
         t0 = time.perf_counter()
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True))
         t1 = time.perf_counter()
+        driver_cpu, worker_cpu = time.process_time() - c0, sum(proc_cpu_s(p) for p in pids) - w0
     finally:
         del llm.executor.call
     # the first step(s) prefill every prompt (all are admitted at once when they fit); the first new token
     # of every sequence exists after the step that prefilled the last of them
     prefill_steps = len(stamps) - (n_new - 1)
     t_first = stamps[prefill_steps - 1] if prefill_steps >= 1 else stamps[0]
-    return dict(tokens=out, total_s=t1 - t0, first_s=t_first - t0, steps=len(stamps), prefill_steps=prefill_steps)
+    return dict(tokens=out, total_s=t1 - t0, first_s=t_first - t0, steps=len(stamps), prefill_steps=prefill_steps,
+                cpu_s=driver_cpu + worker_cpu, driver_cpu_s=driver_cpu)
 
 
 def run_hf(model, prompts, n_new: int, threads: int) -> dict:
@@ -102,15 +113,16 @@ def run_hf(model, prompts, n_new: int, threads: int) -> dict:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     st = StepTimes()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
                              pad_token_id=0, streamer=st)
-    t1 = time.perf_counter()
+    t1, cpu = time.perf_counter(), time.process_time() - c0
     new = out[:, width:].tolist()
     # st.t[0]: the prompt handed to the streamer at the start; st.t[1]: the first new token
     t_first = st.t[1] if len(st.t) > 1 else t1
-    return dict(tokens=new, total_s=t1 - t0, first_s=t_first - t0, steps=len(st.t) - 1, prefill_steps=1)
+    return dict(tokens=new, total_s=t1 - t0, first_s=t_first - t0, steps=len(st.t) - 1, prefill_steps=1,
+                cpu_s=cpu, driver_cpu_s=cpu)
 
 
 def first_mismatch_gap(model, llm, prompt, hf_tok, impl_tok) -> dict:
@@ -221,7 +233,8 @@ def main(argv=None) -> int:
                 dec_s = r["total_s"] - r["first_s"]
                 rows.append(dict(
                     batch=b, side=side, prompt_tokens=n_prompt, new_tokens=args.new_tokens, total_s=r["total_s"],
-                    first_token_s=r["first_s"], decode_s=dec_s, steps=r["steps"],
+                    first_token_s=r["first_s"], decode_s=dec_s, steps=r["steps"], cpu_s=r["cpu_s"],
+                    driver_cpu_s=r["driver_cpu_s"], tok_per_cpu_s=b * args.new_tokens / r["cpu_s"],
                     tok_per_s=b * args.new_tokens / r["total_s"],
                     decode_tok_per_s=(b * (args.new_tokens - 1) / dec_s) if args.new_tokens > 1 and dec_s > 0 else None,
                     loadavg_1m_before=r["loadavg_1m_before"], loadavg_1m_after=r["loadavg_1m_after"]))
@@ -248,11 +261,15 @@ def main(argv=None) -> int:
           f"best of {args.repeats}; torch {torch.__version__}")
     print("# total = whole generate call; first = time to the first new token (prefill); "
           "tok/s = batch*new/total; decode tok/s = batch*(new-1)/(total-first)")
+    print("# cpu s = CPU seconds used (impl: worker + driver; HF: this process); "
+          "loadavg = 1-min load average before->after the run (> cores: other processes competed for the CPU)")
     print()
-    hdr = ["batch", "side", "prompt tok", "total s", "first s", "decode s", "tok/s", "decode tok/s", "loadavg"]
+    hdr = ["batch", "side", "prompt tok", "total s", "first s", "decode s", "tok/s", "decode tok/s", "cpu s",
+           "tok/cpu-s", "loadavg"]
     table = [[str(r["batch"]), r["side"], str(r["prompt_tokens"]), f"{r['total_s']:.2f}", f"{r['first_token_s']:.2f}",
               f"{r['decode_s']:.2f}", f"{r['tok_per_s']:.2f}",
               "-" if r["decode_tok_per_s"] is None else f"{r['decode_tok_per_s']:.2f}",
+              f"{r['cpu_s']:.1f}", f"{r['tok_per_cpu_s']:.2f}",
               f"{r['loadavg_1m_before']:.1f}->{r['loadavg_1m_after']:.1f}"] for r in rows]
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
     print("  ".join(h.rjust(w) for h, w in zip(hdr, widths)))
@@ -265,12 +282,14 @@ def main(argv=None) -> int:
         i = next(r for r in rows if r["batch"] == b and r["side"] == "impl")
         h = next(r for r in rows if r["batch"] == b and r["side"] == "hf")
         rr = dict(tok_per_s=i["tok_per_s"] / h["tok_per_s"], prefill_speed=h["first_token_s"] / i["first_token_s"],
+                  tok_per_cpu_s=i["tok_per_cpu_s"] / h["tok_per_cpu_s"],
                   decode_tok_per_s=(i["decode_tok_per_s"] / h["decode_tok_per_s"]
                                     if i["decode_tok_per_s"] and h["decode_tok_per_s"] else None))
         ratios[b] = rr
         aim = 1.0 if b == 1 else 2.0
         dec = "-" if rr["decode_tok_per_s"] is None else f"{rr['decode_tok_per_s']:.2f}x"
-        print(f"batch {b:>3}: end-to-end {rr['tok_per_s']:.2f}x, prefill {rr['prefill_speed']:.2f}x, decode {dec}"
+        print(f"batch {b:>3}: end-to-end {rr['tok_per_s']:.2f}x, prefill {rr['prefill_speed']:.2f}x, decode {dec}, "
+              f"per CPU-second {rr['tok_per_cpu_s']:.2f}x"
               f"   (aim >= {aim:g}x end-to-end: {'met' if rr['tok_per_s'] >= aim else 'NOT met'})")
     print()
     print("# correctness (greedy tokens impl vs HF)")
@@ -285,10 +304,15 @@ def main(argv=None) -> int:
         elif b > 1 and c["rows_equal"] < c["rows"]:
             line += " (informational: HF's padded batch differs numerically from its unpadded runs)"
         print(line)
+    busy = max(max(r["loadavg_1m_before"], r["loadavg_1m_after"]) for r in rows)
+    if busy > (os.cpu_count() or 1) + 0.5:
+        print(f"# WARNING: load average reached {busy:.1f} on {os.cpu_count()} cores: other processes competed for "
+              f"the CPU, so wall times are inflated and noisy (OpenMP threads stall when descheduled); compare the "
+              f"per-CPU-second ratios, rerun on an idle machine, or try --threads 1 --repeats 2")
     print(f"# total {total_s:.1f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            preset=args.preset, checkpoint=str(model_dir), new_tokens=args.new_tokens, batches=args.batch,
+            preset=args.preset, loadavg_max=busy, checkpoint=str(model_dir), new_tokens=args.new_tokens, batches=args.batch,
             min_len=args.min_len, max_len=args.max_len, threads=dict(impl=impl_threads, hf=torch.get_num_threads()),
             repeats=args.repeats, rows=rows, ratios={str(k): v for k, v in ratios.items()},
             checks={str(k): v for k, v in checks.items()}, total_s=total_s), indent=2) + "\n")

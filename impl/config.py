@@ -24,18 +24,19 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _rope_theta(raw: dict, path: Path) -> float:
-    """transformers 4.x writes ``rope_theta`` at the top level; 5.x nests it in ``rope_parameters``."""
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
+def _rope_theta(raw: dict, hf: Qwen2Config, path: Path) -> float:
+    """The theta HF itself will use. transformers 4.x keeps ``rope_theta`` / ``rope_scaling`` at the top
+    level; 5.x resolves both into ``rope_parameters`` (which wins when a file has both). Presence is checked
+    on the raw file: HF would fill in 10000 silently."""
+    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+        raise ConfigError(f"{path}: no rope_theta (neither 'rope_theta' nor 'rope_parameters.rope_theta'); "
+                          "impl does not guess a default")
+    params = getattr(hf, "rope_parameters", None) or {}
+    scaling = getattr(hf, "rope_scaling", None) or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         raise ConfigError(f"{path}: rope type {kind!r} is not supported (only the default neox RoPE)")
-    theta = raw.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        raise ConfigError(f"{path}: no rope_theta (neither 'rope_theta' nor 'rope_parameters.rope_theta'); "
-                          "impl does not guess a default")
-    return float(theta)
+    return float(params["rope_theta"] if "rope_theta" in params else hf.rope_theta)
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: model_type is {raw.get('model_type')!r}, impl supports only 'qwen2'")
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{path}: use_sliding_window=true is not supported")
-    theta = _rope_theta(raw, path)
     hf = Qwen2Config.from_pretrained(str(model_dir))
+    theta = _rope_theta(raw, hf, path)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))

@@ -74,8 +74,6 @@ def test_unsupported_features_refused(edit, word, tmp_path):
         load_config(write_config(tmp_path, "tiny", edit))
 
 
-@pytest.mark.xfail(strict=True, reason="impl/config.py:31 takes the rope type from rope_parameters first, but "
-                   "transformers 5 lets a rope_scaling entry override it: HF runs YaRN, impl accepts plain RoPE")
 def test_rope_scaling_added_to_v5_config_refused(tmp_path):
     """Qwen's long-context recipe adds ``rope_scaling`` to config.json; with a transformers 5 config that
     already has ``rope_parameters`` (default), HF's Qwen2Config then uses yarn."""
@@ -87,8 +85,6 @@ def test_rope_scaling_added_to_v5_config_refused(tmp_path):
         load_config(d)
 
 
-@pytest.mark.xfail(strict=True, reason="impl/config.py:34 prefers a top-level rope_theta over "
-                   "rope_parameters.rope_theta; transformers 5 does the opposite, so impl and HF disagree")
 def test_rope_theta_both_layouts_agrees_with_hf(tmp_path):
     d = write_config(tmp_path, "tiny", lambda raw: raw.update(rope_theta=55555.0))  # rope_parameters: 10000
     cfg = load_config(d)

@@ -87,7 +87,8 @@ def test_prefill_fault_breaks_logits_reload_restores(name, ckpt, engines, hf_mod
     fault = get_fault(name)
     tp = smallest_tp(fault, load_config(d))
     llm = engines.get(d, tp)
-    ids = [random.Random(name).randrange(llm.cfg.vocab_size) for _ in range(16)]
+    rng = random.Random(name)
+    ids = [rng.randrange(llm.cfg.vocab_size) for _ in range(16)]
     ref = hf_logits(hf_model(d), ids)
     try:
         assert llm.call(APPLY, [name]) == [[name]] * tp
@@ -105,7 +106,8 @@ def test_prefill_fault_breaks_logits_reload_restores(name, ckpt, engines, hf_mod
 def test_layer_selects_one_decoder_layer(ckpt, engines, hf_model):
     d = ckpt("small")
     llm = engines.get(d, 2)
-    ids = [random.Random(1).randrange(llm.cfg.vocab_size) for _ in range(16)]
+    rng = random.Random(1)
+    ids = [rng.randrange(llm.cfg.vocab_size) for _ in range(16)]
     try:
         assert llm.call(DESCRIBE)[0]["overrides"] == [[]] * 4  # a clean engine
         llm.call(APPLY, ["rope_skipped", "gate_up_swapped"], 1)
@@ -127,8 +129,11 @@ def test_layer_selects_one_decoder_layer(ckpt, engines, hf_model):
 
 # ---- decode-only faults -----------------------------------------------------------------------------
 
+# On ``small`` (untied): greedy continuations of the tied ``tiny`` collapse to one repeated token at once,
+# which no decode bug can change.
+
 def test_gqa_cache_repeated_heads_is_numerically_harmless(ckpt, engines, hf_model):
-    d = ckpt("tiny")
+    d = ckpt("small")
     llm = engines.get(d, 2)  # 4 local query heads over 1 local KV head
     hf = hf_model(d)
     rng = random.Random("gqa")
@@ -154,7 +159,7 @@ def test_gqa_cache_repeated_heads_is_numerically_harmless(ckpt, engines, hf_mode
 
 
 def test_decode_position_off_by_one_changes_generation(ckpt, engines, hf_model):
-    d = ckpt("tiny")
+    d = ckpt("small")
     llm = engines.get(d, 1)
     rng = random.Random("decode-pos")
     prompts = [[rng.randrange(llm.cfg.vocab_size) for _ in range(n)] for n in (3, 17)]

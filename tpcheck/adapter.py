@@ -29,17 +29,17 @@ class EngineAdapter(Protocol):
 
 class ImplAdapter:
     """impl through ``impl.LLM.call``: hooks live in ``tpcheck.impl_worker`` inside each rank. Faults
-    (``tpcheck.faults``) are applied after loading and undone at ``close`` by reloading the weights."""
+    (``tpcheck.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights."""
 
     def __init__(self, llm, inject: list[str] = (), inject_layer: int | None = None, block_size: int = 16):
         self.llm, self.block_size = llm, block_size
         self.inject, self.inject_layer = list(inject), inject_layer
         self.tables: list[list[int]] = []
         self.lens: list[int] = []
-        if self.inject:
-            llm.call("tpcheck.faults:apply", self.inject, inject_layer)
 
     def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
+        if self.inject:
+            self.llm.call("tpcheck.faults:apply", self.inject, self.inject_layer)
         bs, self.tables, nxt = self.block_size, [], 0
         for p in prompts:
             n = -(-(len(p) + decode_steps) // bs)

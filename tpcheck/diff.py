@@ -163,31 +163,40 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
         if len(p) + decode_steps > cfg.max_position:
             raise ValueError(f"prompt {i}: {len(p)} tokens + {decode_steps} decode steps exceed "
                              f"max_position_embeddings={cfg.max_position}")
-    tol = tolerances or Tolerances()
-    tdtype = parse_dtype(dtype)
     print(f"tpcheck diff: {model_dir} tp={tp} {dtype}, {len(prompts)} prompt(s), {decode_steps} decode step(s)"
           f"{', isolate' if isolate else ''}{', inject ' + ','.join(inject) if inject else ''}", file=log, flush=True)
-    golden, ref = hf_capture(model_dir, "float64"), hf_capture(model_dir, dtype)
     own = pool is None
     pool = pool or EnginePool()
-    rows = []
     try:
-        for isolated in [False] + ([True] if isolate else []):
-            llm = pool.get(model_dir, tp, dtype)
-            engine = ImplAdapter(llm, inject, inject_layer, block_size)
-            try:
-                rows += _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, tdtype, tol, isolated, log).run()
-            except BaseException:
-                if not llm.executor.closed:
-                    engine.close()
-                raise
+        engine = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size)
+        meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer,
+                "command": command or _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer)}
+        return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, log, meta)
     finally:
         if own:
             pool.close()
-    meta = {"model": model_dir, "tp": tp, "dtype": dtype, "decode_steps": decode_steps, "isolate": isolate,
-            "inject": list(inject), "inject_layer": inject_layer, "num_layers": cfg.num_layers,
-            "prompt_lens": [len(p) for p in prompts], "command": command or _command(model_dir, tp, dtype, prompts,
-                                                                                    decode_steps, isolate, inject, inject_layer)}
+
+
+def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str, decode_steps: int = 0,
+                   isolate: bool = False, tolerances: Tolerances | None = None, log=sys.stderr,
+                   meta: dict | None = None) -> DiffResult:
+    """Run any ``tpcheck.adapter.EngineAdapter`` against HF float64 (golden) and HF at ``dtype`` (noise
+    floor) on the checkpoint ``model_dir``; the engine must already be loaded with that checkpoint."""
+    cfg = load_config(model_dir)
+    golden, ref = hf_capture(model_dir, "float64"), hf_capture(model_dir, dtype)
+    tol, rows = tolerances or Tolerances(), []
+    for isolated in [False] + ([True] if isolate else []):
+        run = _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), tol, isolated, log)
+        try:
+            rows += run.run()
+        except BaseException:
+            try:
+                engine.close()
+            except Exception:  # the engine may be gone (a dead rank); the first error is the one to report
+                pass
+            raise
+    meta = {"model": str(model_dir), "dtype": dtype, "decode_steps": decode_steps, "isolate": isolate,
+            "num_layers": cfg.num_layers, "prompt_lens": [len(p) for p in prompts], **(meta or {})}
     return DiffResult.from_rows(rows, meta)
 
 

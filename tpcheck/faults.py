@@ -66,15 +66,43 @@ def kv_heads_local(cfg: ModelConfig, tp: int) -> int:
 
 # ---- the registry -------------------------------------------------------------------------------------
 
+# (predicates are module-level functions so that a Fault pickles: it may travel to a worker)
+
+def _always(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return True
+
+
+def _tp_gt_1(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return tp > 1
+
+
+def _dim1_shardable(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return tp > 1 and cfg.hidden_size % tp == 0
+
+
+def _kv_heads_repeatable(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return heads_local(cfg, tp) > kv_heads_local(cfg, tp)
+
+
+def _kv_replicated_multi(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return tp > cfg.num_kv_heads > 1
+
+
+def _tied(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return cfg.tie_word_embeddings
+
+
 @dataclass(frozen=True)
 class Fault:
+    """A named TP bug. ``applies(cfg, tp, dtype)``: whether it can show in that configuration;
+    ``origin(layer)``: where a layer-by-layer diff must place its origin."""
+
     name: str
     description: str        # one line
     shows_when: str         # human text: "tp > 1", "always", ...
     expected_origin: str    # canonical point, a template with {layer} for per-layer faults
     decode_only: bool = False
-    predicate: Callable[[ModelConfig, int, str], bool] = field(default=lambda cfg, tp, dtype: True,
-                                                               repr=False, compare=False)
+    predicate: Callable[[ModelConfig, int, str], bool] = field(default=_always, repr=False, compare=False)
 
     @property
     def per_layer(self) -> bool:
@@ -98,7 +126,7 @@ _FAULT_LIST = [
     Fault("qkv_shard_dim1",
           "q/k/v weights sharded along dim 1 (in_features) instead of dim 0, reshaped to the local shape",
           "tp > 1", "layers.{layer}.attn.q",
-          predicate=lambda cfg, tp, dtype: tp > 1 and cfg.hidden_size % tp == 0),
+          predicate=_dim1_shardable),
     Fault("rope_skipped",
           "RoPE not applied: rotary_emb returns q and k unchanged",
           "always (any position > 0)", "layers.{layer}.attn.q_rope"),
@@ -110,29 +138,29 @@ _FAULT_LIST = [
           "heads/kv_heads times the memory)",
           "decode (KV cache in use), where local query heads > local KV heads", "layers.{layer}.kv.k",
           decode_only=True,
-          predicate=lambda cfg, tp, dtype: heads_local(cfg, tp) > kv_heads_local(cfg, tp)),
+          predicate=_kv_heads_repeatable),
     Fault("kv_replica_index",
           "replicated KV head index computed as tp_rank % num_kv_heads instead of tp_rank // replicas",
           "KV replication (tp > num_kv_heads) with num_kv_heads > 1", "layers.{layer}.attn.k",
-          predicate=lambda cfg, tp, dtype: tp > cfg.num_kv_heads > 1),
+          predicate=_kv_replicated_multi),
     Fault("row_bias_every_rank",
           "row-parallel (o_proj) bias added by every rank before the all-reduce instead of once",
           "tp > 1", "layers.{layer}.attn.out",
-          predicate=lambda cfg, tp, dtype: tp > 1),
+          predicate=_tp_gt_1),
     Fault("gate_up_swapped",
           "gate and up halves of the fused gate_up_proj swapped",
           "always", "layers.{layer}.mlp.gate"),
     Fault("skip_o_proj_allreduce",
           "all-reduce after o_proj skipped: each rank keeps its partial sum (ranks disagree on a replicated tensor)",
           "tp > 1", "layers.{layer}.attn.out",
-          predicate=lambda cfg, tp, dtype: tp > 1),
+          predicate=_tp_gt_1),
     Fault("decode_position_off_by_one",
           "decode steps pass position p + 1 instead of p to RoPE",
           "decode only", "layers.{layer}.attn.q_rope", decode_only=True),
     Fault("untied_lm_head",
           "tied lm_head not tied (AutoModel fallback): the head is a fresh N(0, 0.02) tensor, not the embedding",
           "tied checkpoints (tie_word_embeddings)", "logits",
-          predicate=lambda cfg, tp, dtype: cfg.tie_word_embeddings),
+          predicate=_tied),
 ]
 FAULTS: dict[str, Fault] = {f.name: f for f in _FAULT_LIST}
 assert len(FAULTS) == len(_FAULT_LIST), "duplicate fault names"
@@ -394,7 +422,11 @@ def apply(runner, names: list[str] | str, layer: int | None = None) -> list[str]
     """Inject faults into this rank's loaded model: every decoder layer (``layer`` None) or only
     ``runner.model.model.layers[layer]``; layer-independent faults ignore ``layer``. Returns the names
     applied. Run on every rank: ``llm.call("tpcheck.faults:apply", ["rope_skipped"], 1)``.
-    Undo by reloading the runner (``llm.load(llm.model_dir)``)."""
+    Undo by reloading the runner (``llm.load(llm.model_dir)``).
+
+    The driver's prefix cache is not the rank's to clear: after a plain ``llm.call`` a request sharing a
+    full block with an earlier one reuses KV the clean model wrote (for ``gqa_cache_repeated_heads``,
+    zeros: the cache is re-allocated). ``inject`` / ``injected`` reset it; use them for ``generate``."""
     names = [names] if isinstance(names, str) else list(names)
     faults = [get_fault(n) for n in names]  # validate all before touching anything
     layers = runner.model.model.layers

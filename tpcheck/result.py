@@ -91,7 +91,7 @@ class DiffResult:
     def summary(self) -> str:
         fd = self.first_divergence
         m = self.meta
-        head = f"{'PASS' if self.passed else 'FAIL'}: tp={m['tp']} {m['dtype']}, {len(self.table)} comparisons"
+        head = f"{'PASS' if self.passed else 'FAIL'}: tp={m.get('tp', '?')} {m['dtype']}, {len(self.table)} comparisons"
         if fd is None:
             worst = self.table.loc[self.table["excess"].idxmax()] if len(self.table) else None
             tail = "" if worst is None else (f"; closest to its threshold: {worst.point} (step {worst.step}) at "
