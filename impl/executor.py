@@ -108,7 +108,7 @@ class Executor:
         pending = dict(enumerate(self.conns))
         failure = None
         deadline = time.monotonic() + timeout_s
-        while pending:
+        while pending and time.monotonic() < deadline:
             waiting = list(pending.values()) + [self.procs[r].sentinel for r in pending]
             ready = wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
@@ -117,8 +117,11 @@ class Executor:
                 if conn in ready or conn.poll():
                     try:
                         status, value, *info = conn.recv()
-                    except (EOFError, OSError):
-                        continue  # died mid-send: its sentinel reports it
+                    except (EOFError, OSError):  # the pipe closed: the rank is gone
+                        self.procs[rank].join(timeout=5)
+                        code = self.procs[rank].exitcode
+                        self.shutdown(force=True)
+                        raise RankError(rank, f"TP rank {rank} died (exit code {code})") from None
                     del pending[rank]
                     results[rank] = value
                     if status == "err" and failure is None:

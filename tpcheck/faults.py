@@ -481,7 +481,10 @@ def inject(llm, names: list[str] | str, layer: int | None = None) -> list[list[s
 
 def restore(llm) -> None:
     """Reload every rank's runner, dropping all faults; checkpoint, dtype and cache layout unchanged."""
-    llm.load(llm.model_dir, num_kv_blocks=getattr(llm, "_num_kv_blocks", None))
+    if hasattr(llm, "reload"):
+        llm.reload()
+    else:
+        llm.load(llm.model_dir, num_kv_blocks=getattr(llm, "_num_kv_blocks", None))
 
 
 @contextlib.contextmanager
