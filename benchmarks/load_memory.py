@@ -228,9 +228,7 @@ def measure(model_dir: Path, tp: int, dtype: str, interval_s: float, kv_blocks: 
         after = {p: read_status(p) for p in pids}
         if kv_blocks:
             ex.call("allocate_kv_cache", kv_blocks, block_size)
-        here = str(Path(__file__).resolve().parent)
-        if here not in sys.path:
-            sys.path.insert(0, here)
+        # the spawned workers inherited this script's sys.path, whose first entry is benchmarks/
         held = ex.call("call", f"{Path(__file__).stem}:param_bytes")
         final = {p: read_status(p) for p in pids}
         log(f"tp={tp}: loaded in {load_s:.1f}s ({sampler.samples} samples)")
@@ -290,7 +288,10 @@ def main(argv=None) -> int:
         if jp.parent and not jp.parent.exists():
             ap.error(f"--json: directory {jp.parent} does not exist")
 
-    model_dir = resolve_checkpoint(args)
+    try:
+        model_dir = resolve_checkpoint(args)
+    except (FileExistsError, NotADirectoryError, ValueError) as e:
+        ap.error(f"--ckpt-dir: {e}")
     from impl.config import load_config
     cfg = load_config(model_dir)
     for tp in args.tp:

@@ -87,24 +87,25 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
     tied = getattr(model.cfg, "tie_word_embeddings", False)
     seen: set[str] = set()
     for fname, names in checkpoint_files(model_dir).items():
-        with safe_open(fname, framework="pt") as f:
-            for name in names:
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if tied and name == "lm_head.weight":
-                    continue  # some tied checkpoints also store the (identical) head; the embedding is used
-                if name not in wanted:
-                    raise LoadError(f"unexpected tensor {name!r} in {Path(fname).name}: "
-                                    f"the Qwen2 model has no parameter for it")
-                pname, sid = wanted[name]
-                param = params[pname]
-                loader = getattr(param, "weight_loader", default_weight_loader)
+        for name in names:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if tied and name == "lm_head.weight":
+                continue  # some tied checkpoints also store the (identical) head; the embedding is used
+            if name not in wanted:
+                raise LoadError(f"unexpected tensor {name!r} in {Path(fname).name}: the Qwen2 model has no parameter for it")
+            pname, sid = wanted[name]
+            param = params[pname]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            # one mapping per tensor: safetensors slices are views into an mmap of the file, and the pages a
+            # slice touches stay resident until the mapping closes (a row-parallel column slice touches them all)
+            with safe_open(fname, framework="pt") as f:
                 try:
                     loader(param, LazySlice(f.get_slice(name), dtype), sid)
                 except ShapeMismatch as e:
                     raise LoadError(f"tensor {name!r} in {Path(fname).name}: {e} (parameter {pname}"
                                     f"{'' if sid is None else f', shard {sid!r}'}, local shape {list(param.shape)})") from None
-                seen.add(name)
+            seen.add(name)
     missing = sorted(set(wanted) - seen)
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     mk.add_argument("--shards", type=int, default=1, help="number of safetensors files (>1 writes an index)")
 
     sub.add_parser("presets", help="list the synthetic checkpoint presets")
+    fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
+    fl.add_argument("action", choices=["list"])
 
     ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
     src = ck.add_mutually_exclusive_group()
@@ -157,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:14s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
                       f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
                       f"{'tied' if c.get('tie_word_embeddings') else 'untied'}")
+            return 0
+        if a.cmd == "faults":
+            from tpcheck.faults import FAULTS
+            for f in FAULTS.values():
+                print(f"{f.name:28s} {f.description}\n{'':28s} shows: {f.shows_when}; origin: {f.expected_origin}")
             return 0
         if a.cmd == "check":
             return _cmd_check(a)

@@ -1,0 +1,121 @@
+"""What ``tpcheck diff`` costs over the forward passes it needs anyway.
+
+Bare: HF float64 forward + HF forward at the test dtype + impl forward (``LLM.logits``) on the same
+prompt. Diff: ``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64
+statistics). Models are loaded and warmed before timing, so both sides time forward work only. Peak memory
+is the largest summed RSS of this process and its TP workers while each side runs.
+
+    python benchmarks/diff_overhead.py [--preset qwen2.5-0.5b] [--tp 2] [--seq-len 128] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """RSS of ``pid`` plus all its descendants."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                stack += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, StopIteration, ProcessLookupError):
+            pass
+    return total
+
+
+class PeakRSS:
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    def __enter__(self):
+        self.peak = tree_rss_bytes(os.getpid())
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss_bytes(os.getpid()))
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+
+    import tpcheck
+    from tpcheck.check import random_prompts
+    from tpcheck.checkpoints import cached_checkpoint
+    from tpcheck.diff import hf_capture
+    from tpcheck.pool import EnginePool
+    log = sys.stderr
+    print(f"checkpoint {a.preset} (written once, cached)...", file=log, flush=True)
+    model_dir = str(cached_checkpoint(a.preset))
+    pool = EnginePool()
+    try:
+        llm = pool.get(model_dir, a.tp, a.dtype)
+        golden, ref = hf_capture(model_dir, "float64"), hf_capture(model_dir, a.dtype)
+        prompt = random_prompts(llm.cfg.vocab_size, 1, a.seq_len, 0)[0]
+        ids = torch.tensor([prompt])
+
+        def bare():
+            with torch.no_grad():
+                golden.model(ids)
+                ref.model(ids)
+            llm.logits(prompt)
+
+        def diff():
+            return tpcheck.diff(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], pool=pool,
+                                log=open(os.devnull, "w"))
+
+        print("warm-up...", file=log, flush=True)
+        bare()
+        diff()
+        figures = {}
+        for name, fn in (("bare forwards", bare), ("tpcheck diff", diff)):
+            times = []
+            with PeakRSS() as mem:
+                for _ in range(a.repeats):
+                    t = time.perf_counter()
+                    out = fn()
+                    times.append(time.perf_counter() - t)
+            figures[name] = {"seconds": min(times), "peak_rss_gib": mem.peak / 2**30}
+            print(f"{name}: {min(times):.2f}s (best of {a.repeats}), peak RSS {mem.peak / 2**30:.2f} GiB", file=log)
+        assert out.passed, out.summary()
+    finally:
+        pool.close()
+    b, d = figures["bare forwards"], figures["tpcheck diff"]
+    print(f"\n{a.preset}, tp {a.tp}, {a.dtype}, 1 prompt x {a.seq_len} tokens, {os.cpu_count()} CPU cores")
+    print(f"{'':16s}{'wall s':>10s}{'peak RSS GiB':>14s}")
+    for name, f in figures.items():
+        print(f"{name:16s}{f['seconds']:10.2f}{f['peak_rss_gib']:14.2f}")
+    print(f"{'ratio':16s}{d['seconds'] / b['seconds']:9.2f}x{d['peak_rss_gib'] / b['peak_rss_gib']:13.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "figures": figures}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
