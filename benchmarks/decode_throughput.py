@@ -149,17 +149,10 @@ def first_mismatch_gap(model, llm, prompt, hf_tok, impl_tok) -> dict:
                 max_abs_logit_diff=float(diff.max()))
 
 
-def parse_batches(text: str) -> list[int]:
-    try:
-        bs = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--batch wants a comma-separated list of integers, got {text!r}") from None
-    if not bs or any(b < 1 for b in bs):
-        raise argparse.ArgumentTypeError(f"--batch wants integers >= 1, got {text!r}")
-    return bs
 
 
 def main(argv=None) -> int:
+    from tpcheck.cli import positive_ints
     from tpcheck.checkpoints import preset_names
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-root", help="cache root for the preset checkpoint")
     ap.add_argument("--seed", type=int, default=0, help="checkpoint and prompt seed")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
-    ap.add_argument("--batch", type=parse_batches, default=[1, 16], help="batch sizes (default 1,16)")
+    ap.add_argument("--batch", type=positive_ints, default=[1, 16], help="batch sizes (default 1,16)")
     ap.add_argument("--min-len", type=int, default=16, help="shortest prompt (default 16)")
     ap.add_argument("--max-len", type=int, default=128, help="longest prompt (default 128)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,

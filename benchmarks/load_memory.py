@@ -250,22 +250,15 @@ def measure(model_dir: Path, tp: int, dtype: str, interval_s: float, kv_blocks: 
     return rows
 
 
-def parse_tps(text: str) -> list[int]:
-    try:
-        tps = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tp wants a comma-separated list of integers, got {text!r}") from None
-    if not tps or any(t < 1 for t in tps):
-        raise argparse.ArgumentTypeError(f"--tp wants integers >= 1, got {text!r}")
-    return tps
 
 
 def main(argv=None) -> int:
+    from tpcheck.cli import positive_ints
     from tpcheck.checkpoints import preset_names
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen2.5-0.5b", choices=preset_names(), help="checkpoint preset")
-    ap.add_argument("--tp", type=parse_tps, default=[1, 2], help="TP sizes, comma-separated (default 1,2)")
+    ap.add_argument("--tp", type=positive_ints, default=[1, 2], help="TP sizes, comma-separated (default 1,2)")
     ap.add_argument("--ckpt-dir", help="checkpoint directory to reuse (written there once if missing/empty)")
     ap.add_argument("--cache-root", help="cache root for the preset checkpoint (default $TPCHECK_CACHE or "
                                          "~/.cache/tpcheck/checkpoints)")

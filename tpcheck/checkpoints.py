@@ -96,17 +96,13 @@ def preset_config(name: str, dtype: str = "float32") -> "transformers.Qwen2Confi
     Raises ValueError for an unknown preset (listing the valid names) or dtype.
     Note: transformers 5.x stores ``rope_theta`` inside ``config.rope_parameters``.
     """
-    from transformers import Qwen2Config
-
-    kwargs = _check_preset(name)
-    _check_dtype(dtype)
-    return Qwen2Config(**kwargs, dtype=dtype, architectures=["Qwen2ForCausalLM"])
+    return config_from_kwargs(_check_preset(name), dtype)
 
 
 def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every tensor, in the fixed generation order."""
     h, v, inter = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
-    d = h // cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads  # an explicit head_dim wins, as in HF
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     specs = [("model.embed_tokens.weight", (v, h), "embed")]
     for i in range(cfg.num_hidden_layers):
@@ -128,14 +124,14 @@ def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
     return specs
 
 
-def _draw(shape: tuple[int, ...], kind: str, gen: torch.Generator) -> torch.Tensor:
+def _draw(shape: tuple[int, ...], kind: str, gen: torch.Generator, bias_std: float = 0.5) -> torch.Tensor:
     """One float32 tensor following the value recipe in the module docstring."""
     if kind == "embed":
         return torch.randn(shape, generator=gen)
     if kind == "linear":
         return torch.randn(shape, generator=gen).mul_(shape[1] ** -0.5)
     if kind == "bias":
-        return torch.randn(shape, generator=gen).mul_(0.5)
+        return torch.randn(shape, generator=gen).mul_(bias_std)
     u = torch.rand(shape, generator=gen).mul_(0.4).add_(0.2)
     sign = torch.randint(0, 2, shape, generator=gen).mul_(2).sub_(1)
     return u.mul_(sign).add_(1.0)
@@ -165,7 +161,25 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
     ``shards > 1`` writes ``model-0000i-of-0000N.safetensors`` plus an index json.
     Returns ``out`` as a Path.
     """
-    cfg = preset_config(preset, dtype)
+    return make_config_checkpoint(preset_config(preset, dtype), out, seed=seed, dtype=dtype, shards=shards)
+
+
+def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> "transformers.Qwen2Config":  # noqa: F821
+    """A ``Qwen2Config`` from ``Qwen2Config`` keyword arguments (a preset's dict, or one drawn by
+    ``tpcheck.strategies``), with ``dtype`` and the Qwen2 architecture recorded in it."""
+    from transformers import Qwen2Config
+
+    _check_dtype(dtype)
+    return Qwen2Config(**dict(kwargs), dtype=dtype, architectures=["Qwen2ForCausalLM"])
+
+
+def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype: str = "float32",
+                           shards: int = 1, bias_std: float = 0.5) -> pathlib.Path:
+    """``make_checkpoint`` for any Qwen2 shape: ``config`` is a ``Qwen2Config`` or a dict of its keyword
+    arguments (an explicit ``head_dim`` is honoured, as HF does).  Same value recipe, same atomic write;
+    ``bias_std`` scales the q/k/v biases (default 0.5: the presets' recipe).  Presets written through
+    here are bit-for-bit those of ``make_checkpoint``."""
+    cfg = config_from_kwargs(config, dtype) if isinstance(config, dict) else config
     tdtype = _check_dtype(dtype)
     specs = _tensor_specs(cfg)
     if not isinstance(shards, int) or not 1 <= shards <= len(specs):
@@ -190,7 +204,7 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
             tensors = {}
             for (name, shape, kind), o in zip(specs, owner):
                 if o == s:  # shards are contiguous, so the draw order is always `specs`
-                    tensors[name] = _draw(shape, kind, gen).to(tdtype)
+                    tensors[name] = _draw(shape, kind, gen, bias_std).to(tdtype)
                     weight_map[name] = fname
             save_file(tensors, tmp / fname, metadata={"format": "pt"})
             del tensors

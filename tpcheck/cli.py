@@ -12,11 +12,19 @@ from pathlib import Path
 from tpcheck import checkpoints
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str, minimum: int | None = None) -> list[int]:
+    """argparse type for ``1,2,4``: a non-empty list of integers (each >= ``minimum`` when given)."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or (minimum is not None and any(v < minimum for v in values)):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers{f' >= {minimum}' if minimum is not None else ''}, got {text!r}")
+    return values
+
+
+def positive_ints(text: str) -> list[int]:
+    return int_list(text, 1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,9 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--model", type=Path, help="a Hugging Face Qwen2 checkpoint directory")
     src.add_argument("--preset", default="tiny", choices=checkpoints.preset_names(),
                      help="synthetic checkpoint used when --model is not given (default: tiny)")
-    ck.add_argument("--tp", type=_ints, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
+    ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
     ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ck.add_argument("--prompt-ids", type=_ints, action="append", help="a prompt as token ids (repeatable)")
+    ck.add_argument("--prompt-ids", type=int_list, action="append", help="a prompt as token ids (repeatable)")
     ck.add_argument("--seq-len", type=int, default=64)
     ck.add_argument("--batch", type=int, default=2)
     ck.add_argument("--seed", type=int, default=0)
@@ -55,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     df.add_argument("--tp", type=int, default=2)
     df.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     inp = df.add_mutually_exclusive_group()
-    inp.add_argument("--prompt-ids", type=_ints, action="append", help="a prompt as token ids (repeatable)")
+    inp.add_argument("--prompt-ids", type=int_list, action="append", help="a prompt as token ids (repeatable)")
     inp.add_argument("--prompt", action="append", help="prompt text (needs a tokenizer in --model; repeatable)")
     df.add_argument("--seq-len", type=int, default=32, help="random prompts: tokens each (default 32)")
     df.add_argument("--batch", type=int, default=2, help="random prompts: how many (default 2)")

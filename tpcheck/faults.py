@@ -17,14 +17,28 @@ the clean model computed), or ``with injected(llm, ["rope_skipped"], layer=1): .
 engine on exit.
 
 ``apply`` mutates the rank's already-loaded model in place: parameters (load-time bugs re-read the
-checkpoint tensors they need from ``runner.cfg.model_dir`` and rewrite the rank's shard; they never call
-the loader again) or per-instance method overrides (``module.forward = ...``) on the chosen modules only.
+checkpoint tensors they need from ``runner.cfg.model_dir`` and rewrite the rank's shard, through the
+layers' own ``weight_loader`` at most, never ``impl.loader`` again) or per-instance method overrides (``module.forward = ...``) on the chosen modules only.
 impl's classes and files are never touched, so other engines and other layers stay correct. There is no
 "un-apply": reload the runner (``LLM.load`` recreates it) to get a clean engine back. Every modified
 module is marked with ``_tpcheck_faults`` (a list of fault names); ``describe`` reports the marks.
 
 Applying a fault twice to the same module is a no-op (a swap applied twice would otherwise undo itself).
 Faults compose: several may be applied to the same engine and layer.
+
+Choices and blind spots:
+
+* ``full_state_dict_every_rank`` is a memory fault (``Fault.check == "memory"``): the numerics are
+  unchanged and ``tpcheck diff`` passes; ``tpcheck.fault_matrix.rank_memory`` (tensor bytes each rank
+  holds against its share of the checkpoint) flags it.
+* ``vocab_ids_not_masked`` is the variant of "vocab padding / out-of-shard ids" that shows numerically (at
+  ``embed``, tp > 1). Padding rows left uninitialised cannot show in impl: no token id selects a padding
+  row of the embedding, and the LM head strips the padding columns before anything sees the logits.
+* ``rope_wrong_layout`` rotates interleaved pairs (GPT-J) instead of halves (neox). The seeds' other
+  wrong layout, cos/sin broadcast over the heads axis instead of the tokens axis, only runs when the
+  token count equals the head count (or is 1), so it is not a fault here.
+* ``rmsnorm_weight_before_cast`` rounds once where HF rounds twice: the engine gets *closer* to the float64
+  golden than HF at the same dtype, so a noise-floor gate cannot flag it (see the fault matrix).
 """
 from __future__ import annotations
 
@@ -44,6 +58,8 @@ from impl.distributed import all_reduce
 from impl.layers.attention import block_slots
 
 MARK = "_tpcheck_faults"
+DEFAULT_ROPE_THETA = 10000.0     # what a config reader falls back to when it misses rope_theta
+LOW_PRECISION_REDUCE = torch.bfloat16
 
 
 # ---- configuration arithmetic (mirrors QKVParallelLinear) ---------------------------------------------
@@ -92,6 +108,18 @@ def _tied(cfg: ModelConfig, tp: int, dtype: str) -> bool:
     return cfg.tie_word_embeddings
 
 
+def _half_precision(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return dtype in ("bfloat16", "float16")
+
+
+def _rope_theta_not_default(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return cfg.rope_theta != DEFAULT_ROPE_THETA
+
+
+def _tp_gt_1_float32(cfg: ModelConfig, tp: int, dtype: str) -> bool:
+    return tp > 1 and dtype == "float32"
+
+
 @dataclass(frozen=True)
 class Fault:
     """A named TP bug. ``applies(cfg, tp, dtype)``: whether it can show in that configuration;
@@ -103,6 +131,12 @@ class Fault:
     expected_origin: str    # canonical point, a template with {layer} for per-layer faults
     decode_only: bool = False
     predicate: Callable[[ModelConfig, int, str], bool] = field(default=_always, repr=False, compare=False)
+    # which check catches it: "diff" (the layer-by-layer numerics) or "memory" (per-rank memory figures;
+    # the numerics are unchanged, so ``tpcheck diff`` passes and ``expected_origin`` is "memory")
+    check: str = "diff"
+    # the step of the expected origin: "prefill" (step 0), "decode" (the first decode step, 1) or
+    # "block_boundary" (the first decode step whose position is a multiple of the KV block size)
+    origin_step: str = "prefill"
 
     @property
     def per_layer(self) -> bool:
@@ -156,11 +190,45 @@ _FAULT_LIST = [
           predicate=_tp_gt_1),
     Fault("decode_position_off_by_one",
           "decode steps pass position p + 1 instead of p to RoPE",
-          "decode only", "layers.{layer}.attn.q_rope", decode_only=True),
+          "decode only", "layers.{layer}.attn.q_rope", decode_only=True, origin_step="decode"),
     Fault("untied_lm_head",
           "tied lm_head not tied (AutoModel fallback): the head is a fresh N(0, 0.02) tensor, not the embedding",
           "tied checkpoints (tie_word_embeddings)", "logits",
           predicate=_tied),
+    Fault("rope_wrong_layout",
+          "RoPE rotates interleaved pairs (GPT-J: x[2i], x[2i+1]) where Qwen2 rotates halves (neox: x[i], x[i+d/2])",
+          "always (any position > 0)", "layers.{layer}.attn.q_rope"),
+    Fault("full_state_dict_every_rank",
+          "every rank also materialises the whole checkpoint state dict and keeps it (numerics unchanged)",
+          "memory figures only, tp > 1: a rank holds >= the full checkpoint instead of its ~1/tp share; "
+          "tpcheck diff passes", "memory",
+          predicate=_tp_gt_1, check="memory"),
+    Fault("vocab_ids_not_masked",
+          "vocab-parallel embedding does not zero ids outside the rank's vocab range: each rank adds its row 0",
+          "tp > 1", "embed",
+          predicate=_tp_gt_1),
+    Fault("every_rank_loads_rank0_shard",
+          "every rank loads rank 0's slice of the layer's sharded weights (q/k/v, o_proj, gate/up, down): "
+          "the weight loader narrows at offset 0 instead of tp_rank * size",
+          "tp > 1", "layers.{layer}.attn.q",
+          predicate=_tp_gt_1),
+    Fault("rmsnorm_weight_before_cast",
+          "RMSNorm multiplies by its weight in float32 and casts back after (HF casts back, then multiplies)",
+          "half precision only (bfloat16, float16): identical arithmetic in float32", "layers.{layer}.input_norm",
+          predicate=_half_precision),
+    Fault("rope_theta_default",
+          "rope_theta silently defaulted to 10000 when the checkpoint's config says otherwise",
+          "checkpoints with rope_theta != 10000 (any position > 0)", "layers.{layer}.attn.q_rope",
+          predicate=_rope_theta_not_default),
+    Fault("slot_mapping_off_by_one_at_block_boundary",
+          "a decode token that opens a new KV block is written one slot early, over the previous token's "
+          "K/V, leaving its own slot empty",
+          "decode only, when a sequence crosses a block boundary", "layers.{layer}.kv.k",
+          decode_only=True, origin_step="block_boundary"),
+    Fault("allreduce_low_precision",
+          "the o_proj and down_proj all-reduces run in bfloat16 while the activations are float32",
+          "tp > 1 with float32 activations", "layers.{layer}.attn.out",
+          predicate=_tp_gt_1_float32),
 ]
 FAULTS: dict[str, Fault] = {f.name: f for f in _FAULT_LIST}
 assert len(FAULTS) == len(_FAULT_LIST), "duplicate fault names"
@@ -315,21 +383,25 @@ def _f_gqa_cache_repeated_heads(runner, i, layer):
         runner.allocate_kv_cache(*k0.shape[:2])
 
 
-def _init_row_bias(o_proj) -> None:
-    """An instance ``forward`` for a row-parallel layer whose behaviour the o_proj faults switch on."""
-    if "forward" in o_proj.__dict__:
+def _init_row_parallel(m) -> None:
+    """An instance ``forward`` for a row-parallel layer (o_proj, down_proj) whose behaviour the row-parallel
+    faults switch on through attributes."""
+    if "forward" in m.__dict__:
         return
 
     def forward(x):
-        y = F.linear(x, o_proj.weight, o_proj.bias if o_proj.tp_rank == 0 else None)
-        extra = getattr(o_proj, "_tpcheck_extra_bias", None)
-        if extra is not None and o_proj.tp_rank > 0:  # the bug adds b on every rank; rank 0's copy is the
-            y = y + extra                              # correct one, so only the extra copies are added
-        if getattr(o_proj, "_tpcheck_skip_allreduce", False):
+        y = F.linear(x, m.weight, m.bias if m.tp_rank == 0 else None)
+        extra = getattr(m, "_tpcheck_extra_bias", None)
+        if extra is not None and m.tp_rank > 0:  # the bug adds b on every rank; rank 0's copy is the
+            y = y + extra                        # correct one, so only the extra copies are added
+        if getattr(m, "_tpcheck_skip_allreduce", False):
             return y
+        low = getattr(m, "_tpcheck_reduce_dtype", None)
+        if low is not None and low != y.dtype:  # partial sums rounded to, and summed in, the lower precision
+            return all_reduce(y.to(low)).to(y.dtype)
         return all_reduce(y)
 
-    o_proj.forward = forward
+    m.forward = forward
 
 
 def _f_row_bias_every_rank(runner, i, layer):
@@ -337,14 +409,14 @@ def _f_row_bias_every_rank(runner, i, layer):
     if _mark(o, "row_bias_every_rank"):
         # Qwen2's o_proj has no bias: a fixed b (zero for a correct engine) that every rank adds
         o._tpcheck_extra_bias = _seeded_randn((o.output_size,), 1000 + i, o.weight.dtype, o.weight.device) * 0.1
-        _init_row_bias(o)
+        _init_row_parallel(o)
 
 
 def _f_skip_o_proj_allreduce(runner, i, layer):
     o = layer.self_attn.o_proj
     if _mark(o, "skip_o_proj_allreduce"):
         o._tpcheck_skip_allreduce = True
-        _init_row_bias(o)
+        _init_row_parallel(o)
 
 
 @torch.no_grad()
@@ -398,6 +470,131 @@ def _f_kv_replica_index(runner, i, layer):
         qkv.bias.data[off:off + d].copy_(w[f"{p}{s}_proj.bias"][head * d:(head + 1) * d])
 
 
+def _rope_interleaved(rot):
+    """``RotaryEmbedding.forward`` in the GPT-J layout: pairs (x[2i], x[2i+1]) rotated by angle i."""
+
+    def forward(positions, q, k):
+        freqs = positions.to(torch.float32)[:, None] * rot.inv_freq.to(torch.float32)[None, :]  # [T, d/2]
+        cos, sin = freqs.cos().to(q.dtype)[:, None, :], freqs.sin().to(q.dtype)[:, None, :]
+
+        def rotate(x):
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+        return rotate(q), rotate(k)
+
+    return forward
+
+
+def _f_rope_wrong_layout(runner, i, layer):
+    rot = layer.self_attn.rotary_emb
+    if _mark(rot, "rope_wrong_layout"):
+        rot.forward = _rope_interleaved(rot)
+
+
+def _f_full_state_dict_every_rank(runner, i, layer):
+    from safetensors.torch import load_file
+
+    from impl.loader import checkpoint_files
+    if getattr(runner, "_tpcheck_full_state", None) is None:
+        state: dict[str, torch.Tensor] = {}
+        for fname in checkpoint_files(runner.cfg.model_dir):
+            state.update({n: t.to(runner.dtype) for n, t in load_file(fname).items()})
+        runner._tpcheck_full_state = state  # kept referenced for the runner's lifetime, as the bug does
+
+
+def _f_vocab_ids_not_masked(runner, i, layer):
+    emb = runner.model.model.embed_tokens
+    if emb.tp_size == 1 or not _mark(emb, "vocab_ids_not_masked"):
+        return  # one rank owns every id: nothing to mask
+
+    def forward(ids):
+        mine = (ids >= emb.start) & (ids < emb.end)
+        # the bug: out.masked_fill(~mine[..., None], 0) is missing, so foreign ids contribute local row 0
+        return all_reduce(F.embedding(torch.where(mine, ids - emb.start, 0), emb.weight))
+
+    emb.forward = forward
+
+
+@torch.no_grad()
+def _f_every_rank_loads_rank0_shard(runner, i, layer):
+    sa, mlp = layer.self_attn, layer.mlp
+    p = f"model.layers.{i}."
+    targets = [(sa.qkv_proj, f"self_attn.{s}_proj", s) for s in ("q", "k", "v")]
+    targets += [(sa.o_proj, "self_attn.o_proj", None), (mlp.gate_up_proj, "mlp.gate_proj", 0),
+                (mlp.gate_up_proj, "mlp.up_proj", 1), (mlp.down_proj, "mlp.down_proj", None)]
+    if not _mark(sa.qkv_proj, "every_rank_loads_rank0_shard"):
+        return
+    for m in (sa.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        _mark(m, "every_rank_loads_rank0_shard")
+    names = [p + f"{hf}.{t}" for m, hf, _ in targets for t in ("weight", "bias") if getattr(m, t) is not None]
+    full = _read_tensors(runner, names)
+    for m, hf, sid in targets:
+        rank = m.tp_rank
+        m.tp_rank = 0  # the layer's own weight loader, narrowing at rank 0's offset
+        try:
+            for t in ("weight", "bias"):
+                param = getattr(m, t)
+                if param is not None:
+                    m.weight_loader(param, full[p + f"{hf}.{t}"], sid)
+        finally:
+            m.tp_rank = rank
+
+
+def _norm_weight_before_cast(norm):
+    def forward(x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+        return (norm.weight * h).to(dtype)  # HF: norm.weight * h.to(dtype)
+
+    return forward
+
+
+def _f_rmsnorm_weight_before_cast(runner, i, layer):
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if _mark(norm, "rmsnorm_weight_before_cast"):
+            norm.forward = _norm_weight_before_cast(norm)
+
+
+def _f_rope_theta_default(runner, i, layer):
+    rot = layer.self_attn.rotary_emb
+    if _mark(rot, "rope_theta_default"):
+        d = rot.head_dim
+        rot.inv_freq = 1.0 / (DEFAULT_ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)).to(
+            rot.inv_freq.device)
+
+
+def _f_slot_mapping_off_by_one(runner, i, layer):
+    attn = layer.self_attn.attn
+    if not _mark(attn, "slot_mapping_off_by_one_at_block_boundary"):
+        return
+    prev = attn.forward
+
+    def forward(q, k, v):
+        ctx = get_context()
+        if not ctx.is_decode or ctx.slot_mapping is None or not attn.k_cache.numel():
+            return prev(q, k, v)
+        bs = attn.k_cache.shape[1]
+        pos = torch.tensor(ctx.seq_lens_k, device=ctx.slot_mapping.device) - 1  # one new token per sequence
+        opens_block = (pos % bs == 0) & (pos > 0)
+        good = ctx.slot_mapping
+        ctx.slot_mapping = good - opens_block.to(good.dtype)  # the bug: one slot short at the boundary
+        try:
+            return prev(q, k, v)
+        finally:
+            ctx.slot_mapping = good
+
+    attn.forward = forward
+
+
+def _f_allreduce_low_precision(runner, i, layer):
+    for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        if _mark(m, "allreduce_low_precision"):
+            m._tpcheck_reduce_dtype = LOW_PRECISION_REDUCE
+            _init_row_parallel(m)
+
+
 _APPLY: dict[str, Callable] = {
     "nan_causal_mask": _f_nan_causal_mask,
     "qkv_shard_dim1": _f_qkv_shard_dim1,
@@ -410,6 +607,14 @@ _APPLY: dict[str, Callable] = {
     "skip_o_proj_allreduce": _f_skip_o_proj_allreduce,
     "decode_position_off_by_one": _f_decode_position_off_by_one,
     "untied_lm_head": _f_untied_lm_head,
+    "rope_wrong_layout": _f_rope_wrong_layout,
+    "full_state_dict_every_rank": _f_full_state_dict_every_rank,
+    "vocab_ids_not_masked": _f_vocab_ids_not_masked,
+    "every_rank_loads_rank0_shard": _f_every_rank_loads_rank0_shard,
+    "rmsnorm_weight_before_cast": _f_rmsnorm_weight_before_cast,
+    "rope_theta_default": _f_rope_theta_default,
+    "slot_mapping_off_by_one_at_block_boundary": _f_slot_mapping_off_by_one,
+    "allreduce_low_precision": _f_allreduce_low_precision,
 }
 
 

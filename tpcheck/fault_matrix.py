@@ -1,0 +1,339 @@
+"""The sensitivity table: every fault on the smallest configuration where it shows, plus clean runs.
+
+``run_matrix`` injects each fault of ``tpcheck.faults`` into impl on ``smallest_config(fault)`` and runs
+``tpcheck.diff`` (every decoder layer faulty, so the expected origin is in layer 0); a memory fault is
+checked by ``memory_check`` (tensor bytes each rank holds against its share of the checkpoint) instead.
+Each distinct configuration is also run clean, in float32 and bfloat16: a clean run that fails the diff
+or the memory check is a false alarm.
+
+    tpcheck faults matrix                          # every fault; exit 0: all found where expected
+    tpcheck faults matrix --faults rope_skipped,vocab_ids_not_masked --json m.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from impl.config import load_config
+from impl.layers.embedding import padded_vocab_size
+from tpcheck import faults as F
+
+# candidate configurations, smallest first: a fault runs on the first one where it can show
+PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small")
+TP_ORDER = (1, 2, 4)
+DTYPE_ORDER = ("float32", "bfloat16")
+CLEAN_DTYPES = ("float32", "bfloat16")
+PREFILL = dict(decode_steps=0, prompt_lens=(12, 17), block_size=16)
+# decode: both prompts cross a block boundary (positions 8 and 16) at decode step 3
+DECODE = dict(decode_steps=3, prompt_lens=(6, 14), block_size=8)
+
+# memory gate, after benchmarks/load_memory.py: a rank may hold its share of the checkpoint x 1.15, plus slack
+MEM_FACTOR = 1.15
+MEM_SLACK = 64 << 10
+
+COLUMNS = ["fault", "config", "check", "detected", "origin", "expected_origin", "origin_ok", "ok", "excess",
+           "note", "preset", "tp", "dtype", "decode_steps", "prompt_lens", "block_size", "origin_point",
+           "origin_step", "expected_point", "expected_step", "seconds"]
+
+
+# ---- configurations -------------------------------------------------------------------------------------
+
+def _resolver(ckpt):
+    if ckpt is not None:
+        return ckpt
+    from tpcheck.checkpoints import cached_checkpoint
+    return cached_checkpoint
+
+
+def smallest_config(fault: F.Fault | str, ckpt=None) -> dict:
+    """The smallest configuration where ``fault`` can show: ``{preset, tp, dtype, decode_steps,
+    prompt_lens, block_size}`` (presets, then TP sizes, smallest first; float32 before bfloat16; the
+    decode layout for decode-only faults). ``ckpt(preset) -> checkpoint dir`` (default: the cache)."""
+    fault = F.get_fault(fault) if isinstance(fault, str) else fault
+    ckpt = _resolver(ckpt)
+    for dtype in DTYPE_ORDER:
+        for preset in PRESET_ORDER:
+            cfg = load_config(ckpt(preset))
+            for tp in TP_ORDER:
+                if fault.applies(cfg, tp, dtype):
+                    layout = DECODE if fault.decode_only else PREFILL
+                    return dict(preset=preset, tp=tp, dtype=dtype, **layout)
+    raise ValueError(f"{fault.name}: shows in none of the candidate configurations")
+
+
+def expected_step(fault: F.Fault, config: dict) -> int:
+    """The step of the fault's expected origin in ``config``."""
+    if fault.origin_step == "prefill":
+        return 0
+    if fault.origin_step == "decode":
+        return 1
+    bs = config["block_size"]  # block_boundary: the first decode step that writes a position p % bs == 0
+    for s in range(1, config["decode_steps"] + 1):
+        if any((n + s - 1) % bs == 0 for n in config["prompt_lens"]):
+            return s
+    raise ValueError(f"{fault.name}: no prompt crosses a block boundary in {describe_config(config)}")
+
+
+def describe_config(c: dict) -> str:
+    steps = f"{c['decode_steps']} decode steps, block {c['block_size']}" if c["decode_steps"] else "prefill"
+    return f"{c['preset']} tp={c['tp']} {c['dtype']}, prompts {'+'.join(map(str, c['prompt_lens']))}, {steps}"
+
+
+def prompts_for(config: dict, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(f"fault-matrix-{config['preset']}-{config['prompt_lens']}")
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in config["prompt_lens"]]
+
+
+def _layout_key(c: dict) -> tuple:
+    return (c["preset"], c["tp"], c["decode_steps"], tuple(c["prompt_lens"]), c["block_size"])
+
+
+# ---- the memory check -----------------------------------------------------------------------------------
+
+def rank_memory(runner) -> dict:
+    """Inside a rank: bytes of every live tensor storage of this process except the KV cache (parameters,
+    buffers, anything a fault keeps referenced), the parameters alone, and RssAnon from /proc."""
+    kv = {t.untyped_storage().data_ptr() for a in runner.attention_layers() for t in (a.k_cache, a.v_cache)
+          if t.numel()}
+    params = {}
+    for p in runner.model.parameters():
+        params[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    held: dict[int, int] = {}
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.device.type != "meta":
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in kv:
+                    held[ptr] = st.nbytes()
+        except Exception:  # noqa: BLE001 - a tensor subclass without storage
+            continue
+    rss_anon = None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    rss_anon = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {"rank": runner.rank, "tensor_bytes": sum(held.values()), "param_bytes": sum(params.values()),
+            "rss_anon": rss_anon}
+
+
+def expected_share(model_dir, tp: int, dtype: str) -> tuple[int, int]:
+    """(bytes one rank should hold, bytes of the whole checkpoint), both at ``dtype``, from the checkpoint's
+    tensor names and shapes: vocab rows padded and split, column/row-parallel weights split, KV heads split
+    or replicated, norms replicated."""
+    from safetensors import safe_open
+
+    from impl.loader import checkpoint_files
+    cfg = load_config(model_dir)
+    item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    share = total = 0
+    for fname, names in checkpoint_files(model_dir).items():
+        with safe_open(fname, framework="pt") as f:
+            for name in names:
+                shape = list(f.get_slice(name).get_shape())
+                n = math.prod(shape)
+                total += n * item
+                if cfg.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                    n = padded_vocab_size(shape[0], tp) // tp * shape[1]
+                elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+                    n //= min(tp, cfg.num_kv_heads)
+                elif name.endswith(("_proj.weight", "_proj.bias")):  # q, o, gate, up, down
+                    n //= tp
+                share += n * item
+    return share, total
+
+
+def memory_check(llm, inject: list[str] = (), layer: int | None = None) -> dict:
+    """Per-rank tensor bytes of ``llm`` clean and, with ``inject``, with the faults applied (the engine is
+    restored after). ``flagged``: some rank holds more than ``MEM_FACTOR`` x its share + ``MEM_SLACK``;
+    ``excess``: the largest held / that limit."""
+    share, total = expected_share(llm.model_dir, llm.tp_size, str(llm.dtype).removeprefix("torch."))
+    limit = MEM_FACTOR * share + MEM_SLACK
+    clean = llm.call("tpcheck.fault_matrix:rank_memory")
+    ranks = clean
+    if inject:
+        with F.injected(llm, list(inject), layer):
+            ranks = llm.call("tpcheck.fault_matrix:rank_memory")
+    worst = max(ranks, key=lambda r: r["tensor_bytes"])
+    return {"share_bytes": share, "checkpoint_bytes": total, "limit_bytes": limit, "clean": clean, "ranks": ranks,
+            "flagged": worst["tensor_bytes"] > limit, "excess": worst["tensor_bytes"] / limit,
+            "worst_rank": worst["rank"], "worst_over_checkpoint": worst["tensor_bytes"] / total,
+            "share_over_checkpoint": share / total}
+
+
+def _memory_note(m: dict) -> str:
+    r = m["worst_rank"]
+    held = next(x for x in m["ranks"] if x["rank"] == r)["tensor_bytes"]
+    before = next(x for x in m["clean"] if x["rank"] == r)["tensor_bytes"]
+    return (f"rank {r} holds {held / 1024:.0f} KiB = {m['worst_over_checkpoint']:.2f}x checkpoint "
+            f"(clean {before / 1024:.0f} KiB; share {m['share_over_checkpoint']:.2f}x)")
+
+
+# ---- the matrix -------------------------------------------------------------------------------------------
+
+def _diff(pool, ckpt, config: dict, inject: list[str], log):
+    import tpcheck
+    d = ckpt(config["preset"])
+    prompts = prompts_for(config, load_config(d).vocab_size)
+    return tpcheck.diff(model=str(d), tp=config["tp"], dtype=config["dtype"], prompts=prompts,
+                        decode_steps=config["decode_steps"], inject=list(inject), pool=pool,
+                        block_size=config["block_size"], log=log)
+
+
+def _row(name: str, config: dict, check: str, **kw) -> dict:
+    row = dict.fromkeys(COLUMNS)
+    row.update(fault=name, config=describe_config(config), check=check, preset=config["preset"], tp=config["tp"],
+               dtype=config["dtype"], decode_steps=config["decode_steps"],
+               prompt_lens=",".join(map(str, config["prompt_lens"])), block_size=config["block_size"], note="")
+    row.update(kw)
+    return row
+
+
+def _at(point, step) -> str:
+    return "-" if point is None else f"{point} @ step {step}"
+
+
+def fault_row(name: str, pool, ckpt=None, log=sys.stderr) -> dict:
+    """Inject one fault on its smallest configuration and report what the checks found."""
+    ckpt = _resolver(ckpt)
+    fault = F.get_fault(name)
+    config = smallest_config(fault, ckpt)
+    t0 = time.monotonic()
+    r = _diff(pool, ckpt, config, [name], log)
+    fd = r.first_divergence
+    if fault.check == "memory":
+        llm = pool.get(ckpt(config["preset"]), config["tp"], config["dtype"])
+        m = memory_check(llm, [name])
+        note = _memory_note(m) + ("; diff passes: numerics unchanged" if r.passed else
+                                  f"; diff FAILS at {_at(fd['point'], fd['step'])}: numerics changed")
+        ok = m["flagged"] and r.passed
+        return _row(name, config, "memory", detected=m["flagged"], origin="memory" if m["flagged"] else "-",
+                    expected_origin="memory", origin_ok=m["flagged"], ok=ok, excess=m["excess"], note=note,
+                    origin_point="memory" if m["flagged"] else None, expected_point="memory",
+                    seconds=time.monotonic() - t0)
+    exp_point, exp_step = fault.origin(None), expected_step(fault, config)
+    detected = not r.passed
+    if detected:
+        origin_ok = (fd["point"], fd["step"]) == (exp_point, exp_step)
+        excess, note = fd["excess"], fd["note"] or ""
+    else:  # how close it came: the largest excess at the expected point
+        t = r.table[r.table["point"] == exp_point]
+        origin_ok, excess = False, float(t["excess"].max()) if len(t) else float("nan")
+        note = f"undetected: {exp_point} reached {excess:.3g}x its threshold"
+    return _row(name, config, "diff", detected=detected, origin=_at(fd and fd["point"], fd and fd["step"]),
+                expected_origin=_at(exp_point, exp_step), origin_ok=origin_ok, ok=detected and origin_ok,
+                excess=excess, note=note, origin_point=fd and fd["point"], origin_step=fd and fd["step"],
+                expected_point=exp_point, expected_step=exp_step, seconds=time.monotonic() - t0)
+
+
+def clean_row(config: dict, pool, ckpt=None, log=sys.stderr) -> dict:
+    """A clean run of ``config``: the diff and the memory check must both stay quiet."""
+    ckpt = _resolver(ckpt)
+    t0 = time.monotonic()
+    r = _diff(pool, ckpt, config, [], log)
+    m = memory_check(pool.get(ckpt(config["preset"]), config["tp"], config["dtype"]))
+    fd = r.first_divergence
+    alarms = []
+    if not r.passed:
+        alarms.append(f"diff fails at {_at(fd['point'], fd['step'])}")
+    if m["flagged"]:
+        alarms.append("memory: " + _memory_note(m))
+    worst = r.table.loc[r.table["excess"].idxmax()]
+    note = "; ".join(alarms) or (f"closest: {worst.point} @ step {worst.step} at {worst.excess:.2f}x; memory "
+                                 f"{m['excess']:.2f}x its limit")
+    return _row("(clean)", config, "diff+memory", detected=bool(alarms), origin=_at(fd and fd["point"], fd and fd["step"]),
+                expected_origin="-", origin_ok=None, ok=not alarms, excess=float(worst.excess), note=note,
+                origin_point=fd and fd["point"], origin_step=fd and fd["step"], seconds=time.monotonic() - t0)
+
+
+def clean_configs(configs: list[dict], dtypes=CLEAN_DTYPES) -> list[dict]:
+    """Each distinct layout of ``configs`` (preset, tp, prompts, decode steps, block size) once per dtype."""
+    seen, out = set(), []
+    for c in configs:
+        key = _layout_key(c)
+        if key not in seen:
+            seen.add(key)
+            out += [dict(c, dtype=d) for d in dtypes]
+    return out
+
+
+def run_matrix(faults: list[str] | None = None, pool=None, log=sys.stderr, ckpt=None, clean: bool = True,
+               clean_dtypes=CLEAN_DTYPES) -> pd.DataFrame:
+    """One row per fault (on its smallest configuration), then one clean row per distinct configuration
+    used and dtype. Columns: ``COLUMNS``; ``ok`` is the verdict of each row (a fault detected at its
+    expected origin and step; a clean run without alarm)."""
+    from tpcheck.pool import EnginePool
+    names = list(F.FAULTS) if faults is None else [F.get_fault(n).name for n in faults]
+    ckpt = _resolver(ckpt)
+    own = pool is None
+    pool = pool or EnginePool(max_num_seqs=16)
+    rows = []
+    try:
+        for n in names:
+            print(f"fault-matrix: {n} ...", file=log, flush=True)
+            rows.append(fault_row(n, pool, ckpt, log))
+        if clean:
+            for c in clean_configs([smallest_config(n, ckpt) for n in names], clean_dtypes):
+                print(f"fault-matrix: clean {describe_config(c)} ...", file=log, flush=True)
+                rows.append(clean_row(c, pool, ckpt, log))
+    finally:
+        if own:
+            pool.close()
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def format_table(df: pd.DataFrame) -> str:
+    """The table as ``tpcheck faults matrix`` prints it."""
+    t = df[["fault", "config", "detected", "origin", "expected_origin", "ok", "excess"]].copy()
+    t["detected"] = t["detected"].map({True: "yes", False: "no"})
+    t["ok"] = t["ok"].map({True: "ok", False: "MISS"})
+    t.loc[df["fault"] == "(clean)", "ok"] = df.loc[df["fault"] == "(clean)", "ok"].map({True: "quiet", False: "ALARM"})
+    t["excess"] = t["excess"].map(lambda v: "-" if v is None or pd.isna(v) else f"{v:.3g}x")
+    return t.to_string(index=False)
+
+
+# ---- command line: tpcheck faults matrix -----------------------------------------------------------------
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``matrix`` to the ``tpcheck faults`` sub-commands."""
+    p = subparsers.add_parser("matrix", help="each fault on the smallest configuration where it shows, plus clean runs",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--faults", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="comma-separated fault names (default: all; tpcheck faults list)")
+    p.add_argument("--no-clean", action="store_true", help="skip the clean runs")
+    p.add_argument("--json", type=Path, help="write every row as JSON")
+    return p
+
+
+def run(args) -> int:
+    """``tpcheck faults matrix``: print the table; 0 when every fault is detected at its expected origin and
+    no clean run alarms, 1 otherwise."""
+    for n in args.faults or []:
+        F.get_fault(n)  # ValueError (exit 2) before any engine starts
+    df = run_matrix(args.faults, clean=not args.no_clean)
+    print(format_table(df))
+    ok = bool(df["ok"].all())
+    faults_df, clean_df = df[df["fault"] != "(clean)"], df[df["fault"] == "(clean)"]
+    print(f"\n{'PASS' if ok else 'FAIL'}: {int(faults_df['ok'].sum())}/{len(faults_df)} faults found at their "
+          f"expected origin; {int((~clean_df['ok'].astype(bool)).sum())}/{len(clean_df)} clean runs alarmed")
+    for _, r in df[~df["ok"].astype(bool) | (df["check"] == "memory")].iterrows():
+        print(f"  {r.fault} ({r.config}): {r.note}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"passed": ok, "rows": json.loads(df.to_json(orient="records"))}, indent=1))
+        print(f"wrote {args.json}")
+    return 0 if ok else 1

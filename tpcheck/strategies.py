@@ -1,0 +1,370 @@
+"""Hypothesis strategies for tensor-parallel Qwen2 configurations and their inputs.
+
+Hand-picked inputs find the bugs their author already imagined; these let Hypothesis search the space of
+model shapes, TP sizes, prompts, decode lengths, block sizes and dtypes, and shrink what fails to the
+smallest case that still fails. Everything drawn is valid for impl and for Hugging Face (no filtering):
+
+* ``configs(tps)``: ``Qwen2Config`` keyword dicts (like ``tpcheck.checkpoints.PRESETS``) that every TP size
+  in ``tps`` can split: small shapes (hidden <= 128, 1-3 layers, vocab <= ~600) so a checkpoint writes in
+  milliseconds; head counts, KV-head counts (MHA, GQA, MQA), head_dim (implied or explicit), intermediate
+  size, vocab sizes with and without padding, tied / untied, rope_theta, rms_norm_eps.
+* ``config_and_tp(tps)``: a ``(config, tp)`` pair drawn together, so that both KV layouts are covered:
+  partition (``tp <= num_kv_heads``) and replication (``tp > num_kv_heads``).
+* ``tp_sizes(config)``, ``block_sizes()``, ``prompt_lengths(block_size)``, ``prompts(vocab, block_size)``
+  (batch 1-8 of ragged lengths 1-300, lengths at block boundaries +-1 drawn often), ``decode_lengths(K)``,
+  ``dtypes()``, ``bias_stds()``, ``seeds()``.
+* ``cases(...)``: all of it together as a ``Case``, which writes its checkpoint (``Case.checkpoint``),
+  runs the layer-by-layer diff (``Case.diff``) and prints a one-line reproduction (``Case.repro``).
+
+Use in your own tests::
+
+    from hypothesis import given
+    from tpcheck import strategies as tst
+    from tpcheck.pool import EnginePool
+
+    POOL = EnginePool()                       # one engine per TP size, reused by every example
+
+    @given(tst.cases(tps=(2, 4), dtypes=("bfloat16",), max_decode=4))
+    def test_my_engine(case):
+        r = case.diff(pool=POOL, root="/tmp/my-ckpts")
+        assert r.passed, case.failure_report(r, "/tmp/my-ckpts")
+
+Drawn checkpoints are written by ``config_checkpoint`` into ``root`` under a hash of what defines them
+(config, weight seed, bias scale, dtype): cached, and written atomically (safe under pytest-xdist).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import pathlib
+import random
+import shlex
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from functools import reduce
+
+from hypothesis import strategies as st
+
+DEFAULT_TPS = (1, 2, 4)
+DEFAULT_DTYPES = ("float32", "bfloat16")
+DEFAULT_BLOCK_SIZES = (16, 4, 1, 8, 32, 3)   # the first is where shrinking goes
+HEAD_DIMS = (8, 16, 32)                      # even: RoPE rotates pairs
+ROPE_THETAS = (10000.0, 1000000.0, 500000.0, 100.0)
+BIAS_STDS = (0.5, 0.0, 4.0)                  # q/k/v bias scale: the presets' recipe, no bias, large (real Qwen2 k)
+MAX_POSITION = 1024
+_FIXED = dict(max_position_embeddings=MAX_POSITION, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
+
+
+# ---- configuration arithmetic ---------------------------------------------------------------------------
+
+def kv_layout(num_kv_heads: int, tp: int) -> str:
+    """``"partition"`` (each rank holds ``num_kv_heads / tp`` KV heads) or ``"replication"`` (each KV head
+    is copied to ``tp / num_kv_heads`` ranks)."""
+    return "partition" if tp <= num_kv_heads else "replication"
+
+
+def tp_compatible(config: dict, tp: int) -> bool:
+    """Whether impl can split ``config`` over ``tp`` ranks: query heads divisible by tp, KV heads divisible
+    by tp (partition) or tp divisible by KV heads (replication), intermediate size divisible by tp.
+    (impl's ``ModelConfig.check_tp`` checks the heads; the MLP split needs the last one.)"""
+    h, kv, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
+    if tp < 1 or h % tp or inter % tp:
+        return False
+    return kv % tp == 0 if tp <= kv else tp % kv == 0
+
+
+def _lcm(values) -> int:
+    return reduce(lambda a, b: a * b // math.gcd(a, b), values, 1)
+
+
+def _check_tps(tps) -> tuple[int, ...]:
+    tps = tuple(sorted(set(int(t) for t in tps)))
+    if not tps or tps[0] < 1:
+        raise ValueError(f"tps must be non-empty positive TP sizes, got {tps!r}")
+    return tps
+
+
+def _kv_candidates(tps: tuple[int, ...], max_kv: int = 8) -> list[int]:
+    """KV-head counts that every TP size in ``tps`` can partition or replicate."""
+    out = []
+    for kv in range(1, max_kv + 1):
+        if all((kv % t == 0) if t <= kv else (t % kv == 0) for t in tps):
+            out.append(kv)
+    return out
+
+
+@st.composite
+def _shape(draw, heads: int, kv: int, tp_multiple: int, max_hidden: int, max_layers: int, max_vocab: int) -> dict:
+    """Everything but the head counts (already valid for the TP sizes)."""
+    explicit = draw(st.booleans())  # False first: head_dim implied by hidden / heads, as in most checkpoints
+    if explicit:
+        head_dim = draw(st.sampled_from([d for d in HEAD_DIMS if heads * d <= 4 * max_hidden] or [HEAD_DIMS[0]]))
+        hidden = 16 * draw(st.integers(2, max(2, max_hidden // 16)))
+        if hidden == heads * head_dim:
+            explicit = False  # the same model either way; keep the config in its plain form
+    else:
+        dims = [d for d in HEAD_DIMS if heads * d <= max_hidden] or [HEAD_DIMS[0]]
+        head_dim = draw(st.sampled_from(dims))
+        hidden = heads * head_dim
+    unit = _lcm([tp_multiple, 8])
+    inter = unit * draw(st.integers(max(1, 16 // unit), max(1, 4 * max_hidden // unit)))
+    # vocab: any size (padded to a multiple of 64 and of tp) or an exact multiple of 64 (no padding)
+    vocab = draw(st.one_of(st.integers(32, max_vocab), st.integers(1, max(1, max_vocab // 64)).map(lambda k: 64 * k)))
+    cfg = dict(_FIXED, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+               intermediate_size=inter, num_hidden_layers=draw(st.integers(1, max_layers)), vocab_size=vocab,
+               tie_word_embeddings=draw(st.booleans()), rope_theta=draw(st.sampled_from(ROPE_THETAS)),
+               rms_norm_eps=draw(st.sampled_from((1e-6, 1e-5))))
+    if explicit:
+        cfg["head_dim"] = head_dim
+    return cfg
+
+
+def configs(tps=DEFAULT_TPS, max_hidden: int = 128, max_layers: int = 3, max_vocab: int = 600,
+            max_heads: int = 16) -> st.SearchStrategy[dict]:
+    """``Qwen2Config`` keyword dicts that every TP size in ``tps`` can split (``tp_compatible``)."""
+    tps = _check_tps(tps)
+    t = _lcm(tps)
+    kvs = _kv_candidates(tps)
+    if not kvs or t > max_heads:
+        raise ValueError(f"no KV-head count <= 8 / head count <= {max_heads} works for every tp in {tps}")
+
+    @st.composite
+    def draw_config(draw):
+        kv = draw(st.sampled_from(kvs))
+        base = _lcm([kv, t])  # heads: a multiple of the KV heads and of every tp
+        heads = base * draw(st.sampled_from([g for g in (1, 2, 4, 8) if base * g <= max_heads] or [1]))
+        return draw(_shape(heads, kv, t, max_hidden, max_layers, max_vocab))
+
+    return draw_config()
+
+
+def tp_sizes(config: dict, tps=DEFAULT_TPS) -> st.SearchStrategy[int]:
+    """The TP sizes in ``tps`` that can split ``config``."""
+    ok = [t for t in _check_tps(tps) if tp_compatible(config, t)]
+    if not ok:
+        raise ValueError(f"none of tp {tps} can split this config")
+    return st.sampled_from(ok)
+
+
+def config_and_tp(tps=DEFAULT_TPS, layouts=("partition", "replication"), max_hidden: int = 128,
+                  max_layers: int = 3, max_vocab: int = 600, max_heads: int = 16) -> st.SearchStrategy[tuple[dict, int]]:
+    """A ``(config, tp)`` pair drawn together: first the TP size, then the KV layout (``layouts``; replication
+    needs ``tp > 1``), then head counts that make it so: partition ``num_kv_heads = tp * a``; replication
+    ``num_kv_heads`` a proper divisor of tp (MQA included). Shrinks toward tp 1, partition, few heads."""
+    tps = _check_tps(tps)
+    layouts = tuple(layouts)
+    if not set(layouts) <= {"partition", "replication"} or not layouts:
+        raise ValueError(f"layouts must be 'partition' and/or 'replication', got {layouts!r}")
+    usable = [t for t in tps if "partition" in layouts or t > 1]
+    if not usable:
+        raise ValueError("replication needs a tp > 1")
+
+    @st.composite
+    def draw_pair(draw):
+        tp = draw(st.sampled_from(usable))
+        layout = draw(st.sampled_from([lay for lay in layouts if lay == "partition" or tp > 1]))
+        if layout == "partition":
+            kv = tp * draw(st.sampled_from([a for a in (1, 2, 4) if tp * a <= 8] or [1]))
+            groups = [g for g in (1, 2, 4) if kv * g <= max_heads] or [1]
+        else:
+            kv = draw(st.sampled_from([d for d in range(1, tp) if tp % d == 0]))
+            groups = [g for g in (1, 2, 4, 8) if (kv * g) % tp == 0 and kv * g <= max_heads] or [tp // kv]
+        heads = kv * draw(st.sampled_from(groups))
+        return draw(_shape(heads, kv, tp, max_hidden, max_layers, max_vocab)), tp
+
+    return draw_pair()
+
+
+def block_sizes(sizes=DEFAULT_BLOCK_SIZES) -> st.SearchStrategy[int]:
+    """KV-cache block sizes (tokens per block); shrinks toward the first (16)."""
+    return st.sampled_from(tuple(sizes))
+
+
+def dtypes(names=DEFAULT_DTYPES) -> st.SearchStrategy[str]:
+    return st.sampled_from(tuple(names))
+
+
+def bias_stds(values=BIAS_STDS) -> st.SearchStrategy[float]:
+    """Scale of the drawn q/k/v biases (``tpcheck.checkpoints.make_config_checkpoint(bias_std=...)``)."""
+    return st.sampled_from(tuple(values))
+
+
+def seeds() -> st.SearchStrategy[int]:
+    """Sampling / weight seeds."""
+    return st.integers(0, 2**32 - 1)
+
+
+def decode_lengths(max_steps: int = 8) -> st.SearchStrategy[int]:
+    """Decode steps after the prefill: 0 (prefill only) to ``max_steps``."""
+    return st.integers(0, max_steps)
+
+
+@st.composite
+def prompt_lengths(draw, block_size: int = 16, max_len: int = 300, long_every: int = 8) -> int:
+    """A prompt length in ``[1, max_len]``: mostly at a block boundary +-1 (a few blocks in), else short
+    (1-24), and about one draw in ``long_every`` anywhere up to ``max_len``."""
+    kind = draw(st.integers(0, long_every - 1))  # 0 first: the shrinker lands on "short"
+    if kind == 0 or max_len <= 24:
+        n = draw(st.integers(1, min(24, max_len)))
+    elif kind == long_every - 1:
+        n = draw(st.integers(1, max_len))
+    else:
+        blocks = draw(st.integers(1, max(1, min(4, max_len // block_size))))
+        n = blocks * block_size + draw(st.sampled_from((0, -1, 1)))
+    return min(max(n, 1), max_len)
+
+
+@st.composite
+def prompts(draw, vocab_size: int, block_size: int = 16, max_batch: int = 8, max_len: int = 300,
+            common_batch: int = 4) -> list[list[int]]:
+    """A batch of 1 to ``max_batch`` prompts (``common_batch`` or fewer most of the time) of ragged lengths
+    (``prompt_lengths``), token ids uniform in ``[0, vocab_size)`` from a drawn seed (every vocab shard,
+    the last, partly padded one included)."""
+    big = max_batch > common_batch and draw(st.integers(0, 7)) == 7
+    batch = draw(st.integers(common_batch + 1, max_batch) if big else st.integers(1, min(common_batch, max_batch)))
+    lens = [draw(prompt_lengths(block_size, max_len)) for _ in range(batch)]
+    rng = random.Random(draw(st.integers(0, 2**16)))
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lens]
+
+
+# ---- checkpoints of drawn configs -----------------------------------------------------------------------
+
+def default_root() -> pathlib.Path:
+    """``$TPCHECK_CACHE/configs`` or ``<tmp>/tpcheck-configs``: content-addressed, so sharing it is safe."""
+    env = os.environ.get("TPCHECK_CACHE")
+    return pathlib.Path(env) / "configs" if env else pathlib.Path(tempfile.gettempdir()) / "tpcheck-configs"
+
+
+def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: str = "float32") -> str:
+    blob = json.dumps({"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def config_checkpoint(config: dict, root: str | os.PathLike | None = None, seed: int = 0, bias_std: float = 0.5,
+                      dtype: str = "float32") -> pathlib.Path:
+    """Path of the random-weight checkpoint of ``config`` (a ``Qwen2Config`` kwargs dict) under ``root``,
+    written once (``tpcheck.checkpoints.make_config_checkpoint``: the presets' value recipe, atomic rename)
+    and cached by a hash of (config, seed, bias_std, dtype). Deterministic: the same arguments recreate the
+    same weights bit for bit, so a path printed by a failing test can be rebuilt after its temp dir is gone."""
+    from tpcheck.checkpoints import make_config_checkpoint
+    path = pathlib.Path(root) if root is not None else default_root()
+    path = path / f"cfg-{checkpoint_key(config, seed, bias_std, dtype)}"
+    if (path / "config.json").is_file():
+        return path
+    try:
+        return make_config_checkpoint(dict(config), path, seed=seed, dtype=dtype, bias_std=bias_std)
+    except FileExistsError:
+        if (path / "config.json").is_file():  # another process (xdist worker) finished first
+            return path
+        raise
+
+
+def recreate_command(config: dict, root: str | os.PathLike, seed: int = 0, bias_std: float = 0.5) -> str:
+    """A shell command that writes (or finds) the checkpoint of ``config`` and prints its path."""
+    code = ("import json,sys; from tpcheck.strategies import config_checkpoint as c; "
+            "print(c(json.loads(sys.argv[1]), sys.argv[2], seed=int(sys.argv[3]), bias_std=float(sys.argv[4])))")
+    return shlex.join([sys.executable if " " not in sys.executable else "python", "-c", code,
+                       json.dumps(config, sort_keys=True), str(root), str(seed), repr(float(bias_std))])
+
+
+# ---- a whole drawn case -----------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """One drawn example: a model (config + weight seed + bias scale), a TP size, a dtype, prompts, decode
+    steps and a KV block size."""
+
+    config: dict
+    tp: int
+    dtype: str
+    prompts: list[list[int]]
+    decode_steps: int = 0
+    block_size: int = 16
+    weight_seed: int = 0
+    bias_std: float = 0.5
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def layout(self) -> str:
+        return kv_layout(self.config["num_key_value_heads"], self.tp)
+
+    def describe(self) -> str:
+        c = self.config
+        hd = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+        return (f"tp={self.tp} {self.dtype} heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv "
+                f"({self.layout}) head_dim {hd} hidden {c['hidden_size']} inter {c['intermediate_size']} "
+                f"layers {c['num_hidden_layers']} vocab {c['vocab_size']} "
+                f"{'tied' if c['tie_word_embeddings'] else 'untied'}; prompts {[len(p) for p in self.prompts]}, "
+                f"decode {self.decode_steps}, block {self.block_size}")
+
+    def checkpoint(self, root: str | os.PathLike | None = None) -> pathlib.Path:
+        return config_checkpoint(self.config, root, self.weight_seed, self.bias_std)
+
+    def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
+        """The ``tpcheck diff`` command line of this case (block size included)."""
+        parts = ["tpcheck", "diff", "--layer-by-layer", "--model", str(model_dir), "--tp", str(self.tp),
+                 "--dtype", self.dtype]
+        for p in self.prompts:
+            parts += ["--prompt-ids", ",".join(map(str, p))]
+        if self.decode_steps:
+            parts += ["--decode-steps", str(self.decode_steps)]
+        if self.block_size != 16:
+            parts += ["--block-size", str(self.block_size)]
+        if inject:
+            parts += ["--inject", ",".join(inject)]
+        if inject_layer is not None:
+            parts += ["--inject-layer", str(inject_layer)]
+        return shlex.join(parts)
+
+    def repro(self, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None) -> str:
+        """One shell line that recreates the checkpoint if needed and runs ``tpcheck diff`` on this case."""
+        root = pathlib.Path(root) if root is not None else default_root()
+        model = f'"$({recreate_command(self.config, root, self.weight_seed, self.bias_std)})"'
+        cmd = self.diff_command("MODEL_DIR", inject, inject_layer)
+        return cmd.replace("MODEL_DIR", model, 1)
+
+    def diff(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
+             log=None, **kw):
+        """``tpcheck.diff`` of this case (``pool``: a ``tpcheck.pool.EnginePool`` to reuse engines)."""
+        import tpcheck
+        model = self.checkpoint(root)
+        return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
+                            decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,
+                            pool=pool, block_size=self.block_size, log=log or open(os.devnull, "w"),
+                            command=self.diff_command(model, inject, inject_layer), **kw)
+
+    def failure_report(self, result, root: str | os.PathLike | None = None, inject=(), limit: int = 8) -> str:
+        """The verdict, the first failing points and how to reproduce: for a failing assertion."""
+        lines = [result.summary(), f"case: {self.describe()}"]
+        if "passed" in result.table:
+            bad = result.table[~result.table["passed"]]
+            if len(bad):
+                cols = ["step", "point", "rel_err", "ref_rel_err", "excess", "note"]
+                lines.append(bad[cols].head(limit).to_string(index=False))
+        lines += [f"checkpoint: {self.checkpoint(root)}",
+                  f"reproduce (recreates the checkpoint if its temp dir is gone):\n  {self.repro(root, inject)}"]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra", None)
+        return d
+
+
+@st.composite
+def cases(draw, tps=DEFAULT_TPS, dtypes=DEFAULT_DTYPES, max_decode: int = 8, layouts=("partition", "replication"),
+          block_sizes=DEFAULT_BLOCK_SIZES, max_batch: int = 8, common_batch: int = 4, max_len: int = 300,
+          max_layers: int = 3, max_hidden: int = 128, max_vocab: int = 600, bias=BIAS_STDS,
+          weight_seeds: bool = False) -> Case:
+    """A whole ``Case``. Shrinks toward: tp 1, partition, few small heads, 1 layer, short prompts, no
+    decode, block size 16, the first dtype, the presets' bias recipe."""
+    config, tp = draw(config_and_tp(tps, layouts, max_hidden, max_layers, max_vocab))
+    dtype = draw(st.sampled_from(tuple(dtypes)))
+    bs = draw(st.sampled_from(tuple(block_sizes)))
+    ps = draw(prompts(config["vocab_size"], bs, max_batch, max_len, common_batch))
+    steps = draw(decode_lengths(max_decode))
+    return Case(config, tp, dtype, ps, steps, bs, weight_seed=draw(st.integers(0, 3)) if weight_seeds else 0,
+                bias_std=draw(st.sampled_from(tuple(bias))))
