@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import fcntl
 import json
-import math
 import os
 import select
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tpcheck.report.html import write_html
+from tpcheck.report.sample import sample_result
 from tpcheck.result import DiffResult
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -164,29 +164,12 @@ def browser(tmp_path_factory):
     b.close()
 
 
-def _result(fail: bool, layers: int = 6, steps: int = 2, prompt: str = "hello") -> DiffResult:
-    """A synthetic result shaped like tpcheck.diff's: layer points grow with depth; with ``fail`` layer 2's
-    attn.q_rope leaves the noise floor and everything after it inherits the error."""
-    from tpcheck.points import point_names, split_point
-    rows = []
-    for mode in ("propagated", "isolated"):
-        for step in range(steps + 1):
-            bad = False
-            for order, p in enumerate(point_names(layers, with_kv=steps > 0)):
-                layer, kind = split_point(p)
-                ref = 1e-7 * (1 + 0.3 * (layer or 0)) * (1 + 0.1 * (order % 5))
-                if fail and p == "layers.2.attn.q_rope" and (mode == "propagated" or step == 0):
-                    bad = True
-                rel = (0.4 if mode == "propagated" or p.startswith("layers.2.") else 1.1 * ref) if bad and (
-                    mode == "propagated" or p.startswith("layers.2.attn.q_rope")) else 1.1 * ref
-                thr = 2 * ref + 1e-6
-                rows.append({"point": p, "layer": layer, "step": step, "mode": mode, "kind": kind, "rel_err": rel,
-                             "ref_rel_err": ref, "threshold": thr, "excess": rel / thr, "cosine": 1 - rel,
-                             "max_abs": rel * 10, "max_abs_index": [0, 3, 7], "mean_abs": rel, "p99_abs": rel * 5,
-                             "ref_norm": 50.0, "nan": 0, "inf": 0, "passed": rel <= thr, "note": "", "order": order})
-    meta = {"model": f"/ckpt/<script>alert(1)</script>", "dtype": "float32", "tp": 2, "decode_steps": steps,
-            "isolate": True, "num_layers": layers, "prompt": prompt, "command": "tpcheck diff --prompt '<b>x</b>'"}
-    return DiffResult.from_rows(rows, meta)
+def _result(fail: bool) -> DiffResult:
+    """6 layers, 2 decode steps, isolate; failing: layers.2.attn.q_rope leaves the noise floor. The meta
+    carries markup that must show as text."""
+    return sample_result(6, 2, True, fail_at="layers.2.attn.q_rope" if fail else None,
+                         meta={"model": "/ckpt/<script>alert(1)</script>", "prompt": "hello",
+                               "command": "tpcheck diff --prompt '<b>x</b>'"})
 
 
 def _check_page(browser, path: Path, want_fail: bool) -> dict:
@@ -203,8 +186,9 @@ def _check_page(browser, path: Path, want_fail: bool) -> dict:
         headers: document.querySelectorAll('#rows thead th').length,
         info: document.getElementById('f-info').textContent,
         verdict: document.getElementById('verdict').textContent,
-        alerted: typeof window.__alerted !== 'undefined',
-        injected: document.querySelectorAll('b, main script:not([type])').length,
+        scripts: document.querySelectorAll('script').length,
+        injected: document.querySelectorAll('#command b, dl.meta script').length,
+        literal: document.body.textContent.includes('/ckpt/<script>alert(1)</script>'),
     })""")
     state = json.loads(state)
     assert state["rendered"] == "1", state
@@ -212,7 +196,7 @@ def _check_page(browser, path: Path, want_fail: bool) -> dict:
     assert state["heat"] > 0 and state["headers"] == 19, state
     assert state["tableRows"] > 0, state
     assert state["verdict"] == ("FAIL" if want_fail else "PASS")
-    assert state["injected"] == 0, "user-provided text became markup"
+    assert state["injected"] == 0 and state["scripts"] == 2 and state["literal"], "user-provided text became markup"
     assert browser.errors() == [], browser.errors()
     assert browser.requests() == [path.as_uri()], f"network requests: {browser.requests()}"
     return state
@@ -226,8 +210,9 @@ def test_failing_report_renders_offline_and_marks_the_origin(browser, tmp_path):
     # sorting and filtering work: click excess, filter a point, everything rows
     browser.evaluate("document.getElementById('f-fail').click()")
     browser.evaluate("document.querySelector('#rows thead th[data-col=excess]').click()")
-    first = browser.evaluate("document.querySelector('#rows tbody tr td').textContent")
-    assert first.startswith("layers."), first
+    col = browser.evaluate("[...document.querySelectorAll('#rows thead th')].findIndex(h => h.dataset.col == 'excess')")
+    excess = browser.evaluate(f"[...document.querySelectorAll('#rows tbody tr')].map(r => +r.children[{col}].textContent)")
+    assert len(excess) == 250 and excess == sorted(excess, reverse=True) and excess[0] > 1e4, excess[:5]
     browser.evaluate("var i=document.getElementById('f-text'); i.value='layers.5.mlp'; i.dispatchEvent(new Event('input'))")
     points = browser.evaluate("[...document.querySelectorAll('#rows tbody tr td:first-child')].map(t => t.textContent)")
     assert points and all(p.startswith("layers.5.mlp") for p in points)
@@ -262,5 +247,20 @@ def test_the_content_security_policy_blocks_fetches(browser, tmp_path):
     html = html.replace("<main>", '<main><img src="http://tpcheck.invalid/pixel.png">', 1)
     (tmp_path / "csp.html").write_text(html)
     browser.open((tmp_path / "csp.html").as_uri())
-    assert not any(u.startswith("http") for u in browser.requests())
+    ids = {m["params"]["requestId"] for m in browser.events if m.get("method") == "Network.requestWillBeSent"
+           and m["params"]["request"]["url"].startswith("http")}
+    blocked = {m["params"]["requestId"] for m in browser.events if m.get("method") == "Network.loadingFailed"
+               and m["params"].get("blockedReason") == "csp"}
+    assert ids and ids <= blocked, [m for m in browser.events if m.get("method", "").startswith("Network.")]
     assert any("Content Security Policy" in m for m in browser.errors()), browser.errors()
+
+
+def test_sweep_page_renders_offline(browser, tmp_path):
+    from tpcheck.report.html import render_sweep_html
+    rows = [{"config": "tiny", "tp": tp, "dtype": "float32", "decode_steps": 2, "passed": tp != 2} for tp in (1, 2, 4)]
+    page = tmp_path / "index.html"
+    page.write_text(render_sweep_html(rows, ["a.html", "b.html", None]))
+    browser.open(page.as_uri())
+    cells = browser.evaluate("[...document.querySelectorAll('#matrix td a')].map(a => a.textContent + ' ' + a.getAttribute('href'))")
+    assert cells == ["PASS a.html", "FAIL b.html"]
+    assert browser.errors() == [] and browser.requests() == [page.as_uri()]

@@ -14,7 +14,10 @@ from tpcheck.faults import FAULTS, fault_names, get_fault
 
 APPLY = "tpcheck.faults:apply"
 DESCRIBE = "tpcheck.faults:describe"
-PREFILL = [n for n, f in FAULTS.items() if not f.decode_only]
+# prefill faults that show on tiny in float32 (rope_theta_default needs rope_theta != 10000, rmsnorm a half
+# dtype: tested below; full_state_dict_every_rank changes memory, not numerics)
+PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
+           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast")]
 
 
 def smallest_tp(fault, cfg) -> int:
@@ -43,14 +46,23 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 11
+    assert len(names) == len(set(names)) == len(FAULTS) == 19
     for n in names:
         f = get_fault(n)
         assert f.name == n
         assert f.description and "\n" not in f.description
         assert f.shows_when and f.expected_origin
         assert f.origin(3) == f.expected_origin.format(layer=3)
-    assert {n for n, f in FAULTS.items() if f.decode_only} == {"gqa_cache_repeated_heads", "decode_position_off_by_one"}
+    assert {n for n, f in FAULTS.items() if f.decode_only} == {"gqa_cache_repeated_heads", "decode_position_off_by_one",
+                                                               "slot_mapping_off_by_one_at_block_boundary"}
+    assert {n: f.origin_step for n, f in FAULTS.items() if f.origin_step != "prefill"} == {
+        "decode_position_off_by_one": "decode", "slot_mapping_off_by_one_at_block_boundary": "block_boundary"}
+    assert [n for n, f in FAULTS.items() if f.check != "diff"] == ["full_state_dict_every_rank"]
+    mem = get_fault("full_state_dict_every_rank")
+    assert mem.check == "memory" and mem.origin(1) == "memory" and not mem.per_layer
+    assert get_fault("vocab_ids_not_masked").origin(1) == "embed"
+    assert get_fault("rmsnorm_weight_before_cast").origin(2) == "layers.2.input_norm"
+    assert get_fault("slot_mapping_off_by_one_at_block_boundary").origin(1) == "layers.1.kv.k"
     assert get_fault("untied_lm_head").origin(1) == "logits" and not get_fault("untied_lm_head").per_layer
     assert get_fault("rope_skipped").origin(1) == "layers.1.attn.q_rope"
     with pytest.raises(ValueError) as e:
@@ -71,12 +83,23 @@ def test_applies(ckpt):
     assert at("gqa_cache_repeated_heads", mha) == [False, False, False]
     assert at("untied_lm_head", tiny) == [True, True, True]
     assert at("untied_lm_head", untied) == [False, False, False]
-    for n in ("nan_causal_mask", "rope_skipped", "qkv_bias_missing", "gate_up_swapped", "decode_position_off_by_one"):
+    for n in ("nan_causal_mask", "rope_skipped", "qkv_bias_missing", "gate_up_swapped", "decode_position_off_by_one",
+              "rope_wrong_layout", "slot_mapping_off_by_one_at_block_boundary"):
         assert at(n, tiny) == [True, True, True], n
+    for n in ("full_state_dict_every_rank", "vocab_ids_not_masked", "every_rank_loads_rank0_shard",
+              "allreduce_low_precision"):
+        assert at(n, tiny) == [False, True, True], n
+    assert at("rope_theta_default", tiny) == [False] * 3  # tiny's rope_theta is the default 10000
+    assert at("rope_theta_default", mqa) == at("rope_theta_default", untied) == [True] * 3
+    rms, low = get_fault("rmsnorm_weight_before_cast"), get_fault("allreduce_low_precision")
+    assert [rms.applies(tiny, 1, d) for d in ("float32", "bfloat16", "float16")] == [False, True, True]
+    assert [low.applies(tiny, 2, d) for d in ("float32", "bfloat16", "float16")] == [True, False, False]
     assert not any(f.applies(tiny, 3, "float32") for f in FAULTS.values())  # 8 heads do not split 3 ways
     assert faults.applicable(tiny, 1) == [n for n in fault_names() if n not in
                                           ("qkv_shard_dim1", "row_bias_every_rank", "skip_o_proj_allreduce",
-                                           "kv_replica_index")]
+                                           "kv_replica_index", "full_state_dict_every_rank", "vocab_ids_not_masked",
+                                           "every_rank_loads_rank0_shard", "rmsnorm_weight_before_cast",
+                                           "rope_theta_default", "allreduce_low_precision")]
 
 
 # ---- prefill faults on a live engine ----------------------------------------------------------------
@@ -171,3 +194,42 @@ def test_decode_position_off_by_one_changes_generation(ckpt, engines, hf_model):
         assert [b[0] for b in bad] == [c[0] for c in clean]  # the first token comes from the prefill
     assert bad != clean
     assert llm.generate(prompts, params) == clean
+
+
+# ---- faults that need another preset or dtype, and the memory fault ------------------------------------
+
+def test_rope_theta_default_shows_where_the_checkpoint_sets_theta(ckpt, engines, hf_model):
+    d = ckpt("tiny-mqa")  # rope_theta 5e5
+    llm = engines.get(d, 1)
+    rng = random.Random("theta")
+    ids = [rng.randrange(llm.cfg.vocab_size) for _ in range(16)]
+    ref = hf_logits(hf_model(d), ids)
+    with faults.injected(llm, ["rope_theta_default"]):
+        assert max_diff(llm.logits(ids), ref) > 1e-2
+    assert max_diff(llm.logits(ids), ref) <= 1e-4
+
+
+def test_rmsnorm_weight_before_cast_changes_half_precision_only(ckpt, engines):
+    d = ckpt("tiny")
+    rng = random.Random("rms")
+    ids = [rng.randrange(250) for _ in range(16)]
+    for dtype, changes in (("bfloat16", True), ("float32", False)):
+        llm = engines.get(d, 1, dtype)
+        clean = llm.logits(ids)
+        with faults.injected(llm, ["rmsnorm_weight_before_cast"], 0):
+            overrides = llm.call(DESCRIBE)[0]["overrides"]
+            assert overrides[0] == ["input_layernorm.forward", "post_attention_layernorm.forward"]
+            bad = llm.logits(ids)
+        assert torch.equal(bad, clean) is not changes, dtype
+        assert torch.equal(llm.logits(ids), clean)
+
+
+def test_full_state_dict_every_rank_keeps_numerics(ckpt, engines):
+    d = ckpt("tiny")
+    llm = engines.get(d, 2)
+    ids = list(range(3, 19))
+    clean = llm.logits(ids)
+    with faults.injected(llm, ["full_state_dict_every_rank"]):
+        assert [r["model"] for r in llm.call(DESCRIBE)] == [["full_state_dict_every_rank"]] * 2
+        assert torch.equal(llm.logits(ids), clean)  # a memory fault: the memory check finds it (test_fault_matrix)
+    assert [r["model"] for r in llm.call(DESCRIBE)] == [[], []]

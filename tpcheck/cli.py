@@ -40,7 +40,10 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("presets", help="list the synthetic checkpoint presets")
     fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
-    fl.add_argument("action", choices=["list"])
+    fsub = fl.add_subparsers(dest="action", required=True)
+    fsub.add_parser("list", help="each fault: description, where it shows, expected origin")
+    from tpcheck import fault_matrix
+    fault_matrix.register(fsub)
 
     ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
     src = ck.add_mutually_exclusive_group()
@@ -169,9 +172,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'tied' if c.get('tie_word_embeddings') else 'untied'}")
             return 0
         if a.cmd == "faults":
+            if a.action == "matrix":
+                from tpcheck import fault_matrix
+                return fault_matrix.run(a)
             from tpcheck.faults import FAULTS
             for f in FAULTS.values():
-                print(f"{f.name:28s} {f.description}\n{'':28s} shows: {f.shows_when}; origin: {f.expected_origin}")
+                print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
             return 0
         if a.cmd == "check":
             return _cmd_check(a)

@@ -15,7 +15,7 @@ import torch
 
 from impl.config import load_config, parse_dtype
 from tpcheck.capture_hf import HFCapture, cache_kv, new_cache
-from tpcheck.metrics import compare
+from tpcheck.metrics import compare, rel_err
 from tpcheck.points import point_names, split_point
 from tpcheck.result import DiffResult, Tolerances
 from tpcheck.unshard import unshard
@@ -84,7 +84,7 @@ class _Run:
                 teacher = {i: gold["embed" if i == 0 else f"layers.{i - 1}.out"] for i in range(self.L)}
                 teacher[self.L] = gold[f"layers.{self.L - 1}.out"]
             ref = self._hf_step(self.ref, r_caches, tokens, starts, teacher)
-            ref_err = {n: compare(t, gold[n])["rel_err"] for n, t in ref.items() if n in gold and t.shape == gold[n].shape}
+            ref_err = {n: rel_err(t, gold[n]) for n, t in ref.items() if n in gold and t.shape == gold[n].shape}
             del ref
             eng_teacher = None if teacher is None else {i: t.to(self.dtype) for i, t in teacher.items()}
             points = self.engine.step(tokens, eng_teacher, self.with_kv)

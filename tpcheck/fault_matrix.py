@@ -12,12 +12,12 @@ or the memory check is a false alarm.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import random
 import sys
 import time
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -84,8 +84,10 @@ def expected_step(fault: F.Fault, config: dict) -> int:
 
 
 def describe_config(c: dict) -> str:
-    steps = f"{c['decode_steps']} decode steps, block {c['block_size']}" if c["decode_steps"] else "prefill"
-    return f"{c['preset']} tp={c['tp']} {c['dtype']}, prompts {'+'.join(map(str, c['prompt_lens']))}, {steps}"
+    """``tiny tp=2 float32 prefill 12+17`` / ``tiny tp=1 float32 decode 3 bs8 6+14`` (prompt lengths last)."""
+    lens = "+".join(map(str, c["prompt_lens"]))
+    steps = f"decode {c['decode_steps']} bs{c['block_size']}" if c["decode_steps"] else "prefill"
+    return f"{c['preset']} tp={c['tp']} {c['dtype']} {steps} {lens}"
 
 
 def prompts_for(config: dict, vocab_size: int) -> list[list[int]]:
@@ -99,30 +101,42 @@ def _layout_key(c: dict) -> tuple:
 
 # ---- the memory check -----------------------------------------------------------------------------------
 
+def _tensors_reachable(root, skip: set[int]) -> dict[int, int]:
+    """``{storage pointer: bytes}`` of every tensor reachable from ``root`` through object attributes,
+    modules, dicts, lists, tuples and sets (storages in ``skip`` left out)."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            if st.data_ptr() and st.data_ptr() not in skip:
+                out[st.data_ptr()] = st.nbytes()
+        elif isinstance(o, dict):
+            stack += list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack += list(o)
+        elif hasattr(o, "__dict__") and not isinstance(o, (type, types.ModuleType, types.FunctionType,
+                                                             types.MethodType)):
+            stack += list(vars(o).values())
+    return out
+
+
 def rank_memory(runner) -> dict:
-    """Inside a rank: bytes of every live tensor storage of this process except the KV cache (parameters,
-    buffers, anything a fault keeps referenced), the parameters alone, and RssAnon from /proc."""
+    """Inside a rank: bytes of the tensors this rank's runner keeps referenced (parameters, buffers,
+    anything a fault hangs on it), the KV cache excepted; the parameters alone; RssAnon from /proc."""
     kv = {t.untyped_storage().data_ptr() for a in runner.attention_layers() for t in (a.k_cache, a.v_cache)
           if t.numel()}
-    params = {}
-    for p in runner.model.parameters():
-        params[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-    held: dict[int, int] = {}
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, torch.Tensor) and o.device.type != "meta":
-                st = o.untyped_storage()
-                ptr = st.data_ptr()
-                if ptr and ptr not in kv:
-                    held[ptr] = st.nbytes()
-        except Exception:  # noqa: BLE001 - a tensor subclass without storage
-            continue
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in runner.model.parameters()}
+    held = _tensors_reachable(runner, kv)
     rss_anon = None
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    rss_anon = int(line.split()[1]) * 1024
+            rss_anon = next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), None)
     except OSError:
         pass
     return {"rank": runner.rank, "tensor_bytes": sum(held.values()), "param_bytes": sum(params.values()),
@@ -255,8 +269,9 @@ def clean_row(config: dict, pool, ckpt=None, log=sys.stderr) -> dict:
     worst = r.table.loc[r.table["excess"].idxmax()]
     note = "; ".join(alarms) or (f"closest: {worst.point} @ step {worst.step} at {worst.excess:.2f}x; memory "
                                  f"{m['excess']:.2f}x its limit")
-    return _row("(clean)", config, "diff+memory", detected=bool(alarms), origin=_at(fd and fd["point"], fd and fd["step"]),
-                expected_origin="-", origin_ok=None, ok=not alarms, excess=float(worst.excess), note=note,
+    return _row("(clean)", config, "diff+memory", detected=bool(alarms),
+                origin=_at(fd and fd["point"], fd and fd["step"]), expected_origin="-", origin_ok=None,
+                ok=not alarms, excess=float(worst.excess), note=note,
                 origin_point=fd and fd["point"], origin_step=fd and fd["step"], seconds=time.monotonic() - t0)
 
 
@@ -296,14 +311,25 @@ def run_matrix(faults: list[str] | None = None, pool=None, log=sys.stderr, ckpt=
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+def _fmt_excess(v, origin) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN" if origin not in (None, "-") else "-"  # the origin point itself is NaN
+    return "inf (shape)" if math.isinf(v) else f"{v:.3g}x"
+
+
 def format_table(df: pd.DataFrame) -> str:
     """The table as ``tpcheck faults matrix`` prints it."""
     t = df[["fault", "config", "detected", "origin", "expected_origin", "ok", "excess"]].copy()
     t["detected"] = t["detected"].map({True: "yes", False: "no"})
     t["ok"] = t["ok"].map({True: "ok", False: "MISS"})
     t.loc[df["fault"] == "(clean)", "ok"] = df.loc[df["fault"] == "(clean)", "ok"].map({True: "quiet", False: "ALARM"})
-    t["excess"] = t["excess"].map(lambda v: "-" if v is None or pd.isna(v) else f"{v:.3g}x")
-    return t.to_string(index=False)
+    t["excess"] = [_fmt_excess(v, o) for v, o in zip(df["excess"], df["origin"])]
+    cells = [list(t.columns)] + t.astype(str).values.tolist()
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i == len(widths) - 1 else c.ljust(w)
+                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells)
 
 
 # ---- command line: tpcheck faults matrix -----------------------------------------------------------------
@@ -319,13 +345,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> int:
+def run(args, pool=None, ckpt=None) -> int:
     """``tpcheck faults matrix``: print the table; 0 when every fault is detected at its expected origin and
-    no clean run alarms, 1 otherwise."""
+    no clean run alarms, 1 otherwise. (``pool`` / ``ckpt``: engines and checkpoints to reuse, for tests.)"""
     for n in args.faults or []:
         F.get_fault(n)  # ValueError (exit 2) before any engine starts
-    df = run_matrix(args.faults, clean=not args.no_clean)
+    df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
     print(format_table(df))
+    print("config: preset, TP size, dtype, prefill only or decode steps and KV block size, prompt lengths; "
+          "excess: the origin's error over its threshold (clean runs: the closest any point came; memory: the "
+          "largest rank's tensor bytes over 1.15 x its share + 64 KiB)")
     ok = bool(df["ok"].all())
     faults_df, clean_df = df[df["fault"] != "(clean)"], df[df["fault"] == "(clean)"]
     print(f"\n{'PASS' if ok else 'FAIL'}: {int(faults_df['ok'].sum())}/{len(faults_df)} faults found at their "

@@ -18,10 +18,11 @@ engine on exit.
 
 ``apply`` mutates the rank's already-loaded model in place: parameters (load-time bugs re-read the
 checkpoint tensors they need from ``runner.cfg.model_dir`` and rewrite the rank's shard, through the
-layers' own ``weight_loader`` at most, never ``impl.loader`` again) or per-instance method overrides (``module.forward = ...``) on the chosen modules only.
-impl's classes and files are never touched, so other engines and other layers stay correct. There is no
-"un-apply": reload the runner (``LLM.load`` recreates it) to get a clean engine back. Every modified
-module is marked with ``_tpcheck_faults`` (a list of fault names); ``describe`` reports the marks.
+layers' own ``weight_loader`` at most, never ``impl.loader`` again) or per-instance method overrides
+(``module.forward = ...``) on the chosen modules only. impl's classes and files are never touched, so
+other engines and other layers stay correct. There is no "un-apply": reload the runner (``LLM.load``
+recreates it) to get a clean engine back. Every modified module is marked with ``_tpcheck_faults`` (a
+list of fault names); ``describe`` reports the marks.
 
 Applying a fault twice to the same module is a no-op (a swap applied twice would otherwise undo itself).
 Faults compose: several may be applied to the same engine and layer.

@@ -41,9 +41,10 @@ import os
 import pathlib
 import random
 import shlex
+import shutil
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import reduce
 
 from hypothesis import strategies as st
@@ -219,15 +220,20 @@ def prompt_lengths(draw, block_size: int = 16, max_len: int = 300, long_every: i
 
 @st.composite
 def prompts(draw, vocab_size: int, block_size: int = 16, max_batch: int = 8, max_len: int = 300,
-            common_batch: int = 4) -> list[list[int]]:
+            common_batch: int = 4, shared_prefix: bool = False) -> list[list[int]]:
     """A batch of 1 to ``max_batch`` prompts (``common_batch`` or fewer most of the time) of ragged lengths
     (``prompt_lengths``), token ids uniform in ``[0, vocab_size)`` from a drawn seed (every vocab shard,
-    the last, partly padded one included)."""
+    the last, partly padded one included). ``shared_prefix``: sometimes the later prompts start with a
+    prefix of the first (prefix caching)."""
     big = max_batch > common_batch and draw(st.integers(0, 7)) == 7
     batch = draw(st.integers(common_batch + 1, max_batch) if big else st.integers(1, min(common_batch, max_batch)))
     lens = [draw(prompt_lengths(block_size, max_len)) for _ in range(batch)]
     rng = random.Random(draw(st.integers(0, 2**16)))
-    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lens]
+    out = [[rng.randrange(vocab_size) for _ in range(n)] for n in lens]
+    if shared_prefix and batch > 1 and draw(st.booleans()):
+        prefix = out[0][:draw(st.integers(1, len(out[0])))]
+        out = [out[0]] + [(prefix + p)[:max_len] for p in out[1:]]
+    return out
 
 
 # ---- checkpoints of drawn configs -----------------------------------------------------------------------
@@ -266,7 +272,8 @@ def recreate_command(config: dict, root: str | os.PathLike, seed: int = 0, bias_
     """A shell command that writes (or finds) the checkpoint of ``config`` and prints its path."""
     code = ("import json,sys; from tpcheck.strategies import config_checkpoint as c; "
             "print(c(json.loads(sys.argv[1]), sys.argv[2], seed=int(sys.argv[3]), bias_std=float(sys.argv[4])))")
-    return shlex.join([sys.executable if " " not in sys.executable else "python", "-c", code,
+    python = "python" if shutil.which("python") == sys.executable else sys.executable
+    return shlex.join([python, "-c", code,
                        json.dumps(config, sort_keys=True), str(root), str(seed), repr(float(bias_std))])
 
 
@@ -285,7 +292,7 @@ class Case:
     block_size: int = 16
     weight_seed: int = 0
     bias_std: float = 0.5
-    extra: dict = field(default_factory=dict, repr=False, compare=False)
+    preset: str | None = None  # a named preset (``tpcheck.checkpoints.PRESETS``): its cached checkpoint
 
     @property
     def layout(self) -> str:
@@ -301,12 +308,16 @@ class Case:
                 f"decode {self.decode_steps}, block {self.block_size}")
 
     def checkpoint(self, root: str | os.PathLike | None = None) -> pathlib.Path:
+        """Write (once) and return the checkpoint directory of this case's model under ``root``."""
+        if self.preset is not None:
+            from tpcheck.checkpoints import cached_checkpoint
+            return cached_checkpoint(self.preset, seed=self.weight_seed, root=root)
         return config_checkpoint(self.config, root, self.weight_seed, self.bias_std)
 
     def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
         """The ``tpcheck diff`` command line of this case (block size included)."""
-        parts = ["tpcheck", "diff", "--layer-by-layer", "--model", str(model_dir), "--tp", str(self.tp),
-                 "--dtype", self.dtype]
+        src = ["--preset", self.preset] if self.preset is not None and self.weight_seed == 0 else ["--model", str(model_dir)]
+        parts = ["tpcheck", "diff", "--layer-by-layer", *src, "--tp", str(self.tp), "--dtype", self.dtype]
         for p in self.prompts:
             parts += ["--prompt-ids", ",".join(map(str, p))]
         if self.decode_steps:
@@ -321,6 +332,8 @@ class Case:
 
     def repro(self, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None) -> str:
         """One shell line that recreates the checkpoint if needed and runs ``tpcheck diff`` on this case."""
+        if self.preset is not None and self.weight_seed == 0:
+            return self.diff_command(None, inject, inject_layer)  # tpcheck diff --preset writes its own
         root = pathlib.Path(root) if root is not None else default_root()
         model = f'"$({recreate_command(self.config, root, self.weight_seed, self.bias_std)})"'
         cmd = self.diff_command("MODEL_DIR", inject, inject_layer)
@@ -336,6 +349,22 @@ class Case:
                             pool=pool, block_size=self.block_size, log=log or open(os.devnull, "w"),
                             command=self.diff_command(model, inject, inject_layer), **kw)
 
+    def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
+              log=None):
+        """The properties of one case, as assertions: ranks agree on every replicated point (the
+        residual stream, replicated KV heads, ...) and every point of every step is within the noise
+        floor. Raises AssertionError with ``failure_report``; returns the ``DiffResult``."""
+        r = self.diff(pool, root, inject, inject_layer, log)
+        t = r.table
+        split = t[t["note"].astype(str).str.startswith("ranks")]
+        if len(split):
+            w = split.iloc[0]
+            raise AssertionError(f"ranks disagree on replicated point {w.point} (step {w.step}): {w.note}\n"
+                                 + self.failure_report(r, root, inject))
+        if not r.passed:
+            raise AssertionError(self.failure_report(r, root, inject))
+        return r
+
     def failure_report(self, result, root: str | os.PathLike | None = None, inject=(), limit: int = 8) -> str:
         """The verdict, the first failing points and how to reproduce: for a failing assertion."""
         lines = [result.summary(), f"case: {self.describe()}"]
@@ -349,9 +378,7 @@ class Case:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("extra", None)
-        return d
+        return asdict(self)
 
 
 @st.composite

@@ -60,7 +60,7 @@ class GateTolerances(Tolerances):
     default_k: Value = field(default_factory=dict)      # dtype|"*" -> k
     default_floor: Value = field(default_factory=dict)  # dtype|"*" -> floor
     kinds: dict[str, dict[str, Value]] = field(default_factory=dict)  # kind -> key -> dtype|"*" -> value
-    source: str = "defaults"
+    source: str = "default tolerances"
 
     def _kind(self, kind: str, key: str, dtype: str) -> float | None:
         v = self.kinds.get(kind, {}).get(key)
@@ -141,7 +141,7 @@ def parse_tolerances(data: dict, file: str = "<tolerances>", prefix: str = "tole
     if not isinstance(data, dict):
         raise ToleranceError(f"{file}: '{prefix}' must be a table")
     _unknown(data, TOP_KEYS, prefix + ".", file)
-    tol = GateTolerances(source=file)
+    tol = GateTolerances(source=f"tolerances from {file}")
     if "k" in data:
         tol.default_k = _value(data["k"], f"{prefix}.k", file)
     if "floor" in data:
@@ -173,13 +173,13 @@ def _read_toml(path: Path) -> dict:
 def _from_tool(data: dict, file: str) -> GateTolerances:
     tool = data.get("tool", {}).get("tpcheck")
     if tool is None:
-        return GateTolerances(source=f"defaults ({file} has no [tool.tpcheck])")
+        return GateTolerances(source="default tolerances")
     if not isinstance(tool, dict):
         raise ToleranceError(f"{file}: 'tool.tpcheck' must be a table")
     _unknown(tool, TOOL_KEYS, "tool.tpcheck.", file)
     if "tolerances" not in tool:
-        return GateTolerances(source=f"defaults ({file} [tool.tpcheck] has no tolerances)")
-    return parse_tolerances(tool["tolerances"], file, "tool.tpcheck.tolerances")
+        return GateTolerances(source="default tolerances")
+    return parse_tolerances(tool["tolerances"], file, "tool.tpcheck.tolerances")  # source: the file
 
 
 def load_tolerances(path: str | Path | None = None, pyproject: str | Path | None = "pyproject.toml") -> GateTolerances:
@@ -192,7 +192,7 @@ def load_tolerances(path: str | Path | None = None, pyproject: str | Path | None
             return _from_tool(data, str(path))
         _unknown(data, TOOL_KEYS, "", str(path))
         if "tolerances" not in data:
-            return GateTolerances(source=str(path))
+            return GateTolerances(source=f"tolerances from {path} (none set: the defaults)")
         return parse_tolerances(data["tolerances"], str(path), "tolerances")
     if pyproject is not None and Path(pyproject).is_file():
         return _from_tool(_read_toml(Path(pyproject)), str(pyproject))

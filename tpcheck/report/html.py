@@ -61,7 +61,7 @@ svg .origin-label{font-weight:700;fill:var(--fail)}
 figure{margin:0} figcaption{color:var(--mute);font-size:12.5px;margin:2px 0 6px}
 table.rows{border-collapse:collapse;width:100%;font:12px ui-monospace,Menlo,Consolas,monospace;background:#fff}
 table.rows th{position:sticky;top:0;background:#f3f4f6;cursor:pointer;user-select:none;text-align:left;white-space:nowrap}
-table.rows th,table.rows td{border:1px solid var(--grid);padding:2px 5px}
+table.rows th,table.rows td{border:1px solid var(--grid);padding:2px 5px;white-space:nowrap}
 table.rows td.num{text-align:right} table.rows tr.fail{background:var(--failbg)} table.rows tr.fail td.v{color:var(--fail);font-weight:700}
 table.rows tr.origin{outline:2px solid var(--fail)} th.asc::after{content:" \\25B2"} th.desc::after{content:" \\25BC"}
 .tablewrap{max-height:70vh;overflow:auto;border:1px solid var(--grid)}
@@ -69,6 +69,7 @@ table.rows tr.origin{outline:2px solid var(--fail)} th.asc::after{content:" \\25
 .mute{color:var(--mute)} a{color:#1d4ed8}
 table.sweep{border-collapse:collapse;background:#fff} table.sweep th,table.sweep td{border:1px solid var(--grid);padding:4px 8px;text-align:left}
 td.pass{background:var(--passbg);color:var(--pass);font-weight:700} td.fail{background:var(--failbg);color:var(--fail);font-weight:700}
+td.skip{color:var(--mute)}
 """
 
 _JS = r"""
@@ -100,7 +101,8 @@ _JS = r"""
     if (typeof x === "number") {
       if (!isFinite(x)) return x > 0 ? "inf" : "-inf";
       if (Number.isInteger(x) && ["step", "layer", "nan", "inf"].indexOf(c) >= 0) return String(x);
-      return x === 0 ? "0" : x.toPrecision(4);
+      var a = Math.abs(x);
+      return x === 0 ? "0" : (a < 1e-3 || a >= 1e5 ? x.toExponential(3) : x.toPrecision(4));
     }
     return String(x);
   }
@@ -241,7 +243,7 @@ def _color(excess: float, passed: bool) -> str:
         return "#6b21a8"
     if passed:
         t = (math.log10(max(x, 1e-4)) + 4) / 4  # 1e-4 .. 1
-        return _mix((0xd8, 0xf0, 0xdc), (0xf6, 0xe0, 0x7a), t)
+        return _mix((0xe6, 0xf5, 0xe9), (0x6f, 0xbf, 0x7f), t)
     t = math.log10(max(x, 1.0)) / 6 if math.isfinite(x) else 1.0  # 1 .. 1e6
     return _mix((0xf4, 0x9a, 0x52), (0x7f, 0x11, 0x11), t)
 
@@ -285,9 +287,7 @@ def _chart(sub: pd.DataFrame, title_id: str, origin: dict | None, mode: str, ste
     every = max(1, math.ceil(num_layers / 32))
     seen = set()
     for i, (p, layer) in enumerate(zip(points, layers)):
-        if isinstance(layer, float) and math.isnan(layer) or layer is None:
-            if p in ("embed", "final_norm", "logits"):
-                out.append(f'<text x="{X(i):.1f}" y="{mt + ph + 30}" text-anchor="middle" class="mute">{e(p)}</text>')
+        if layer is None or isinstance(layer, float) and math.isnan(layer):
             continue
         layer = int(layer)
         if layer in seen:
@@ -297,6 +297,10 @@ def _chart(sub: pd.DataFrame, title_id: str, origin: dict | None, mode: str, ste
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{mt}" y2="{mt + ph}" stroke="#e5e7eb"/>')
         if layer % every == 0:
             out.append(f'<text x="{x + 3:.1f}" y="{mt + ph + 14}">L{layer}</text>')
+    if "embed" in points:
+        out.append(f'<text x="{ml}" y="{mt + ph + 28}" class="mute">&larr; embed</text>')
+    if "logits" in points or "final_norm" in points:
+        out.append(f'<text x="{ml + pw}" y="{mt + ph + 28}" text-anchor="end" class="mute">final_norm, logits &rarr;</text>')
     out.append(f'<text x="{ml + pw / 2}" y="{H - 2}" text-anchor="middle" class="mute">depth: hook points in '
                f'execution order (L = decoder layer)</text>')
     out.append(f'<text x="14" y="{mt + ph / 2}" transform="rotate(-90 14 {mt + ph / 2})" text-anchor="middle" '
@@ -312,10 +316,10 @@ def _chart(sub: pd.DataFrame, title_id: str, origin: dict | None, mode: str, ste
     out.append(line(rel, "#1f5fbf", "", 1.8))
     passed = sub["passed"].tolist()
     fails = [i for i, ok in enumerate(passed) if not ok]
-    for i in fails[:400]:
-        v = rel[i]
-        out.append(f'<circle cx="{X(i):.1f}" cy="{Y(v):.1f}" r="2.6" fill="#c62828"><title>{e(points[i])}: '
-                   f'rel_err {_g(v)} &gt; threshold {_g(thr[i])} (HF {_g(ref[i])})</title></circle>')
+    if fails:  # one path of round dots (a zero-length segment with a round cap): small even with 400 failures
+        dots = "".join(f"M{X(i):.1f},{Y(rel[i]):.1f}h0" for i in fails)
+        out.append(f'<path class="fail-dots" d="{dots}" stroke="#c62828" stroke-width="5.5" stroke-linecap="round" '
+                   f'fill="none"><title>{len(fails)} failing point(s) at this step</title></path>')
     mark, label = None, None
     if origin and origin["mode"] == mode and origin["step"] == step and origin["point"] in points:
         mark, label = points.index(origin["point"]), "origin: "
@@ -329,12 +333,17 @@ def _chart(sub: pd.DataFrame, title_id: str, origin: dict | None, mode: str, ste
         style = "" if strong else ' style="fill:#b45309"'
         text = f"{label}{points[mark]} ({_g(sub['excess'].iloc[mark])}x threshold)"
         anchor = "start" if x < ml + pw * 0.6 else "end"
-        tx = x + 8 if anchor == "start" else x - 8
+        tx = x + 10 if anchor == "start" else x - 10
+        ty = mt + ph - 12 if y < mt + ph / 2 else mt + 18  # the label where the curve is not
+        tw = 6.6 * len(text) + 8
+        bx = tx - 4 if anchor == "start" else tx - tw + 4
         out.append(f'<g class="{"origin" if strong else "first-failure"}" data-point="{e(points[mark])}">'
                    f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{mt}" y2="{mt + ph}" stroke="{color}" stroke-width="2"'
                    f'{dash}/>'
                    f'<circle cx="{x:.1f}" cy="{y:.1f}" r="6" fill="none" stroke="{color}" stroke-width="2.5"/>'
-                   f'<text class="origin-label" x="{tx:.1f}" y="{mt + 14}" text-anchor="{anchor}"'
+                   f'<rect x="{bx:.1f}" y="{ty - 13}" width="{tw:.1f}" height="18" rx="3" fill="#fff" '
+                   f'stroke="{color}" opacity="0.95"/>'
+                   f'<text class="origin-label" x="{tx:.1f}" y="{ty}" text-anchor="{anchor}"'
                    f'{style}>{e(text)}</text></g>')
     # legend
     lx = ml + 6
@@ -472,6 +481,8 @@ def _dumps(obj) -> str:
 
 
 def _table_data(t: pd.DataFrame, origin: dict | None) -> dict:
+    rank = {m: i for i, m in enumerate(_MODES)}
+    t = t.assign(_m=t["mode"].map(lambda m: rank.get(m, len(rank)))).sort_values(["_m", "step", "order"], kind="stable")
     points = list(dict.fromkeys(t["point"].tolist()))
     pidx = {p: i for i, p in enumerate(points)}
     modes = _MODES + sorted(set(t["mode"]) - set(_MODES))
@@ -630,43 +641,59 @@ def _link(href) -> str | None:
     return href if _SAFE_LINK.match(href) else None
 
 
+_CONFIG_KEYS = ("config", "preset", "model", "dtype", "decode_steps", "inject", "isolate", "block_size")
+
+
+def _cell_text(v, limit: int = 300) -> str:
+    text = json.dumps(v, default=str) if isinstance(v, dict) else _fmt_meta(v)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
 def render_sweep_html(rows: list[dict], links: list[str | None] | None = None, title: str = "tpcheck sweep",
-                      col_key: str | None = "tp") -> str:
-    """A summary page of a sweep: one row per configuration (any keys; ``passed`` is shown as the verdict),
-    each linking to its own report (``links[i]``, relative to this page). With ``col_key`` present in the
-    rows, a matrix too: the other configuration keys down, ``col_key`` across."""
+                      col_key: str | None = "tp", row_keys: list[str] | None = None) -> str:
+    """A summary page of a sweep: one row per configuration (any keys, e.g. ``tpcheck sweep``'s rows;
+    ``passed`` is the verdict, ``skipped`` / ``error`` are shown as such), each linking to its own report
+    (``links[i]``, relative to this page, or None). A matrix too: ``row_keys`` down (default: the
+    configuration keys present of ``config, preset, model, dtype, decode_steps, inject, isolate,
+    block_size``) and ``col_key`` across."""
     links = list(links or [None] * len(rows))
     if len(links) != len(rows):
         raise ValueError(f"{len(rows)} rows but {len(links)} links")
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    n_pass = sum(1 for r in rows if r.get("passed") is True)
-    verdict = "PASS" if rows and n_pass == len(rows) else "FAIL"
+    ran = [r for r in rows if not r.get("skipped")]
+    n_pass = sum(1 for r in ran if r.get("passed") is True)
+    verdict = "PASS" if ran and n_pass == len(ran) else "FAIL"
 
-    def verdict_cell(r, href, text=None):
+    def verdict_cell(r, href):
         ok = r.get("passed")
-        cls = "pass" if ok is True else "fail"
-        label = text or ("PASS" if ok is True else ("FAIL" if ok is False else _fmt_meta(ok)))
+        if r.get("skipped"):
+            cls, label = "skip", "skip"
+        elif ok is True:
+            cls, label = "pass", "PASS"
+        else:
+            cls, label = "fail", "ERROR" if r.get("error") else "FAIL"
+        tip = r.get("skipped") or r.get("error") or r.get("origin") or ""
         inner = f'<a href="{e(href)}">{e(label)}</a>' if href else e(label)
-        return f'<td class="{cls}">{inner}</td>'
+        return f'<td class="{cls}"{f" title={chr(34)}{e(tip)}{chr(34)}" if tip else ""}>{inner}</td>'
 
     parts = [f'<h1><span class="badge {verdict.lower()}" id="verdict">{verdict}</span>{e(title)}</h1>',
-             f'<div class="mute">{n_pass} of {len(rows)} configurations pass &middot; generated '
-             f'{e(_dt.datetime.now().strftime("%Y-%m-%d %H:%M"))}</div>']
-    config_keys = [k for k in keys if k not in ("passed", "origin", "first_divergence", "summary", "message", "error")]
-    if col_key and col_key in keys and len(config_keys) > 1:
-        down = [k for k in config_keys if k != col_key]
-        across = list(dict.fromkeys(r.get(col_key) for r in rows))
-        lines = list(dict.fromkeys(tuple(r.get(k) for k in down) for r in rows))
+             f'<div class="mute">{n_pass} of {len(ran)} configurations pass'
+             + (f", {len(rows) - len(ran)} skipped" if len(rows) > len(ran) else "")
+             + f' &middot; generated {e(_dt.datetime.now().strftime("%Y-%m-%d %H:%M"))}</div>']
+    down = list(row_keys) if row_keys is not None else [k for k in _CONFIG_KEYS if k in keys and k != col_key]
+    if col_key and col_key in keys and down:
+        across = list(dict.fromkeys(_cell_text(r.get(col_key)) for r in rows))
+        lines = list(dict.fromkeys(tuple(_cell_text(r.get(k)) for k in down) for r in rows))
         cells = {}
         for r, href in zip(rows, links):
-            cells[(tuple(r.get(k) for k in down), r.get(col_key))] = (r, _link(href))
+            cells.setdefault((tuple(_cell_text(r.get(k)) for k in down), _cell_text(r.get(col_key))), (r, _link(href)))
         t = ['<table class="sweep matrix" id="matrix"><thead><tr>' + "".join(f"<th>{e(k)}</th>" for k in down)
-             + "".join(f"<th>{e(col_key)}={e(_fmt_meta(a))}</th>" for a in across) + "</tr></thead><tbody>"]
+             + "".join(f"<th>{e(col_key)}={e(a)}</th>" for a in across) + "</tr></thead><tbody>"]
         for line in lines:
-            t.append("<tr>" + "".join(f"<td>{e(_fmt_meta(v))}</td>" for v in line))
+            t.append("<tr>" + "".join(f"<td>{e(v)}</td>" for v in line))
             for a in across:
                 c = cells.get((line, a))
-                t.append("<td></td>" if c is None else verdict_cell(c[0], c[1]))
+                t.append("<td></td>" if c is None else verdict_cell(*c))
             t.append("</tr>")
         t.append("</tbody></table>")
         parts.append('<h2>Matrix</h2><div class="card">' + "".join(t) + "</div>")
@@ -674,7 +701,7 @@ def render_sweep_html(rows: list[dict], links: list[str | None] | None = None, t
          + "<th>report</th></tr></thead><tbody>"]
     for r, href in zip(rows, links):
         href = _link(href)
-        t.append("<tr>" + "".join(verdict_cell(r, None) if k == "passed" else f"<td>{e(_fmt_meta(r.get(k)))}</td>"
+        t.append("<tr>" + "".join(verdict_cell(r, None) if k == "passed" else f"<td>{e(_cell_text(r.get(k)))}</td>"
                                   for k in keys)
                  + (f'<td><a href="{e(href)}">{e(href)}</a></td>' if href else "<td>-</td>") + "</tr>")
     t.append("</tbody></table>")

@@ -1,0 +1,114 @@
+"""tpcheck.fault_matrix: every fault, on the smallest configuration where it shows, is caught by its check
+(``tpcheck diff`` at the expected origin and step; the memory check for the memory fault), and clean runs
+of every configuration used raise no alarm in float32 and bfloat16."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tpcheck import fault_matrix as M
+from tpcheck.faults import FAULTS, get_fault
+
+QUIET = open("/dev/null", "w")
+
+# the smallest configuration of each fault: (preset, tp, dtype, decode layout?)
+SMALLEST = {
+    "nan_causal_mask": ("tiny", 1, "float32", False),
+    "qkv_shard_dim1": ("tiny", 2, "float32", False),
+    "rope_skipped": ("tiny", 1, "float32", False),
+    "qkv_bias_missing": ("tiny", 1, "float32", False),
+    "gqa_cache_repeated_heads": ("tiny", 1, "float32", True),
+    "kv_replica_index": ("tiny", 4, "float32", False),
+    "row_bias_every_rank": ("tiny", 2, "float32", False),
+    "gate_up_swapped": ("tiny", 1, "float32", False),
+    "skip_o_proj_allreduce": ("tiny", 2, "float32", False),
+    "decode_position_off_by_one": ("tiny", 1, "float32", True),
+    "untied_lm_head": ("tiny", 1, "float32", False),
+    "rope_wrong_layout": ("tiny", 1, "float32", False),
+    "full_state_dict_every_rank": ("tiny", 2, "float32", False),
+    "vocab_ids_not_masked": ("tiny", 2, "float32", False),
+    "every_rank_loads_rank0_shard": ("tiny", 2, "float32", False),
+    "rmsnorm_weight_before_cast": ("tiny", 1, "bfloat16", False),
+    "rope_theta_default": ("tiny-mqa", 1, "float32", False),  # tiny's rope_theta is the default 10000
+    "slot_mapping_off_by_one_at_block_boundary": ("tiny", 1, "float32", True),
+    "allreduce_low_precision": ("tiny", 2, "float32", False),
+}
+# decode faults: the step of the origin (gqa: the prefill's cache readback already holds repeated heads;
+# slot mapping: prompts of 6 and 14 tokens, block 8, cross a block boundary at decode step 3)
+STEP = {"gqa_cache_repeated_heads": 0, "decode_position_off_by_one": 1, "slot_mapping_off_by_one_at_block_boundary": 3}
+
+# measured: the faulty RMSNorm rounds once where HF rounds twice, so the engine is *closer* to the float64
+# golden than HF bfloat16 is (layers.0.input_norm rel_err 0.0028 vs HF's 0.0035): 0.27x its threshold
+UNDETECTED = {"rmsnorm_weight_before_cast": "RMSNorm weight before the cast is more accurate than HF bfloat16: "
+                                            "layers.0.input_norm at 0.27x its threshold (rel_err 0.0028 vs HF 0.0035)"}
+
+DIFF_FAULTS = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=UNDETECTED[n])) if n in UNDETECTED else n
+               for n, f in FAULTS.items() if f.check == "diff"]
+
+
+def test_every_fault_has_a_smallest_config(ckpt):
+    assert set(SMALLEST) == set(FAULTS)
+    for name, (preset, tp, dtype, decode) in SMALLEST.items():
+        c = M.smallest_config(name, ckpt)
+        assert (c["preset"], c["tp"], c["dtype"]) == (preset, tp, dtype), name
+        assert c == dict(preset=preset, tp=tp, dtype=dtype, **(M.DECODE if decode else M.PREFILL)), name
+        assert M.expected_step(get_fault(name), c) == STEP.get(name, 0), name
+    # 5 distinct layouts (tiny tp 1/2/4 prefill, tiny tp 1 decode, tiny-mqa tp 1), each clean in float32 and bfloat16
+    layouts = M.clean_configs([M.smallest_config(n, ckpt) for n in FAULTS])
+    assert len(layouts) == 2 * 5 and {c["dtype"] for c in layouts} == {"float32", "bfloat16"}
+
+
+@pytest.mark.parametrize("name", DIFF_FAULTS)
+def test_fault_detected_at_expected_origin(name, ckpt, engines):
+    row = M.fault_row(name, engines, ckpt, log=QUIET)
+    assert row["expected_point"] == get_fault(name).origin(0)
+    assert row["expected_step"] == STEP.get(name, 0)
+    assert row["detected"], f"{name}: tpcheck diff passed ({row['note']})"
+    assert (row["origin_point"], row["origin_step"]) == (row["expected_point"], row["expected_step"]), row
+    assert row["ok"]
+
+
+def test_memory_fault_flagged_by_memory_check_not_by_diff(ckpt, engines):
+    row = M.fault_row("full_state_dict_every_rank", engines, ckpt, log=QUIET)
+    assert row["check"] == "memory" and row["detected"] and row["ok"], row["note"]
+    assert "diff passes" in row["note"]  # the numerics are untouched
+    llm = engines.get(ckpt("tiny"), 2)
+    m = M.memory_check(llm, ["full_state_dict_every_rank"])
+    assert not M.memory_check(llm)["flagged"]  # the engine was restored
+    assert m["share_over_checkpoint"] == pytest.approx(0.5, abs=0.05)
+    for clean, bad in zip(m["clean"], m["ranks"]):  # each rank: its share clean, share + checkpoint faulty
+        assert clean["tensor_bytes"] <= M.MEM_FACTOR * m["share_bytes"]
+        assert bad["tensor_bytes"] >= clean["tensor_bytes"] + m["checkpoint_bytes"]
+        assert bad["param_bytes"] == clean["param_bytes"]
+
+
+CLEAN = M.clean_configs([dict(preset=p, tp=tp, dtype=d, **(M.DECODE if dec else M.PREFILL))
+                         for p, tp, d, dec in SMALLEST.values()])
+
+
+@pytest.mark.parametrize("config", CLEAN, ids=[f"{c['preset']}-tp{c['tp']}-{c['dtype']}-{c['decode_steps']}steps"
+                                               for c in CLEAN])
+def test_clean_config_no_false_alarm(config, ckpt, engines):
+    row = M.clean_row(config, engines, ckpt, log=QUIET)
+    assert not row["detected"] and row["ok"], row["note"]
+
+
+def test_cli_matrix_table_exit_codes_and_json(ckpt, engines, tmp_path, capsys):
+    ap = argparse.ArgumentParser()
+    M.register(ap.add_subparsers(dest="action"))
+    out = tmp_path / "m.json"
+    args = ap.parse_args(["matrix", "--faults", "rope_skipped,vocab_ids_not_masked", "--json", str(out)])
+    assert M.run(args, pool=engines, ckpt=ckpt) == 0
+    text = capsys.readouterr().out
+    assert "layers.0.attn.q_rope @ step 0" in text and "embed @ step 0" in text and "PASS: 2/2 faults" in text
+    data = json.loads(out.read_text())
+    assert data["passed"]
+    assert [r["fault"] for r in data["rows"]] == ["rope_skipped", "vocab_ids_not_masked"] + ["(clean)"] * 4
+    # an undetected fault makes the matrix fail
+    args = ap.parse_args(["matrix", "--faults", "rmsnorm_weight_before_cast", "--no-clean"])
+    assert M.run(args, pool=engines, ckpt=ckpt) == 1
+    assert "MISS" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="known faults"):
+        M.run(ap.parse_args(["matrix", "--faults", "nope"]), pool=engines, ckpt=ckpt)

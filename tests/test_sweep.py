@@ -1,0 +1,105 @@
+"""``tpcheck sweep`` end to end, and Hypothesis finding and shrinking a fault that only some inputs show."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+
+from tpcheck import strategies as tst
+from tpcheck import sweep
+
+QUIET = open(os.devnull, "w")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="tpcheck")
+    sweep.register(ap.add_subparsers(dest="cmd"))
+    return ap.parse_args(["sweep", *argv])
+
+
+def test_sweep_passes_and_writes_rows(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    a = _args("--tp", "1,4", "--dtype", "float32,bfloat16", "--decode-steps", "0,2", "--examples", "2",
+              "--preset", "tiny-mqa", "--max-len", "20", "--checkpoints", str(tmp_path / "ck"), "--json", str(out))
+    assert sweep.run(a) == 0
+    text = capsys.readouterr().out
+    assert "PASS: 8/8 configuration(s) passed" in text
+    data = json.loads(out.read_text())
+    assert data["passed"] is True
+    rows = data["rows"]
+    assert {(r["tp"], r["dtype"], r["decode_steps"]) for r in rows} == {
+        (tp, d, n) for tp in (1, 4) for d in ("float32", "bfloat16") for n in (0, 2)}
+    for r in rows:
+        assert r["config"] == "tiny-mqa" and r["passed"] and r["examples"] == 2
+        assert r["worst_point"] and 0 <= r["excess"] <= 1, r
+
+
+def test_sweep_exit_codes(tmp_path, capsys):
+    # a fault that tp 2 shows (every rank adds the o_proj bias): the configuration fails, shrunk, with a repro
+    a = _args("--tp", "2", "--dtype", "float32", "--decode-steps", "0", "--examples", "3", "--preset", "tiny",
+              "--max-len", "20", "--inject", "row_bias_every_rank", "--checkpoints", str(tmp_path / "ck"),
+              "--json", str(tmp_path / "r.json"))
+    assert sweep.run(a) == 1
+    text = capsys.readouterr().out
+    assert "FAIL tiny tp=2 float32 decode 0: origin layers.0.attn.out" in text
+    assert "reproduce: tpcheck diff --layer-by-layer --preset tiny --tp 2" in text and "--inject row_bias_every_rank" in text
+    row = json.loads((tmp_path / "r.json").read_text())["rows"][0]
+    assert row["passed"] is False and [len(p) for p in row["failing_case"]["prompts"]] == [1]  # shrunk: one token
+    # bad input: exit 2 before any work
+    assert sweep.run(_args("--preset", "nope")) == 2
+    assert sweep.run(_args("--tp", "0")) == 2
+    assert sweep.run(_args("--dtype", "float8")) == 2
+    assert sweep.run(_args("--preset", "qwen2.5-0.5b", "--tp", "4")) == 2  # 14 heads: nothing can run
+
+
+def test_property_finds_and_shrinks_kv_replication_fault(engines, tmp_path):
+    """``kv_replica_index`` shows only under KV replication with more than one KV head (tp > kv_heads > 1).
+    The diff property over drawn cases finds it and Hypothesis shrinks it to a small example that still
+    has exactly that layout."""
+    fault = ["kv_replica_index"]
+    root = tmp_path / "ck"
+    outcome: dict[str, bool] = {}
+    last_failure: list[tst.Case] = []
+    budget = 120  # diff runs at most; past it, unseen shrink candidates are not run (the best one is kept)
+
+    @settings(max_examples=40, database=None, derandomize=True, deadline=None, report_multiple_bugs=False,
+              phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+    @given(case=tst.cases(max_decode=2, max_batch=3, max_len=40))
+    def prop(case):
+        key = repr(case)
+        if key not in outcome:
+            if len(outcome) >= budget:
+                return
+            try:
+                case.check(pool=engines, root=root, inject=fault, log=QUIET)
+                outcome[key] = True
+            except AssertionError:
+                outcome[key] = False
+        if not outcome[key]:
+            last_failure[:] = [case]
+            raise AssertionError(f"fails: {case.describe()}")
+
+    with pytest.raises(AssertionError, match="fails"):
+        prop()
+    shrunk = last_failure[0]  # Hypothesis replays the shrunk example last
+    c = shrunk.config
+    print(f"shrunk after {len(outcome)} diff runs: {shrunk.describe()}\n{shrunk.repro(root, fault)}")
+    assert shrunk.tp > c["num_key_value_heads"] > 1 and shrunk.layout == "replication"
+    assert shrunk.tp == 4 and c["num_key_value_heads"] == 2  # the only replication with > 1 KV head at tp <= 4
+    assert c["num_hidden_layers"] == 1 and len(shrunk.prompts) == 1 and len(shrunk.prompts[0]) <= 2
+    assert shrunk.decode_steps == 0 and shrunk.dtype == "float32"
+    assert c["num_attention_heads"] <= 8 and c["hidden_size"] <= 64
+    # the same example without the fault passes: the fault, not the example, is what fails
+    shrunk.check(pool=engines, root=root, log=QUIET)
