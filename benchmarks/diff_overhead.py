@@ -67,7 +67,7 @@ def main() -> int:
     import tpcheck
     from tpcheck.check import random_prompts
     from tpcheck.checkpoints import cached_checkpoint
-    from tpcheck.diff import hf_capture
+    from tpcheck.layer_diff import hf_capture
     from tpcheck.pool import EnginePool
     log = sys.stderr
     print(f"checkpoint {a.preset} (written once, cached)...", file=log, flush=True)

@@ -29,11 +29,11 @@ def _args(*argv: str) -> argparse.Namespace:
     return ap.parse_args(["sweep", *argv])
 
 
-def test_sweep_passes_and_writes_rows(tmp_path, capsys):
+def test_sweep_passes_and_writes_rows(engines, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     a = _args("--tp", "1,4", "--dtype", "float32,bfloat16", "--decode-steps", "0,2", "--examples", "2",
               "--preset", "tiny-mqa", "--max-len", "20", "--checkpoints", str(tmp_path / "ck"), "--json", str(out))
-    assert sweep.run(a) == 0
+    assert sweep.run(a, pool=engines) == 0
     text = capsys.readouterr().out
     assert "PASS: 8/8 configuration(s) passed" in text
     data = json.loads(out.read_text())
@@ -46,12 +46,12 @@ def test_sweep_passes_and_writes_rows(tmp_path, capsys):
         assert r["worst_point"] and 0 <= r["excess"] <= 1, r
 
 
-def test_sweep_exit_codes(tmp_path, capsys):
+def test_sweep_exit_codes(engines, tmp_path, capsys):
     # a fault that tp 2 shows (every rank adds the o_proj bias): the configuration fails, shrunk, with a repro
     a = _args("--tp", "2", "--dtype", "float32", "--decode-steps", "0", "--examples", "3", "--preset", "tiny",
               "--max-len", "20", "--inject", "row_bias_every_rank", "--checkpoints", str(tmp_path / "ck"),
               "--json", str(tmp_path / "r.json"))
-    assert sweep.run(a) == 1
+    assert sweep.run(a, pool=engines) == 1
     text = capsys.readouterr().out
     assert "FAIL tiny tp=2 float32 decode 0: origin layers.0.attn.out" in text
     assert "reproduce: tpcheck diff --layer-by-layer --preset tiny --tp 2" in text and "--inject row_bias_every_rank" in text

@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     df.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
     df.add_argument("--csv", type=Path, help="write every row as CSV")
     df.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
+    df.add_argument("--parquet", type=Path, help="write every row as Parquet (needs pyarrow)")
+    df.add_argument("--html", type=Path, help="write the self-contained HTML report")
+    df.add_argument("--tolerances", type=Path, metavar="FILE.toml",
+                    help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
+    from tpcheck import gate
+    gate.register(sub)
     return ap
 
 
@@ -90,6 +96,9 @@ def _fmt(df) -> str:
 def _cmd_diff(a, argv: list[str]) -> int:
     import shlex
     import tpcheck
+    from tpcheck.report.html import write_html
+    from tpcheck.tolerances import load_tolerances, rejudge
+    tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
     prompts = a.prompt_ids
     if a.prompt:
         from transformers import AutoTokenizer
@@ -100,7 +109,8 @@ def _cmd_diff(a, argv: list[str]) -> int:
     r = tpcheck.diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
                      decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
                      block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed,
-                     command=shlex.join(["tpcheck", *argv]))
+                     command=shlex.join(["tpcheck", *argv]), tolerances=tol)
+    r = rejudge(r, tol)  # the abs_max bounds; thresholds are already tol's
     for mode in ["propagated"] + (["isolated"] if a.isolate else []):
         t = r.table[r.table["mode"] == mode]
         shown = t.drop(columns=["order", "mode", "kind"]) if a.all_rows else r.layer_table(mode)
@@ -108,7 +118,9 @@ def _cmd_diff(a, argv: list[str]) -> int:
         print(_fmt(shown))
     print()
     print(r.summary())
-    for path, write in ((a.json, r.to_json), (a.csv, r.to_csv)):
+    parquet = lambda p: r.table.drop(columns=["order"]).to_parquet(p, index=False)  # noqa: E731
+    for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
+                        (a.html, lambda p: write_html(r, p))):
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             write(path)
@@ -183,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_check(a)
         if a.cmd == "diff":
             return _cmd_diff(a, argv)
+        if a.cmd in ("gate", "report"):
+            from tpcheck import gate
+            return gate.run(a)
     except (ConfigError, LoadError, FileExistsError, ValueError) as e:
         print(f"tpcheck: error: {e}", file=sys.stderr)
         return 2

@@ -152,7 +152,7 @@ def tpcheck_diff(tpcheck_checkpoint, tpcheck_engines):
     import io
 
     def run(preset: str = "tiny", tp: int = 2, **kwargs):
-        from tpcheck.diff import diff
+        from tpcheck.layer_diff import diff
         kwargs.setdefault("model", None)
         if kwargs["model"] is None:
             kwargs["model"] = tpcheck_checkpoint(preset)

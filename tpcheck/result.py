@@ -117,8 +117,17 @@ class DiffResult:
                              "outside the decoder layers, or only in the propagated run)")
         return "\n".join(lines)
 
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DiffResult":
+        """Read what ``to_json`` wrote; ``tpcheck.report.ResultFormatError`` (a ValueError) names the file and
+        what is wrong."""
+        from tpcheck.report import load_result  # lazy: tpcheck.report imports this module
+        return load_result(path)
+
     def to_json(self, path: str | Path) -> None:
-        rows = json.loads(self.table.drop(columns=["order"]).to_json(orient="records"))
+        # full float64 precision (pandas' to_json rounds to 10 decimals); non-finite values become null
+        rows = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                for r in self.table.drop(columns=["order"]).to_dict(orient="records")]
         Path(path).write_text(json.dumps({"passed": self.passed, "first_divergence": self.first_divergence,
                                           "meta": self.meta, "rows": rows}, indent=1, default=str))
 

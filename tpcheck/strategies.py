@@ -53,9 +53,11 @@ DEFAULT_TPS = (1, 2, 4)
 DEFAULT_DTYPES = ("float32", "bfloat16")
 DEFAULT_BLOCK_SIZES = (16, 4, 1, 8, 32, 3)   # the first is where shrinking goes
 HEAD_DIMS = (8, 16, 32)                      # even: RoPE rotates pairs
+GROUPS = (1, 2, 4, 3, 7, 8)                  # query heads per KV head (7: Qwen2.5-0.5B's 14 / 2)
 ROPE_THETAS = (10000.0, 1000000.0, 500000.0, 100.0)
 BIAS_STDS = (0.5, 0.0, 4.0)                  # q/k/v bias scale: the presets' recipe, no bias, large (real Qwen2 k)
 MAX_POSITION = 1024
+_DEVNULL = open(os.devnull, "w")
 _FIXED = dict(max_position_embeddings=MAX_POSITION, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
 
 
@@ -136,7 +138,7 @@ def configs(tps=DEFAULT_TPS, max_hidden: int = 128, max_layers: int = 3, max_voc
     def draw_config(draw):
         kv = draw(st.sampled_from(kvs))
         base = _lcm([kv, t])  # heads: a multiple of the KV heads and of every tp
-        heads = base * draw(st.sampled_from([g for g in (1, 2, 4, 8) if base * g <= max_heads] or [1]))
+        heads = base * draw(st.sampled_from([g for g in GROUPS if base * g <= max_heads] or [1]))
         return draw(_shape(heads, kv, t, max_hidden, max_layers, max_vocab))
 
     return draw_config()
@@ -169,10 +171,10 @@ def config_and_tp(tps=DEFAULT_TPS, layouts=("partition", "replication"), max_hid
         layout = draw(st.sampled_from([lay for lay in layouts if lay == "partition" or tp > 1]))
         if layout == "partition":
             kv = tp * draw(st.sampled_from([a for a in (1, 2, 4) if tp * a <= 8] or [1]))
-            groups = [g for g in (1, 2, 4) if kv * g <= max_heads] or [1]
+            groups = [g for g in GROUPS if kv * g <= max_heads] or [1]
         else:
             kv = draw(st.sampled_from([d for d in range(1, tp) if tp % d == 0]))
-            groups = [g for g in (1, 2, 4, 8) if (kv * g) % tp == 0 and kv * g <= max_heads] or [tp // kv]
+            groups = [g for g in GROUPS if (kv * g) % tp == 0 and kv * g <= max_heads] or [tp // kv]
         heads = kv * draw(st.sampled_from(groups))
         return draw(_shape(heads, kv, tp, max_hidden, max_layers, max_vocab)), tp
 
@@ -205,12 +207,15 @@ def decode_lengths(max_steps: int = 8) -> st.SearchStrategy[int]:
 
 @st.composite
 def prompt_lengths(draw, block_size: int = 16, max_len: int = 300, long_every: int = 8) -> int:
-    """A prompt length in ``[1, max_len]``: mostly at a block boundary +-1 (a few blocks in), else short
-    (1-24), and about one draw in ``long_every`` anywhere up to ``max_len``."""
-    kind = draw(st.integers(0, long_every - 1))  # 0 first: the shrinker lands on "short"
-    if kind == 0 or max_len <= 24:
+    """A prompt length in ``[1, max_len]``: mostly (5 in 8) at a block boundary +-1 (1-4 blocks in), else
+    short (1-24), and one draw in ``long_every`` anywhere up to ``max_len``."""
+    # sampled_from draws its options uniformly (small integer ranges are biased toward their lower bound);
+    # option 0 is "short", where the shrinker lands
+    kinds = ["short", "short"] + ["boundary"] * max(1, long_every - 3) + ["long"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "short" or max_len <= 24:
         n = draw(st.integers(1, min(24, max_len)))
-    elif kind == long_every - 1:
+    elif kind == "long":
         n = draw(st.integers(1, max_len))
     else:
         blocks = draw(st.integers(1, max(1, min(4, max_len // block_size))))
@@ -225,7 +230,7 @@ def prompts(draw, vocab_size: int, block_size: int = 16, max_batch: int = 8, max
     (``prompt_lengths``), token ids uniform in ``[0, vocab_size)`` from a drawn seed (every vocab shard,
     the last, partly padded one included). ``shared_prefix``: sometimes the later prompts start with a
     prefix of the first (prefix caching)."""
-    big = max_batch > common_batch and draw(st.integers(0, 7)) == 7
+    big = max_batch > common_batch and draw(st.sampled_from([False] * 7 + [True]))
     batch = draw(st.integers(common_batch + 1, max_batch) if big else st.integers(1, min(common_batch, max_batch)))
     lens = [draw(prompt_lengths(block_size, max_len)) for _ in range(batch)]
     rng = random.Random(draw(st.integers(0, 2**16)))
@@ -346,7 +351,7 @@ class Case:
         model = self.checkpoint(root)
         return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
                             decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,
-                            pool=pool, block_size=self.block_size, log=log or open(os.devnull, "w"),
+                            pool=pool, block_size=self.block_size, log=log or _DEVNULL,
                             command=self.diff_command(model, inject, inject_layer), **kw)
 
     def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,

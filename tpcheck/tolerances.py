@@ -27,7 +27,6 @@ per-dtype value, then the default. An explicit ``--tolerances`` file replaces ``
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +36,11 @@ import pandas as pd
 from tpcheck.metrics import FLOOR, K_FACTOR
 from tpcheck.points import LAYER_POINTS
 from tpcheck.result import DiffResult, Tolerances
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the same parser as the tomli package
+    import tomli as tomllib
 
 DTYPES = tuple(K_FACTOR)
 KINDS = ("embed", *LAYER_POINTS, "final_norm", "logits")

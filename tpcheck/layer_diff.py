@@ -1,4 +1,4 @@
-"""``tpcheck.diff``: the engine against a float64 golden run, point by point, step by step.
+"""``tpcheck.diff`` (defined here, exported by the package): the engine against a float64 golden run, point by point, step by step.
 
 Per step: HF float64 (golden) runs and its points are kept for that step only; HF at the test dtype (the
 noise floor) and the engine run next and each of their points is compared as it is unsharded, then

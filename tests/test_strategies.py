@@ -1,0 +1,173 @@
+"""tpcheck.strategies draws only valid cases, covers the layouts it promises, and its checkpoints and
+reproduction commands are deterministic; tpcheck.hypothesis_profiles selects profiles from the environment."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from hypothesis import find, given, settings
+from hypothesis import strategies as st
+
+from tpcheck import hypothesis_profiles as hp
+from tpcheck import strategies as tst
+
+FAST = settings(max_examples=200, deadline=None, database=None)
+
+
+def _head_dim(c: dict) -> int:
+    return c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+
+
+def _assert_valid(c: dict, tp: int) -> None:
+    h, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    assert h % tp == 0 and h % kv == 0 and c["intermediate_size"] % tp == 0
+    assert (kv % tp == 0) if tp <= kv else (tp % kv == 0)
+    assert tst.tp_compatible(c, tp)
+    assert _head_dim(c) % 2 == 0 and c["hidden_size"] <= 128 and 1 <= c["num_hidden_layers"] <= 3
+    assert 32 <= c["vocab_size"] <= 600 and c["vocab_size"] > max(c["bos_token_id"], c["eos_token_id"])
+    if "head_dim" not in c:
+        assert c["hidden_size"] % h == 0
+
+
+@FAST
+@given(tst.config_and_tp())
+def test_config_and_tp_is_valid(pair):
+    config, tp = pair
+    assert tp in (1, 2, 4)
+    _assert_valid(config, tp)
+
+
+@FAST
+@given(tst.configs(tps=(1, 2, 4)))
+def test_configs_split_at_every_tp(config):
+    for tp in (1, 2, 4):
+        _assert_valid(config, tp)
+
+
+@pytest.mark.parametrize("what,cond", [
+    ("partition at tp 4", lambda p: p[1] == 4 and p[0]["num_key_value_heads"] >= 4),
+    ("replication, 2 KV heads at tp 4", lambda p: p[1] == 4 and p[0]["num_key_value_heads"] == 2),
+    ("MQA replication at tp 2", lambda p: p[1] == 2 and p[0]["num_key_value_heads"] == 1),
+    ("MHA", lambda p: p[0]["num_key_value_heads"] == p[0]["num_attention_heads"] > 1),
+    ("vocab padded, uneven over tp", lambda p: p[1] > 1 and p[0]["vocab_size"] % 64 != 0),
+    ("vocab an exact multiple of 64", lambda p: p[0]["vocab_size"] % 64 == 0),
+    ("explicit head_dim", lambda p: "head_dim" in p[0]),
+    ("tied, 3 layers", lambda p: p[0]["tie_word_embeddings"] and p[0]["num_hidden_layers"] == 3),
+])
+def test_layouts_are_reachable(what, cond):
+    find(tst.config_and_tp(), cond, settings=settings(max_examples=500, database=None))
+
+
+def test_layouts_are_drawn_often():
+    seen = []
+
+    @settings(max_examples=150, database=None, derandomize=True)
+    @given(tst.config_and_tp())
+    def draw(pair):
+        seen.append((pair[1], tst.kv_layout(pair[0]["num_key_value_heads"], pair[1])))
+
+    draw()
+    assert {tp for tp, _ in seen} == {1, 2, 4}
+    replication = sum(lay == "replication" for _, lay in seen)
+    assert 0.15 * len(seen) <= replication <= 0.6 * len(seen), (replication, len(seen))
+
+
+def test_restricted_layouts():
+    @FAST
+    @given(tst.config_and_tp(tps=(2, 4), layouts=("replication",)))
+    def only_replication(pair):
+        assert pair[1] > pair[0]["num_key_value_heads"]
+
+    only_replication()
+    with pytest.raises(ValueError):
+        tst.config_and_tp(tps=(1,), layouts=("replication",))
+
+
+@FAST
+@given(st.data(), st.integers(32, 600), tst.block_sizes())
+def test_prompts_are_valid(data, vocab, bs):
+    ps = data.draw(tst.prompts(vocab, bs, max_batch=8, max_len=300))
+    assert 1 <= len(ps) <= 8
+    assert all(1 <= len(p) <= 300 and all(0 <= t < vocab for t in p) for p in ps)
+
+
+def test_prompt_lengths_hit_block_boundaries_often():
+    lens = []
+
+    @settings(max_examples=300, database=None, derandomize=True)
+    @given(tst.prompt_lengths(16, 300), st.integers(0, 10**6))  # (a second draw, as in a real case: alone,
+    def draw(n, _):                                             # the few boundary lengths would run out)
+        lens.append(n)
+
+    draw()
+    near = sum(min(n % 16, 16 - n % 16) <= 1 and n >= 15 for n in lens)
+    assert near >= 0.4 * len(lens), (near, len(lens))
+    assert max(lens) > 100 and min(lens) == 1
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(tst.cases())
+def test_cases_are_consistent(case):
+    _assert_valid(case.config, case.tp)
+    assert case.dtype in ("float32", "bfloat16") and 0 <= case.decode_steps <= 8
+    assert all(0 <= t < case.config["vocab_size"] for p in case.prompts for t in p)
+    assert case.layout == tst.kv_layout(case.config["num_key_value_heads"], case.tp)
+
+
+def test_drawn_checkpoints_load_in_hf_and_impl(tmp_path):
+    """A handful of drawn configs (explicit head_dim, MQA, padded vocab...) load with no missing keys in HF
+    and pass impl's own TP check; checkpoints are cached by content and written atomically."""
+    from transformers import Qwen2ForCausalLM
+
+    from impl.config import load_config
+    pairs = []
+
+    @settings(max_examples=8, database=None, derandomize=True)
+    @given(tst.config_and_tp())
+    def draw(pair):
+        pairs.append(pair)
+
+    draw()
+    pairs.append((dict(find(tst.configs(), lambda c: "head_dim" in c, settings=settings(database=None))), 2))
+    for config, tp in pairs:
+        d = tst.config_checkpoint(config, tmp_path)
+        assert tst.config_checkpoint(dict(config), tmp_path) == d  # cached: same content, same path
+        model, info = Qwen2ForCausalLM.from_pretrained(d, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        cfg = load_config(d)
+        cfg.check_tp(tp)
+        assert cfg.head_dim == _head_dim(config)
+    assert tst.config_checkpoint(pairs[0][0], tmp_path, seed=1) != tst.config_checkpoint(pairs[0][0], tmp_path)
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_repro_recreates_the_checkpoint(tmp_path):
+    """The recreate command of a failure report rebuilds the same checkpoint bit for bit."""
+    config = find(tst.configs(), lambda c: c["num_hidden_layers"] == 2, settings=settings(database=None))
+    case = tst.Case(config, 2, "bfloat16", [[1, 2, 3]], 2, 4, bias_std=4.0)
+    original = case.checkpoint(tmp_path / "a")
+    cmd = tst.recreate_command(config, tmp_path / "b", case.weight_seed, case.bias_std)
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True).stdout.strip()
+    assert out.startswith(str(tmp_path / "b"))
+    for f in ("config.json", "model.safetensors"):
+        assert (original / f).read_bytes() == (tmp_path / "b" / os.path.basename(out) / f).read_bytes()
+    line = case.repro(tmp_path / "a")
+    assert line.startswith("tpcheck diff --layer-by-layer --model \"$(") and "\n" not in line
+    assert "--tp 2 --dtype bfloat16 --prompt-ids 1,2,3 --decode-steps 2 --block-size 4" in line
+
+
+def test_profiles(monkeypatch):
+    assert set(hp.PROFILES) == {"dev", "ci", "thorough"}
+    assert hp.PROFILES["ci"]["derandomize"] and hp.PROFILES["ci"]["deadline"] is None
+    monkeypatch.delenv("HYPOTHESIS_PROFILE", raising=False)
+    monkeypatch.setenv("TPCHECK_PROFILE", "thorough")
+    assert hp.selected_profile() == "thorough"
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", "ci")
+    assert hp.selected_profile() == "ci"
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", "nope")
+    with pytest.raises(ValueError, match="dev, ci, thorough"):
+        hp.load()
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", hp.PROFILE)
+    assert hp.load() == hp.PROFILE  # back to the profile this run uses
+    assert hp.examples(1.0) == settings.default.max_examples and hp.examples(0.0) == 1
