@@ -72,9 +72,9 @@ def test_property_finds_and_shrinks_kv_replication_fault(engines, tmp_path):
     root = tmp_path / "ck"
     outcome: dict[str, bool] = {}
     last_failure: list[tst.Case] = []
-    budget = 120  # diff runs at most; past it, unseen shrink candidates are not run (the best one is kept)
+    budget = 150  # diff runs at most; past it, unseen shrink candidates are not run (the best one is kept)
 
-    @settings(max_examples=40, database=None, derandomize=True, deadline=None, report_multiple_bugs=False,
+    @settings(max_examples=200, database=None, derandomize=True, deadline=None, report_multiple_bugs=False,
               phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
     @given(case=tst.cases(max_decode=2, max_batch=3, max_len=40))
     def prop(case):

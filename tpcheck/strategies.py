@@ -14,7 +14,9 @@ smallest case that still fails. Everything drawn is valid for impl and for Huggi
   (batch 1-8 of ragged lengths 1-300, lengths at block boundaries +-1 drawn often), ``decode_lengths(K)``,
   ``dtypes()``, ``bias_stds()``, ``seeds()``.
 * ``cases(...)``: all of it together as a ``Case``, which writes its checkpoint (``Case.checkpoint``),
-  runs the layer-by-layer diff (``Case.diff``) and prints a one-line reproduction (``Case.repro``).
+  runs the layer-by-layer diff (``Case.diff``), asserts the properties (``Case.check``: ranks agree on
+  replicated points, every point within the noise floor) and prints a one-line reproduction
+  (``Case.repro``) that recreates the drawn checkpoint if it is gone.
 
 Use in your own tests::
 
@@ -26,8 +28,7 @@ Use in your own tests::
 
     @given(tst.cases(tps=(2, 4), dtypes=("bfloat16",), max_decode=4))
     def test_my_engine(case):
-        r = case.diff(pool=POOL, root="/tmp/my-ckpts")
-        assert r.passed, case.failure_report(r, "/tmp/my-ckpts")
+        case.check(pool=POOL, root="/tmp/my-ckpts")   # AssertionError: report + `tpcheck diff` line
 
 Drawn checkpoints are written by ``config_checkpoint`` into ``root`` under a hash of what defines them
 (config, weight seed, bias scale, dtype): cached, and written atomically (safe under pytest-xdist).

@@ -25,26 +25,25 @@ from pathlib import Path
 TINY_PRESETS = ("tiny", "tiny-untied", "tiny-mha", "tiny-mqa")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``sweep`` sub-command to a ``tpcheck`` argparse ``subparsers``."""
+    from tpcheck.cli import int_list  # (lazy: the CLI imports this module)
     sw = subparsers.add_parser(
         "sweep", help="the layer-by-layer diff over tp x dtype x decode steps, inputs drawn by Hypothesis",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sw.add_argument("--tp", type=_ints, default=[1, 2, 4], help="TP sizes (default 1,2,4)")
+        description="Run the layer-by-layer diff over every (model, tp, dtype, decode steps) configuration, "
+                    "--examples inputs drawn by Hypothesis each (tpcheck.strategies), on pooled engines. "
+                    "Prints one row per configuration: pass/fail, the worst point over its examples and its "
+                    "excess over the noise-floor threshold (rel_err / (k * ref_rel_err + floor); above 1 "
+                    "fails). A failing configuration is shrunk to its smallest failing example, printed with "
+                    "a one-line `tpcheck diff` reproduction. Exit 0 all passed, 1 one failed, 2 bad input.")
+    sw.add_argument("--tp", type=int_list, default=[1, 2, 4], help="TP sizes (default 1,2,4)")
     sw.add_argument("--dtype", type=_names, default=["float32", "bfloat16"],
                     help="dtypes: float32, bfloat16, float16 (default float32,bfloat16)")
-    sw.add_argument("--decode-steps", type=_ints, default=[0, 8], help="decode lengths (default 0,8)")
+    sw.add_argument("--decode-steps", type=int_list, default=[0, 8], help="decode lengths (default 0,8)")
     sw.add_argument("--examples", type=int, default=5, help="drawn examples per configuration (default 5)")
     src = sw.add_mutually_exclusive_group()
     src.add_argument("--preset", type=_names, action="extend", default=None,
@@ -146,15 +145,19 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, a, pool, roo
     @given(_case_strategy(source, tp, dtype, steps, a))
     def prop(case):
         row["examples"] += 1
-        if getattr(a, "no_pool", False):
-            from tpcheck.pool import EnginePool
-            fresh = EnginePool()
-            try:
-                r = case.diff(pool=fresh, root=root, inject=a.inject)
-            finally:
-                fresh.close()
-        else:
-            r = case.diff(pool=pool, root=root, inject=a.inject)
+        try:
+            if getattr(a, "no_pool", False):
+                from tpcheck.pool import EnginePool
+                fresh = EnginePool()
+                try:
+                    r = case.diff(pool=fresh, root=root, inject=a.inject)
+                finally:
+                    fresh.close()
+            else:
+                r = case.diff(pool=pool, root=root, inject=a.inject)
+        except Exception:
+            state["crash"] = case  # the last crashing example Hypothesis ran: the shrunk one
+            raise
         if r.passed:
             if state["fail"] is None:
                 track(case, r)
@@ -167,8 +170,12 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, a, pool, roo
     except AssertionError:
         pass
     except Exception as e:  # noqa: BLE001 - a crash (a dead rank, a flaky failure) fails the configuration too
-        row["error"] = f"{type(e).__name__}: {e}"
+        row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
         row["passed"] = False
+        crash = state.get("crash")
+        if crash is not None and state["fail"] is None:
+            row.update(failing_example=crash.describe(), repro=crash.repro(root, a.inject),
+                       failing_case=crash.to_dict())
     if state["fail"] is not None:
         case, r = state["fail"]  # the last failure Hypothesis ran: the shrunk example
         fd = r.first_divergence or {}
