@@ -54,7 +54,8 @@ def test_sweep_exit_codes(engines, tmp_path, capsys):
     assert sweep.run(a, pool=engines) == 1
     text = capsys.readouterr().out
     assert "FAIL tiny tp=2 float32 decode 0: origin layers.0.attn.out" in text
-    assert "reproduce: tpcheck diff --layer-by-layer --preset tiny --tp 2" in text and "--inject row_bias_every_rank" in text
+    assert "reproduce: tpcheck diff --layer-by-layer --preset tiny --tp 2" in text
+    assert "--inject row_bias_every_rank" in text
     row = json.loads((tmp_path / "r.json").read_text())["rows"][0]
     assert row["passed"] is False and [len(p) for p in row["failing_case"]["prompts"]] == [1]  # shrunk: one token
     # bad input: exit 2 before any work

@@ -84,8 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     df.add_argument("--html", type=Path, help="write the self-contained HTML report")
     df.add_argument("--tolerances", type=Path, metavar="FILE.toml",
                     help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
-    from tpcheck import gate
+    from tpcheck import gate, sweep
     gate.register(sub)
+    sweep.register(sub)
     return ap
 
 
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_check(a)
         if a.cmd == "diff":
             return _cmd_diff(a, argv)
+        if a.cmd == "sweep":
+            from tpcheck import sweep
+            return sweep.run(a)
         if a.cmd in ("gate", "report"):
             from tpcheck import gate
             return gate.run(a)

@@ -154,7 +154,8 @@ def tp_sizes(config: dict, tps=DEFAULT_TPS) -> st.SearchStrategy[int]:
 
 
 def config_and_tp(tps=DEFAULT_TPS, layouts=("partition", "replication"), max_hidden: int = 128,
-                  max_layers: int = 3, max_vocab: int = 600, max_heads: int = 16) -> st.SearchStrategy[tuple[dict, int]]:
+                  max_layers: int = 3, max_vocab: int = 600,
+                  max_heads: int = 16) -> st.SearchStrategy[tuple[dict, int]]:
     """A ``(config, tp)`` pair drawn together: first the TP size, then the KV layout (``layouts``; replication
     needs ``tp > 1``), then head counts that make it so: partition ``num_kv_heads = tp * a``; replication
     ``num_kv_heads`` a proper divisor of tp (MQA included). Shrinks toward tp 1, partition, few heads."""
@@ -322,7 +323,8 @@ class Case:
 
     def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
         """The ``tpcheck diff`` command line of this case (block size included)."""
-        src = ["--preset", self.preset] if self.preset is not None and self.weight_seed == 0 else ["--model", str(model_dir)]
+        by_name = self.preset is not None and self.weight_seed == 0
+        src = ["--preset", self.preset] if by_name else ["--model", str(model_dir)]
         parts = ["tpcheck", "diff", "--layer-by-layer", *src, "--tp", str(self.tp), "--dtype", self.dtype]
         for p in self.prompts:
             parts += ["--prompt-ids", ",".join(map(str, p))]
