@@ -9,6 +9,8 @@ import pytest
 from tpcheck.checkpoints import cached_checkpoint
 from tpcheck.pool import EnginePool
 
+pytest_plugins = ["tpcheck.hypothesis_profiles"]  # profile from HYPOTHESIS_PROFILE; prints the example count
+
 
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):

@@ -64,6 +64,8 @@ class ModelConfig:
             raise ConfigError(f"tp_size must be >= 1, got {tp}")
         if self.num_heads % tp:
             raise ConfigError(f"num_attention_heads={self.num_heads} is not divisible by tp_size={tp}")
+        if self.intermediate_size % tp:
+            raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by tp_size={tp}")
         kv = self.num_kv_heads
         if tp <= kv and kv % tp:
             raise ConfigError(f"num_key_value_heads={kv} is not divisible by tp_size={tp}")

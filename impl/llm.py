@@ -88,10 +88,7 @@ class LLM:
 
     def tokenizer(self):
         if self._tokenizer is None:
-            if not any((Path(self.model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-                raise ValueError(f"{self.model_dir} has no tokenizer: pass token ids instead of text")
-            from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
     def _ids(self, prompts) -> list[list[int]]:
@@ -166,6 +163,16 @@ class LLM:
             self.close()
         except Exception:
             pass
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The checkpoint's tokenizer. ``tokenizer.json`` is loaded as is (AutoTokenizer would pick the class
+    from config.json's model type and ignore a tokenizer.json of another kind); never remote code."""
+    d = Path(model_dir)
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{model_dir} has no tokenizer: pass token ids instead of text")
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    return (PreTrainedTokenizerFast if (d / "tokenizer.json").is_file() else AutoTokenizer).from_pretrained(str(d))
 
 
 def _progress(total: int):

@@ -188,3 +188,10 @@ def test_llm_refuses_bad_config_real_executor(tmp_path):
     with pytest.raises(ConfigError, match="llama"):
         impl.LLM(d, tp_size=2)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_intermediate_size_not_divisible_refused(tmp_path):
+    d = write_config(tmp_path, "tiny", lambda raw: raw.update(intermediate_size=90))
+    load_config(d).check_tp(2)
+    with pytest.raises(ConfigError, match="intermediate_size=90 is not divisible by tp_size=4"):
+        load_config(d).check_tp(4)

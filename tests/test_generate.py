@@ -13,7 +13,8 @@ NEW = 32
 
 def hf_greedy(hf, prompt: list[int], n: int, stop_at_eos: bool = False) -> tuple[list[int], list[float]]:
     """HF's greedy continuation and, per new token, its top-2 logit gap."""
-    kw = {} if stop_at_eos else dict(min_new_tokens=n)
+    # ignore_eos: HF must be free to choose EOS too (min_new_tokens would mask it), just never stop on it
+    kw = {} if stop_at_eos else dict(eos_token_id=None)
     with torch.no_grad():
         ids = torch.tensor([prompt])
         # explicit all-ones mask: without it HF infers padding from pad_token_id and shifts positions
@@ -128,3 +129,23 @@ def test_bad_requests_fail_before_work_and_engine_stays_usable(ckpt, engines):
         llm.generate([[1] * 100], sp)  # 103 tokens need 26 blocks of 4; the cache has 20
     assert llm.generate([[5, 6, 7]], sp)[0] == llm.generate([[5, 6, 7]], sp)[0]
     assert llm.scheduler.block_manager.num_free_blocks == 20 or llm.enable_prefix_caching
+
+
+def test_text_prompts_with_a_tokenizer(ckpt, tmp_path):
+    """A checkpoint directory with a tokenizer takes text prompts (a word-level tokenizer: token ``tN`` is id N)."""
+    import shutil
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from impl import LLM
+    d = tmp_path / "with-tokenizer"
+    shutil.copytree(ckpt("tiny"), d)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(250)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(d)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    with LLM(d, tp_size=1) as llm:
+        assert llm.generate(["t5 t17 t42"], sp) == llm.generate([[5, 17, 42]], sp)
+        assert torch.equal(llm.logits("t5 t17"), llm.logits([5, 17]))
+    with LLM(ckpt("tiny"), tp_size=1) as llm:
+        with pytest.raises(ValueError, match="has no tokenizer"):
+            llm.generate(["t5"], sp)

@@ -102,10 +102,10 @@ def _cmd_diff(a, argv: list[str]) -> int:
     tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
     prompts = a.prompt_ids
     if a.prompt:
-        from transformers import AutoTokenizer
+        from impl.llm import load_tokenizer
         if a.model is None:
             raise ValueError("--prompt needs --model with a tokenizer (synthetic presets have none)")
-        tok = AutoTokenizer.from_pretrained(str(a.model))
+        tok = load_tokenizer(a.model)
         prompts = [tok.encode(t) for t in a.prompt]
     r = tpcheck.diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
                      decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,

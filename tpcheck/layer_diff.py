@@ -170,7 +170,8 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
     try:
         engine = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size)
         meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer,
-                "command": command or _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer)}
+                "command": command or _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer,
+                                               block_size)}
         return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, log, meta)
     finally:
         if own:
@@ -200,7 +201,7 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
     return DiffResult.from_rows(rows, meta)
 
 
-def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer) -> str:
+def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer, block_size=16) -> str:
     parts = ["tpcheck", "diff", "--layer-by-layer", "--model", model_dir, "--tp", str(tp), "--dtype", dtype]
     for p in prompts:
         parts += ["--prompt-ids", ",".join(map(str, p))]
@@ -212,4 +213,6 @@ def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, injec
         parts += ["--inject", ",".join(inject)]
     if inject_layer is not None:
         parts += ["--inject-layer", str(inject_layer)]
+    if block_size != 16:
+        parts += ["--block-size", str(block_size)]
     return shlex.join(parts)

@@ -102,16 +102,21 @@ def _kv_candidates(tps: tuple[int, ...], max_kv: int = 8) -> list[int]:
 
 @st.composite
 def _shape(draw, heads: int, kv: int, tp_multiple: int, max_hidden: int, max_layers: int, max_vocab: int) -> dict:
-    """Everything but the head counts (already valid for the TP sizes)."""
+    """Everything but the head counts (already valid for the TP sizes).
+
+    Every draw happens whatever the earlier ones were (a value that does not fit falls back to one that
+    does), so the number of choices never depends on the head count: Hypothesis' shrinker, which prefers
+    shorter choice sequences, then lands on small models rather than on whichever branch draws least."""
     explicit = draw(st.booleans())  # False first: head_dim implied by hidden / heads, as in most checkpoints
+    head_dim = draw(st.sampled_from(HEAD_DIMS))
+    hidden = 16 * draw(st.integers(2, max(2, max_hidden // 16)))  # used only with an explicit head_dim
     if explicit:
-        head_dim = draw(st.sampled_from([d for d in HEAD_DIMS if heads * d <= 4 * max_hidden] or [HEAD_DIMS[0]]))
-        hidden = 16 * draw(st.integers(2, max(2, max_hidden // 16)))
-        if hidden == heads * head_dim:
-            explicit = False  # the same model either way; keep the config in its plain form
-    else:
-        dims = [d for d in HEAD_DIMS if heads * d <= max_hidden] or [HEAD_DIMS[0]]
-        head_dim = draw(st.sampled_from(dims))
+        if heads * head_dim > 4 * max_hidden:
+            head_dim = HEAD_DIMS[0]
+        explicit = hidden != heads * head_dim  # else the same model as the plain config: keep that form
+    if not explicit:
+        if heads * head_dim > max_hidden:
+            head_dim = HEAD_DIMS[0]
         hidden = heads * head_dim
     unit = _lcm([tp_multiple, 8])
     inter = unit * draw(st.integers(max(1, 16 // unit), max(1, 4 * max_hidden // unit)))
@@ -124,6 +129,12 @@ def _shape(draw, heads: int, kv: int, tp_multiple: int, max_hidden: int, max_lay
     if explicit:
         cfg["head_dim"] = head_dim
     return cfg
+
+
+def _pick(draw, options, ok):
+    """Draw from the fixed ``options``; one that ``ok`` refuses falls back to the first that it accepts."""
+    value = draw(st.sampled_from(options))
+    return value if ok(value) else next(o for o in options if ok(o))
 
 
 def configs(tps=DEFAULT_TPS, max_hidden: int = 128, max_layers: int = 3, max_vocab: int = 600,
@@ -139,7 +150,7 @@ def configs(tps=DEFAULT_TPS, max_hidden: int = 128, max_layers: int = 3, max_voc
     def draw_config(draw):
         kv = draw(st.sampled_from(kvs))
         base = _lcm([kv, t])  # heads: a multiple of the KV heads and of every tp
-        heads = base * draw(st.sampled_from([g for g in GROUPS if base * g <= max_heads] or [1]))
+        heads = base * _pick(draw, GROUPS + (1,), lambda g: base * g <= max_heads or g == 1)
         return draw(_shape(heads, kv, t, max_hidden, max_layers, max_vocab))
 
     return draw_config()
@@ -169,16 +180,17 @@ def config_and_tp(tps=DEFAULT_TPS, layouts=("partition", "replication"), max_hid
 
     @st.composite
     def draw_pair(draw):
+        # fixed option lists (see _shape): the shrinker compares like with like
         tp = draw(st.sampled_from(usable))
-        layout = draw(st.sampled_from([lay for lay in layouts if lay == "partition" or tp > 1]))
+        layout = _pick(draw, layouts, lambda lay: lay == "partition" or tp > 1)
         if layout == "partition":
-            kv = tp * draw(st.sampled_from([a for a in (1, 2, 4) if tp * a <= 8] or [1]))
-            groups = [g for g in GROUPS if kv * g <= max_heads] or [1]
+            kv = tp * _pick(draw, (1, 2, 4), lambda a: tp * a <= 8 or a == 1)
+            fits = lambda g: kv * g <= max_heads  # noqa: E731
         else:
-            kv = draw(st.sampled_from([d for d in range(1, tp) if tp % d == 0]))
-            groups = [g for g in GROUPS if (kv * g) % tp == 0 and kv * g <= max_heads] or [tp // kv]
-        heads = kv * draw(st.sampled_from(groups))
-        return draw(_shape(heads, kv, tp, max_hidden, max_layers, max_vocab)), tp
+            kv = _pick(draw, (1, 2, 4, 8, 16), lambda d: (d < tp and tp % d == 0) or d == 1)
+            fits = lambda g: (kv * g) % tp == 0 and kv * g <= max_heads  # noqa: E731
+        g = _pick(draw, GROUPS + (tp // kv if layout == "replication" else 1,), fits)
+        return draw(_shape(kv * g, kv, tp, max_hidden, max_layers, max_vocab)), tp
 
     return draw_pair()
 
