@@ -46,3 +46,10 @@ def test_impl_generate_cli(ckpt):
     bad = subprocess.run([sys.executable, "-m", "impl", "generate", "--model", str(ckpt("tiny")),
                           "--prompt-ids", "1,250"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "token id 250 is outside the vocab" in bad.stderr
+
+
+def test_no_arguments_runs_the_layer_by_layer_diff(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TPCHECK_CACHE", str(tmp_path))  # the embedded default checkpoint, written once
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "worst point per layer" in out and "PASS: tp=2 float32" in out

@@ -1,6 +1,6 @@
 """``tpcheck`` command line. Exit codes: 0 every check passed, 1 a check failed, 2 bad usage or input.
 
-With no arguments it runs ``tpcheck check`` on the embedded ``tiny`` synthetic checkpoint at tp 1, 2, 4."""
+With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2."""
 from __future__ import annotations
 
 import argparse
@@ -170,7 +170,8 @@ def _tp_ok(cfg, tp: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    a = _parser().parse_args(argv or ["check"])
+    argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
+    a = _parser().parse_args(argv)
     from impl.config import ConfigError
     from impl.loader import LoadError
     try:
