@@ -43,16 +43,9 @@ def set_threads(runner, n: int) -> int:
 
 
 def resolve_checkpoint(args) -> Path:
-    from tpcheck.checkpoints import cached_checkpoint, make_checkpoint
-    if args.ckpt_dir:
-        d = Path(args.ckpt_dir)
-        if (d / "config.json").is_file():
-            log(f"using the checkpoint in {d}")
-            return d
-        log(f"writing a {args.preset} checkpoint into {d} (once) ...")
-        return make_checkpoint(args.preset, d, seed=args.seed)
-    log(f"checkpoint {args.preset} (cached; written on first use, ~15 s for qwen2.5-0.5b) ...")
-    return cached_checkpoint(args.preset, seed=args.seed, root=args.cache_root)
+    from tpcheck.checkpoints import resolve_checkpoint as resolve
+    log(f"checkpoint {args.ckpt_dir or args.preset} (written once on first use, ~15 s for qwen2.5-0.5b) ...")
+    return resolve(args.preset, seed=args.seed, ckpt_dir=args.ckpt_dir, root=args.cache_root)
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int, repeat: int = 0) -> list[list[int]]:

@@ -92,17 +92,10 @@ class Sampler(threading.Thread):
 
 # ---- checkpoint ------------------------------------------------------------------------------------------
 def resolve_checkpoint(args) -> Path:
-    from tpcheck.checkpoints import cached_checkpoint, make_checkpoint
-    if args.ckpt_dir:
-        d = Path(args.ckpt_dir)
-        if (d / "config.json").is_file():
-            log(f"using the checkpoint in {d}")
-            return d
-        log(f"writing a {args.preset} checkpoint into {d} (once) ...")
-        return make_checkpoint(args.preset, d, seed=args.seed, dtype=args.dtype)
+    from tpcheck.checkpoints import resolve_checkpoint as resolve
     t0 = time.perf_counter()
-    log(f"checkpoint {args.preset} (cached; written on first use, ~15 s for qwen2.5-0.5b) ...")
-    d = cached_checkpoint(args.preset, seed=args.seed, dtype=args.dtype, root=args.cache_root)
+    log(f"checkpoint {args.ckpt_dir or args.preset} (written once on first use, ~15 s for qwen2.5-0.5b) ...")
+    d = resolve(args.preset, seed=args.seed, dtype=args.dtype, ckpt_dir=args.ckpt_dir, root=args.cache_root)
     log(f"checkpoint at {d} ({time.perf_counter() - t0:.1f}s)")
     return d
 

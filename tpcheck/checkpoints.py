@@ -250,3 +250,14 @@ def cached_checkpoint(preset: str, seed: int = 0, dtype: str = "float32",
         if (path / "config.json").is_file():  # another process finished first
             return path
         raise
+
+
+def resolve_checkpoint(preset: str, seed: int = 0, dtype: str = "float32", ckpt_dir: str | os.PathLike | None = None,
+                       root: str | os.PathLike | None = None) -> pathlib.Path:
+    """``ckpt_dir`` if it already holds a checkpoint, else ``preset`` written there once; without ``ckpt_dir``
+    the cached copy (``cached_checkpoint``)."""
+    if ckpt_dir is None:
+        return cached_checkpoint(preset, seed=seed, dtype=dtype, root=root)
+    d = pathlib.Path(ckpt_dir)
+    return d if (d / "config.json").is_file() else make_checkpoint(preset, d, seed=seed, dtype=dtype)
+
