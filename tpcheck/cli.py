@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     df.add_argument("--seed", type=int, default=0, help="random prompts: seed")
     df.add_argument("--decode-steps", type=int, default=0)
     df.add_argument("--isolate", action="store_true", help="also run teacher-forced: each layer's local error")
+    df.add_argument("--exact-ops", action="store_true",
+                    help="also fail any RMSNorm or residual add whose output is not bit-identical to HF's module "
+                         "applied to the engine's own input (catches arithmetic that departs from HF's yet is as "
+                         "accurate, e.g. rmsnorm_weight_before_cast; see tpcheck.exact_ops)")
     df.add_argument("--inject", type=lambda s: [x for x in s.split(",") if x], default=[],
                     help="faults to inject into impl (tpcheck faults list)")
     df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
@@ -109,7 +113,7 @@ def _cmd_diff(a, argv: list[str]) -> int:
         prompts = [tok.encode(t) for t in a.prompt]
     r = tpcheck.diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
                      decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
-                     block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed,
+                     block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
                      command=shlex.join(["tpcheck", *argv]), tolerances=tol)
     r = rejudge(r, tol)  # the abs_max bounds; thresholds are already tol's
     for mode in ["propagated"] + (["isolated"] if a.isolate else []):

@@ -42,12 +42,14 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None, name: str = 
                        f"({tol.describe(row.kind, dtype, row.ref_rel_err)})")
     if bound is not None and not (row.max_abs <= bound):
         reasons.append(f"max |diff| {row.max_abs:.3g} > abs_max {bound:.3g}")
-    if not reasons:
-        reasons.append(row.note or "failed in the saved run for a reason other than its error")
     n_bad = int((~t["passed"]).sum())
+    tail = f". {n_bad} of {len(t)} points fail ({tol.source})"
+    if not reasons:  # within its error bounds: failed for its note (shape, ranks disagreeing, exact ops)
+        return FAIL, (f"FAIL {name}: first failing point {fd['point']} ({where}) fails: "
+                      + (row.note or "failed in the saved run for a reason other than its error") + tail), r
     excess = "nan" if row.excess != row.excess else f"{row.excess:.3g}x"
     return FAIL, (f"FAIL {name}: first failing point {fd['point']} ({where}) is over tolerance by {excess}: "
-                  + "; ".join(reasons) + f". {n_bad} of {len(t)} points fail ({tol.source})"), r
+                  + "; ".join(reasons) + tail), r
 
 
 def regate(result_json_path: str | Path, tolerances: Tolerances | str | Path | None = None) -> tuple[int, str]:

@@ -4,7 +4,9 @@ Per step: HF float64 (golden) runs and its points are kept for that step only; H
 noise floor) and the engine run next and each of their points is compared as it is unsharded, then
 dropped. Decode tokens are the golden run's greedy choices, so all three models see the same inputs.
 ``isolate`` adds a teacher-forced pass: every layer of the engine and of the noise-floor model gets the
-golden input of that layer, so each row shows the layer's local error apart from what it inherited."""
+golden input of that layer, so each row shows the layer's local error apart from what it inherited.
+``exact_ops`` also holds the elementwise ops (norms, SiLU-and-multiply, residual adds) to bit-identity with
+HF's own modules applied to the engine's own inputs (``tpcheck.exact_ops``)."""
 from __future__ import annotations
 
 import shlex
@@ -14,8 +16,9 @@ import time
 import torch
 
 from impl.config import load_config, parse_dtype
+from tpcheck import exact_ops
 from tpcheck.capture_hf import HFCapture, cache_kv, new_cache
-from tpcheck.metrics import compare, rel_err
+from tpcheck.metrics import compare, mismatch, rel_err
 from tpcheck.points import point_names, split_point
 from tpcheck.result import DiffResult, Tolerances
 from tpcheck.unshard import unshard
@@ -47,8 +50,8 @@ class _Run:
     """One mode (propagated or isolated) over prefill + decode steps."""
 
     def __init__(self, golden: HFCapture, ref: HFCapture, engine, prompts, decode_steps, num_layers, dtype,
-                 tol: Tolerances, isolated: bool, log):
-        self.golden, self.ref, self.engine, self.prompts = golden, ref, engine, prompts
+                 tol: Tolerances, isolated: bool, log, exact_ops: bool = False):
+        self.golden, self.ref, self.engine, self.prompts, self.exact_ops = golden, ref, engine, prompts, exact_ops
         self.steps, self.L, self.dtype, self.tol, self.isolated, self.log = decode_steps, num_layers, dtype, tol, isolated, log
         self.with_kv = decode_steps > 0
         self.order = {n: i for i, n in enumerate(point_names(num_layers, self.with_kv))}
@@ -90,28 +93,37 @@ class _Run:
             points = self.engine.step(tokens, eng_teacher, self.with_kv)
             row_lens = [len(t) for t in tokens]
             kv_lens = [s + len(t) for s, t in zip(starts, tokens)]
+            held: dict[str, torch.Tensor] = {}  # --exact-ops: the engine tensors the checked ops read
+            layer_input = (lambda i: eng_teacher[i]) if eng_teacher is not None else \
+                (lambda i: held["embed" if i == 0 else f"layers.{i - 1}.out"])
             for name, (placement, per_rank) in points.items():
                 for u in unshard(name, placement, per_rank):
                     if u.name not in gold:
                         continue
+                    want = None
+                    if self.exact_ops:
+                        if split_point(u.name)[1] in exact_ops.INPUT_KINDS:
+                            held[u.name] = u.tensor
+                        want = exact_ops.expected(self.ref.model, u.name, held.__getitem__, layer_input)
                     is_kv = ".kv." in u.name
                     rows.append(self._row(u, gold[u.name], ref_err.get(u.name), step, mode,
-                                          kv_lens if is_kv else row_lens, [0] * len(tokens) if is_kv else starts))
+                                          kv_lens if is_kv else row_lens, [0] * len(tokens) if is_kv else starts,
+                                          want))
             # the next inputs: golden greedy tokens at each prompt's last row
             last = torch.tensor(row_lens).cumsum(0) - 1
             nxt = gold["logits"][last].argmax(-1).tolist()
             starts = kv_lens
             tokens = [[t] for t in nxt]
-            del gold, points
+            del gold, points, held
             what = "prefill" if step == 0 else f"decode {step}/{self.steps}"
             print(f"  [{mode}] {what}: {time.monotonic() - t0:.1f}s", file=self.log, flush=True)
         self.engine.close()
         return rows
 
-    def _row(self, u, gold, ref_err, step, mode, row_lens, starts) -> dict:
+    def _row(self, u, gold, ref_err, step, mode, row_lens, starts, want=None) -> dict:
         layer, kind = split_point(u.name)
         row = {"point": u.name, "layer": layer, "kind": kind, "step": step, "mode": mode,
-               "order": self.order.get(u.name, 10**6), "note": ""}
+               "order": self.order.get(u.name, 10**6), "note": "", "op_mismatch": float("nan")}
         if u.tensor.shape != gold.shape:
             stats = {"rel_err": float("inf"), "cosine": float("nan"), "max_abs": float("inf"), "max_abs_index": [],
                      "mean_abs": float("inf"), "p99_abs": float("inf"), "ref_norm": float(gold.double().norm()),
@@ -128,6 +140,13 @@ class _Run:
         passed = stats["rel_err"] <= threshold and not u.rank_mismatch and not row["note"]
         if u.rank_mismatch:
             row["note"] = u.rank_mismatch
+        if want is not None and not row["note"]:
+            n_bad, n = mismatch(u.tensor, want)
+            row["op_mismatch"] = n_bad / n if n else 0.0
+            if n_bad:
+                passed = False
+                row["note"] = (f"exact-ops: {n_bad} of {n} elements differ from HF's op on the engine's input "
+                               f"(max |diff| {float((u.tensor.double() - want.double()).abs().max()):.3g})")
         return {**row, **stats, "ref_rel_err": ref_err, "threshold": threshold,
                 "excess": stats["rel_err"] / threshold if threshold > 0 else float("inf"), "passed": bool(passed)}
 
@@ -139,8 +158,10 @@ class _Run:
 def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts: list[list[int]] | None = None,
          decode_steps: int = 0, isolate: bool = False, *, preset: str = "small", inject: list[str] = (),
          inject_layer: int | None = None, tolerances: Tolerances | None = None, pool=None, block_size: int = 16,
-         seq_len: int = 32, batch: int = 2, seed: int = 0, log=sys.stderr, command: str | None = None) -> DiffResult:
-    """Compare impl at ``tp``/``dtype`` with Hugging Face, every point, every step.
+         seq_len: int = 32, batch: int = 2, seed: int = 0, exact_ops: bool = False, log=sys.stderr,
+         command: str | None = None) -> DiffResult:
+    """Compare impl at ``tp``/``dtype`` with Hugging Face, every point, every step (``exact_ops``:
+    ``tpcheck.exact_ops``).
 
     ``model`` is a checkpoint directory (default: the synthetic ``preset``); ``prompts`` token ids
     (default: ``batch`` random prompts of ``seq_len`` tokens from ``seed``)."""
@@ -164,15 +185,17 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
             raise ValueError(f"prompt {i}: {len(p)} tokens + {decode_steps} decode steps exceed "
                              f"max_position_embeddings={cfg.max_position}")
     print(f"tpcheck diff: {model_dir} tp={tp} {dtype}, {len(prompts)} prompt(s), {decode_steps} decode step(s)"
-          f"{', isolate' if isolate else ''}{', inject ' + ','.join(inject) if inject else ''}", file=log, flush=True)
+          f"{', isolate' if isolate else ''}{', exact-ops' if exact_ops else ''}{', inject ' + ','.join(inject) if inject else ''}",
+          file=log, flush=True)
     own = pool is None
     pool = pool or EnginePool()
     try:
         engine = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size)
         meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer,
                 "command": command or _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer,
-                                               block_size)}
-        return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, log, meta)
+                                               block_size, exact_ops)}
+        return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, log, meta,
+                              exact_ops)
     finally:
         if own:
             pool.close()
@@ -180,14 +203,16 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
 
 def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str, decode_steps: int = 0,
                    isolate: bool = False, tolerances: Tolerances | None = None, log=sys.stderr,
-                   meta: dict | None = None) -> DiffResult:
+                   meta: dict | None = None, exact_ops: bool = False) -> DiffResult:
     """Run any ``tpcheck.adapter.EngineAdapter`` against HF float64 (golden) and HF at ``dtype`` (noise
-    floor) on the checkpoint ``model_dir``; the engine must already be loaded with that checkpoint."""
+    floor) on the checkpoint ``model_dir``; the engine must already be loaded with that checkpoint.
+    ``exact_ops``: also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``)."""
     cfg = load_config(model_dir)
     golden, ref = hf_capture(model_dir, "float64"), hf_capture(model_dir, dtype)
     tol, rows = tolerances or Tolerances(), []
     for isolated in [False] + ([True] if isolate else []):
-        run = _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), tol, isolated, log)
+        run = _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), tol, isolated, log,
+                   exact_ops)
         try:
             rows += run.run()
         except BaseException:
@@ -196,12 +221,13 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
             except Exception:  # the engine may be gone (a dead rank); the first error is the one to report
                 pass
             raise
-    meta = {"model": str(model_dir), "dtype": dtype, "decode_steps": decode_steps, "isolate": isolate,
+    meta = {"model": str(model_dir), "dtype": dtype, "decode_steps": decode_steps, "isolate": isolate, "exact_ops": exact_ops,
             "num_layers": cfg.num_layers, "prompt_lens": [len(p) for p in prompts], **(meta or {})}
     return DiffResult.from_rows(rows, meta)
 
 
-def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer, block_size=16) -> str:
+def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer, block_size=16,
+             exact_ops=False) -> str:
     parts = ["tpcheck", "diff", "--layer-by-layer", "--model", model_dir, "--tp", str(tp), "--dtype", dtype]
     for p in prompts:
         parts += ["--prompt-ids", ",".join(map(str, p))]
@@ -209,6 +235,8 @@ def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, injec
         parts += ["--decode-steps", str(decode_steps)]
     if isolate:
         parts.append("--isolate")
+    if exact_ops:
+        parts.append("--exact-ops")
     if inject:
         parts += ["--inject", ",".join(inject)]
     if inject_layer is not None:

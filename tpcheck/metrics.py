@@ -48,6 +48,18 @@ def compare(x: torch.Tensor, golden: torch.Tensor) -> dict:
     }
 
 
+def mismatch(x: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
+    """(elements of ``x`` whose value differs from ``ref``'s, elements): compared in float64, so an engine
+    keeping a tensor in a wider dtype than HF matches only where its values are HF's exactly; NaN matches
+    NaN; a shape difference makes every element a mismatch."""
+    n = ref.numel()
+    if x.shape != ref.shape:
+        return max(n, x.numel()), max(n, x.numel())
+    x, ref = x.detach().to(torch.float64), ref.detach().to(torch.float64)
+    same = (x == ref) | (torch.isnan(x) & torch.isnan(ref))
+    return int(n - same.sum()), n
+
+
 def gate(err: float, ref_err: float, dtype: str, k: float | None = None, floor: float | None = None) -> bool:
     """``err <= k * ref_err + floor``; NaN errors never pass."""
     k = K_FACTOR[dtype] if k is None else k

@@ -26,7 +26,7 @@ class Tolerances:
 
 
 COLUMNS = ["point", "layer", "step", "mode", "kind", "rel_err", "ref_rel_err", "threshold", "excess", "cosine",
-           "max_abs", "max_abs_index", "mean_abs", "p99_abs", "ref_norm", "nan", "inf", "passed", "note", "order"]
+           "max_abs", "max_abs_index", "mean_abs", "p99_abs", "ref_norm", "nan", "inf", "op_mismatch", "passed", "note", "order"]
 
 
 @dataclass

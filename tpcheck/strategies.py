@@ -312,6 +312,7 @@ class Case:
     weight_seed: int = 0
     bias_std: float = 0.5
     preset: str | None = None  # a named preset (``tpcheck.checkpoints.PRESETS``): its cached checkpoint
+    exact_ops: bool = False  # also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``)
 
     @property
     def layout(self) -> str:
@@ -344,6 +345,8 @@ class Case:
             parts += ["--decode-steps", str(self.decode_steps)]
         if self.block_size != 16:
             parts += ["--block-size", str(self.block_size)]
+        if self.exact_ops:
+            parts.append("--exact-ops")
         if inject:
             parts += ["--inject", ",".join(inject)]
         if inject_layer is not None:
@@ -366,14 +369,14 @@ class Case:
         model = self.checkpoint(root)
         return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
                             decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,
-                            pool=pool, block_size=self.block_size, log=log or _DEVNULL,
+                            pool=pool, block_size=self.block_size, exact_ops=self.exact_ops, log=log or _DEVNULL,
                             command=self.diff_command(model, inject, inject_layer), **kw)
 
     def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
               log=None):
         """The properties of one case, as assertions: ranks agree on every replicated point (the
         residual stream, replicated KV heads, ...) and every point of every step is within the noise
-        floor. Raises AssertionError with ``failure_report``; returns the ``DiffResult``."""
+        floor (with ``exact_ops``: and the elementwise ops match HF bit for bit). Raises AssertionError with ``failure_report``; returns the ``DiffResult``."""
         r = self.diff(pool, root, inject, inject_layer, log)
         t = r.table
         split = t[t["note"].astype(str).str.startswith("ranks")]

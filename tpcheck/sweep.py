@@ -55,6 +55,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     sw.add_argument("--max-batch", type=int, default=4, help="largest drawn batch (default 4, at most 8)")
     sw.add_argument("--inject", type=lambda s: [x for x in s.split(",") if x], default=[],
                     help="faults to inject into impl in every example (tpcheck faults list)")
+    sw.add_argument("--exact-ops", action="store_true",
+                    help="also hold RMSNorm and the residual adds to HF's bits (tpcheck diff --exact-ops)")
     sw.add_argument("--seed", type=int, default=0, help="Hypothesis seed (the same seed draws the same inputs)")
     sw.add_argument("--no-shrink", action="store_true", help="report the first failing example, unshrunk")
     sw.add_argument("--no-pool", action="store_true",
@@ -113,7 +115,7 @@ def _case_strategy(source: str, tp: int, dtype: str, steps: int, a):
             config, preset = dict(PRESETS[source]), source
         bs = draw(st.sampled_from(bss))
         ps = draw(tst.prompts(config["vocab_size"], bs, a.max_batch, a.max_len, min(4, a.max_batch)))
-        return tst.Case(config, tp, dtype, ps, steps, bs, preset=preset)
+        return tst.Case(config, tp, dtype, ps, steps, bs, preset=preset, exact_ops=getattr(a, "exact_ops", False))
 
     return draw_case()
 

@@ -1,0 +1,70 @@
+"""Op conformance (``tpcheck diff --exact-ops``): each elementwise op of the engine against Hugging Face's own
+module applied to the engine's own input, bit for bit.
+
+The noise-floor gate asks whether the engine is *as accurate as* HF at the dtype. It cannot see an engine
+whose arithmetic departs from HF's in a way that is as accurate or more: RMSNorm scaling by its weight before
+the cast back to bfloat16 rounds once where HF rounds twice, is closer to float64, and still drifts from HF's
+tokens over a long generation. RMSNorm and the residual adds work on whole rows of the replicated hidden
+state, mix no ranks and no batch rows, and are correctly rounded (or reduce over one row in a fixed order), so
+an engine that does HF's arithmetic in HF's order gets HF's bits exactly, at any tp, batch or step, whatever
+happened upstream (each op is fed the engine's own input). The first op that does not is where the engine's
+arithmetic departs from HF's. SiLU-and-multiply is not checked: float32 SiLU takes its exp from a vectorized
+path for most elements and a scalar one for the tail, which differ in the last bit, so its bits depend on the
+tensor's length and layout, which TP sharding and gate/up fusion change (measured: 15-178 of 4,080-17,952
+elements differ on clean float32 runs).
+
+Opt-in: an engine with fused kernels (a fused add + RMSNorm, a CUDA rsqrt) differs from HF in the last bit by
+design. HF runs on the CPU here, so compare a CPU engine.
+
+Checked points and the HF computation each must equal (``x_i`` is layer ``i``'s input: the engine's
+``embed`` / ``layers.{i-1}.out``, or the teacher tensor in an isolated run):
+
+* ``layers.{i}.input_norm``      ``layers[i].input_layernorm(x_i)``
+* ``layers.{i}.attn.residual``   ``x_i + attn.out``
+* ``layers.{i}.post_attn_norm``  ``layers[i].post_attention_layernorm(attn.residual)``
+* ``layers.{i}.out``             ``attn.residual + mlp.out``
+* ``final_norm``                 ``model.norm(x_L)``
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tpcheck.points import split_point
+
+#: point kinds whose engine tensors the checked ops read (kept for the step when --exact-ops is on)
+INPUT_KINDS = frozenset({"embed", "out", "attn.out", "attn.residual", "mlp.out"})
+#: point kinds checked
+CHECKED_KINDS = frozenset({"input_norm", "attn.residual", "post_attn_norm", "out", "final_norm"})
+
+
+@torch.no_grad()
+def expected(model: nn.Module, name: str, get: Callable[[str], torch.Tensor],
+             layer_input: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+    """What HF ``model`` (a ``Qwen2ForCausalLM`` at the test dtype) computes for point ``name`` from the engine's
+    inputs; ``get(point)`` returns the engine's tensor of a point of this step and ``layer_input(i)`` layer
+    ``i``'s input (``i = num_layers``: the final norm's). None when ``name`` is not a checked op or an input
+    is missing (KeyError) or has another shape than its partner: those rows are judged by the gate alone."""
+    layer, kind = split_point(name)
+    if kind not in CHECKED_KINDS:
+        return None
+    m = model.model
+    p = f"layers.{layer}."
+    # .forward: bypasses the capture hooks installed on these modules
+    try:
+        if kind == "final_norm":
+            return m.norm.forward(layer_input(len(m.layers)))
+        block = m.layers[layer]
+        if kind == "input_norm":
+            return block.input_layernorm.forward(layer_input(layer))
+        if kind == "post_attn_norm":
+            return block.post_attention_layernorm.forward(get(p + "attn.residual"))
+        a, b = ((layer_input(layer), get(p + "attn.out")) if kind == "attn.residual"
+                else (get(p + "attn.residual"), get(p + "mlp.out")))
+    except (KeyError, RuntimeError):  # an input missing, or of a shape HF's module cannot take: gate alone
+        return None
+    if a.shape != b.shape:
+        return None
+    return a + b  # HF: residual + hidden_states
