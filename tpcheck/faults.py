@@ -35,6 +35,11 @@ Choices and blind spots:
 * ``vocab_ids_not_masked`` is the variant of "vocab padding / out-of-shard ids" that shows numerically (at
   ``embed``, tp > 1). Padding rows left uninitialised cannot show in impl: no token id selects a padding
   row of the embedding, and the LM head strips the padding columns before anything sees the logits.
+* "QKVParallelLinear output size pre-multiplied by tp" is not a fault of its own: ``(H/tp + 2*K_local) * tp *
+  head_dim`` is how vLLM's QKVParallelLinear (and impl's) states its width, so that KV replicas count; the
+  seed reviewer's point is readability. A width that did not cancel out would give each rank a weight of the
+  wrong shape, which the weight loader refuses at load time with an error naming the tensor and both shapes.
+  The seeds' QKV bug that shows in the numbers is the dim-1 shard (``qkv_shard_dim1``).
 * ``rope_wrong_layout`` rotates interleaved pairs (GPT-J) instead of halves (neox). The seeds' other
   wrong layout, cos/sin broadcast over the heads axis instead of the tokens axis, only runs when the
   token count equals the head count (or is 1), so it is not a fault here.
