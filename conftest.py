@@ -38,13 +38,12 @@ _HF: dict = {}
 @pytest.fixture(scope="session")
 def hf_model():
     """``hf_model(model_dir, dtype="float32")``: the Hugging Face reference model, loaded once."""
-    import torch
-    from transformers import Qwen2ForCausalLM
+    from tpcheck.capture_hf import load_hf_model
 
     def get(model_dir, dtype: str = "float32"):
         key = (str(model_dir), dtype)
         if key not in _HF:
-            _HF[key] = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+            _HF[key] = load_hf_model(model_dir, dtype)
         return _HF[key]
 
     return get

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         ap.error(f"--json: directory {Path(args.json).resolve().parent} does not exist")
 
     import torch
-    from transformers import Qwen2ForCausalLM
+    from tpcheck.capture_hf import load_hf_model
 
     from impl import LLM
     from impl.config import load_config
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         log(f"impl loaded in {time.perf_counter() - t0:.1f}s; worker threads {impl_threads}")
         t0 = time.perf_counter()
         log("loading HF Qwen2ForCausalLM ...")
-        model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = load_hf_model(model_dir, "float32")
         log(f"HF loaded in {time.perf_counter() - t0:.1f}s; driver threads {torch.get_num_threads()}")
 
         t0 = time.perf_counter()

@@ -7,9 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import Qwen2Config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+# transformers 5 resolves rope_theta / rope_scaling into config.rope_parameters; 4.x reads them at the top level
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+# the keyword (from_pretrained, configs) naming the weights' dtype: ``dtype`` since transformers 4.56; before,
+# ``dtype`` is taken for an unknown config attribute and the model silently loads in float32
+HF_DTYPE_KEY = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
 
 
 class ConfigError(ValueError):
@@ -24,19 +32,30 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def hf_rope_theta(hf: Qwen2Config) -> float:
+    """The theta HF's Qwen2 rotary embedding uses: ``rope_parameters["rope_theta"]`` in transformers 5 (which
+    wins when a file has both), the top-level ``rope_theta`` in 4.x (where a ``rope_parameters`` key is
+    just an unread attribute)."""
+    params = (getattr(hf, "rope_parameters", None) or {}) if TRANSFORMERS_5 else {}
+    return float(params["rope_theta"] if "rope_theta" in params else hf.rope_theta)
+
+
 def _rope_theta(raw: dict, hf: Qwen2Config, path: Path) -> float:
-    """The theta HF itself will use. transformers 4.x keeps ``rope_theta`` / ``rope_scaling`` at the top
-    level; 5.x resolves both into ``rope_parameters`` (which wins when a file has both). Presence is checked
-    on the raw file: HF would fill in 10000 silently."""
-    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+    """The theta HF itself will use, after checking on the raw file that HF will not fill in 10000 silently."""
+    nested = "rope_theta" in (raw.get("rope_parameters") or {})
+    if "rope_theta" not in raw and not nested:
         raise ConfigError(f"{path}: no rope_theta (neither 'rope_theta' nor 'rope_parameters.rope_theta'); "
                           "impl does not guess a default")
-    params = getattr(hf, "rope_parameters", None) or {}
+    if "rope_theta" not in raw and not TRANSFORMERS_5:
+        raise ConfigError(f"{path}: rope_theta is only in 'rope_parameters' (the transformers 5 layout); "
+                          f"transformers {transformers.__version__} reads the top-level 'rope_theta' and would use "
+                          "10000: add a top-level rope_theta or use transformers >= 5")
+    params = (getattr(hf, "rope_parameters", None) or {}) if TRANSFORMERS_5 else {}
     scaling = getattr(hf, "rope_scaling", None) or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         raise ConfigError(f"{path}: rope type {kind!r} is not supported (only the default neox RoPE)")
-    return float(params["rope_theta"] if "rope_theta" in params else hf.rope_theta)
+    return hf_rope_theta(hf)
 
 
 @dataclass(frozen=True)

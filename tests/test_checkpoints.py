@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
+from impl.config import HF_DTYPE_KEY, hf_rope_theta
 from tpcheck import checkpoints as ck
 
 TINY = [n for n in ck.preset_names() if n.startswith("tiny")] + ["small"]
@@ -42,7 +43,7 @@ def test_presets_present():
         assert cfg.hidden_size % cfg.num_attention_heads == 0
         assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
         assert 0 <= cfg.bos_token_id < cfg.vocab_size and 0 <= cfg.eos_token_id < cfg.vocab_size
-        assert cfg.rope_parameters["rope_theta"] == ck.PRESETS[name]["rope_theta"]
+        assert hf_rope_theta(cfg) == ck.PRESETS[name]["rope_theta"]
 
 
 @pytest.mark.parametrize("preset", TINY)
@@ -62,7 +63,7 @@ def test_loads_cleanly_and_sharded_matches(preset, tmp_path):
         assert not info["missing_keys"] and not info["unexpected_keys"]
         assert not info["mismatched_keys"]
     cfg = ck.preset_config(preset)
-    assert m1.config.rope_parameters["rope_theta"] == cfg.rope_parameters["rope_theta"]
+    assert hf_rope_theta(m1.config) == hf_rope_theta(cfg) == ck.PRESETS[preset]["rope_theta"]
     assert m1.config.tie_word_embeddings == cfg.tie_word_embeddings
     l1, l3 = _logits(m1), _logits(m3)
     assert l1.shape == (1, PROMPT.shape[1], cfg.vocab_size)
@@ -78,13 +79,13 @@ def test_loads_cleanly_and_sharded_matches(preset, tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_dtypes_load_and_are_finite(dtype, tmp_path):
     d = ck.make_checkpoint("tiny-untied", tmp_path / "c", dtype=dtype)
-    assert json.loads((d / "config.json").read_text())["dtype"] == dtype
+    assert json.loads((d / "config.json").read_text())[HF_DTYPE_KEY] == dtype  # torch_dtype before transformers 4.56
     stored = _tensors(d)
     assert all(t.dtype == ck.DTYPES[dtype] for t in stored.values())
     f32 = _tensors(ck.make_checkpoint("tiny-untied", tmp_path / "f", dtype="float32"))
     for name, t in stored.items():  # a cast of the same float32 draw
         assert torch.equal(t, f32[name].to(t.dtype)), name
-    model, info = _load(d, dtype=ck.DTYPES[dtype])
+    model, info = _load(d, **{HF_DTYPE_KEY: ck.DTYPES[dtype]})
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert torch.isfinite(_logits(model)).all()
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import impl.llm
-from impl.config import ConfigError, load_config, parse_dtype
+from impl.config import TRANSFORMERS_5, ConfigError, hf_rope_theta, load_config, parse_dtype
 from tpcheck.checkpoints import preset_config
 
 
 def write_config(d, preset="tiny", edit=None):
-    """``preset``'s config.json (transformers 5 layout) in directory ``d``, then ``edit(raw_dict)``."""
+    """``preset``'s config.json (in the running transformers' layout) in directory ``d``, then ``edit(raw_dict)``."""
     preset_config(preset).save_pretrained(d)
     if edit is not None:
         path = d / "config.json"
@@ -21,6 +21,21 @@ def write_config(d, preset="tiny", edit=None):
         edit(raw)
         path.write_text(json.dumps(raw))
     return d
+
+
+def layout(theta=None, v5: bool = TRANSFORMERS_5, **extra):
+    """An edit that puts ``theta`` (None: no theta at all) in the transformers 5 layout (``rope_parameters``)
+    or the 4.x one (top level), whichever layout the preset was written in."""
+    def edit(raw):
+        raw.pop("rope_theta", None)
+        raw.pop("rope_parameters", None)
+        if theta is not None:
+            if v5:
+                raw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+            else:
+                raw["rope_theta"] = theta
+        raw.update(extra)
+    return edit
 
 
 def test_fields_from_preset(tmp_path):
@@ -34,39 +49,46 @@ def test_fields_from_preset(tmp_path):
 
 
 @pytest.mark.parametrize("preset,theta", [("tiny", 10000.0), ("tiny-untied", 1e6), ("tiny-mqa", 500000.0)])
-def test_rope_theta_from_rope_parameters(preset, theta, tmp_path):
+def test_rope_theta_of_each_preset(preset, theta, tmp_path):
     d = write_config(tmp_path, preset)
     raw = json.loads((d / "config.json").read_text())
-    assert "rope_theta" not in raw and raw["rope_parameters"]["rope_theta"] == theta  # transformers 5 layout
+    if TRANSFORMERS_5:
+        assert "rope_theta" not in raw and raw["rope_parameters"]["rope_theta"] == theta
+    else:
+        assert raw["rope_theta"] == theta
     cfg = load_config(d)
-    assert cfg.rope_theta == theta and isinstance(cfg.rope_theta, float)
+    assert cfg.rope_theta == theta == hf_rope_theta(cfg.hf) and isinstance(cfg.rope_theta, float)
 
 
 def test_rope_theta_top_level_4x_layout(tmp_path):
-    def edit(raw):
-        del raw["rope_parameters"]
-        raw["rope_theta"] = 12345.0
-
-    cfg = load_config(write_config(tmp_path, "tiny", edit))
+    cfg = load_config(write_config(tmp_path, "tiny", layout(12345.0, v5=False)))
     assert cfg.rope_theta == 12345.0  # not the preset's 10000, not a default
-    assert cfg.hf.rope_parameters["rope_theta"] == 12345.0  # impl and HF agree
+    assert hf_rope_theta(cfg.hf) == 12345.0  # impl and HF agree
+
+
+def test_rope_theta_only_in_rope_parameters(tmp_path):
+    """transformers 5 reads it; 4.x would not (it would use 10000): an error there, naming the layout."""
+    d = write_config(tmp_path, "tiny", layout(23456.0, v5=True))
+    if TRANSFORMERS_5:
+        cfg = load_config(d)
+        assert cfg.rope_theta == 23456.0 == hf_rope_theta(cfg.hf)
+    else:
+        with pytest.raises(ConfigError, match="rope_parameters.*transformers 5 layout"):
+            load_config(d)
 
 
 def test_missing_rope_theta_is_an_error(tmp_path):
-    def edit(raw):
-        del raw["rope_parameters"]["rope_theta"]
-
     with pytest.raises(ConfigError, match="rope_theta"):
-        load_config(write_config(tmp_path, "tiny", edit))
-    d2 = tmp_path / "none"
-    with pytest.raises(ConfigError, match="rope_theta"):
-        load_config(write_config(d2, "tiny", lambda raw: raw.pop("rope_parameters")))
+        load_config(write_config(tmp_path, "tiny", layout(None)))
+    if TRANSFORMERS_5:  # a rope_parameters without its theta
+        d2 = tmp_path / "no-theta"
+        with pytest.raises(ConfigError, match="rope_theta"):
+            load_config(write_config(d2, "tiny", lambda raw: raw["rope_parameters"].pop("rope_theta")))
 
 
 @pytest.mark.parametrize("edit,word", [
-    (lambda raw: raw["rope_parameters"].update(rope_type="linear", factor=2.0), "linear"),
-    (lambda raw: (raw.pop("rope_parameters"),  # transformers 4.x layout with YaRN scaling
-                  raw.update(rope_theta=1e6, rope_scaling={"type": "yarn", "factor": 4.0})), "yarn"),
+    (layout(10000.0, rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
+    (layout(1e6, v5=False, rope_scaling={"type": "yarn", "factor": 4.0}), "yarn"),  # the 4.x layout with YaRN
     (lambda raw: raw.update(use_sliding_window=True), "sliding"),
 ])
 def test_unsupported_features_refused(edit, word, tmp_path):
@@ -74,21 +96,32 @@ def test_unsupported_features_refused(edit, word, tmp_path):
         load_config(write_config(tmp_path, "tiny", edit))
 
 
-def test_rope_scaling_added_to_v5_config_refused(tmp_path):
-    """Qwen's long-context recipe adds ``rope_scaling`` to config.json; with a transformers 5 config that
-    already has ``rope_parameters`` (default), HF's Qwen2Config then uses yarn."""
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="rope_parameters is transformers 5's layout")
+def test_linear_rope_parameters_refused(tmp_path):
+    with pytest.raises(ConfigError, match="linear"):
+        load_config(write_config(tmp_path, "tiny", lambda raw: raw["rope_parameters"].update(rope_type="linear",
+                                                                                              factor=2.0)))
+
+
+def test_rope_scaling_added_to_config_refused(tmp_path):
+    """Qwen's long-context recipe adds ``rope_scaling`` to config.json; HF's Qwen2Config then uses yarn, even
+    beside a transformers 5 ``rope_parameters`` (default)."""
     d = write_config(tmp_path, "tiny", lambda raw: raw.update(
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}))
     from transformers import Qwen2Config
-    assert Qwen2Config.from_pretrained(d).rope_parameters["rope_type"] == "yarn"
+    hf = Qwen2Config.from_pretrained(d)
+    kind = hf.rope_parameters["rope_type"] if TRANSFORMERS_5 else hf.rope_scaling.get("rope_type", hf.rope_scaling.get("type"))
+    assert kind == "yarn"
     with pytest.raises(ConfigError, match="yarn"):
         load_config(d)
 
 
 def test_rope_theta_both_layouts_agrees_with_hf(tmp_path):
-    d = write_config(tmp_path, "tiny", lambda raw: raw.update(rope_theta=55555.0))  # rope_parameters: 10000
-    cfg = load_config(d)
-    assert cfg.rope_theta == cfg.hf.rope_parameters["rope_theta"]
+    def edit(raw):  # both layouts in one file, with different thetas
+        layout(10000.0, v5=True)(raw)
+        raw["rope_theta"] = 55555.0
+    cfg = load_config(write_config(tmp_path, "tiny", edit))
+    assert cfg.rope_theta == hf_rope_theta(cfg.hf) == (10000.0 if TRANSFORMERS_5 else 55555.0)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2_moe", None])

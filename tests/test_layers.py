@@ -14,6 +14,7 @@ from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
 from fake_tp import build_ranks, combine, fake_rank
+from impl.config import hf_rope_theta
 from impl.context import Context, set_context
 from impl.layers.attention import Attention, block_slots, causal_mask
 from impl.layers.embedding import ParallelLMHead, VocabParallelEmbedding, padded_vocab_size
@@ -296,7 +297,7 @@ def test_rotary_matches_hf(theta, d, dtype):
     heads, kv = 4, 2
     cfg = Qwen2Config(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv, rope_theta=theta,
                       max_position_embeddings=4096)
-    assert cfg.rope_parameters["rope_theta"] == theta
+    assert hf_rope_theta(cfg) == theta
     hf_rope = Qwen2RotaryEmbedding(cfg)
     ours = RotaryEmbedding(d, theta)
     positions = torch.cat([torch.arange(37, 37 + 6), torch.tensor([1000, 3, 2047, 0])])  # not starting at 0

@@ -91,11 +91,11 @@ def params(model) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------- tp 1
 @pytest.mark.parametrize("preset", PRESETS + ("tiny-mha",))
 def test_tp1_params_equal_hf(preset, ckpts):
-    from transformers import Qwen2ForCausalLM as HF
+    from tpcheck.capture_hf import load_hf_model
 
     d = ckpts(preset)
     model = build(d)
-    hf_model = HF.from_pretrained(d, dtype=torch.float32)
+    hf_model = load_hf_model(d, "float32")
     hf = {k: v.detach() for k, v in hf_model.state_dict().items()}
     covered = set()
     for name, p in params(model).items():

@@ -88,12 +88,12 @@ _HF: dict = {}
 
 
 def _hf(model_dir):
-    from transformers import Qwen2ForCausalLM
+    from tpcheck.capture_hf import load_hf_model
     key = str(model_dir)
     if key not in _HF:
         while len(_HF) >= 4:
             _HF.pop(next(iter(_HF)))
-        _HF[key] = Qwen2ForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        _HF[key] = load_hf_model(key, "float32")
     return _HF[key]
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from impl.config import HF_DTYPE_KEY, parse_dtype
+
 ATTN_NAME = "tpcheck_sdpa"
 _STATE: dict = {}
 
@@ -24,13 +26,24 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-    AttentionInterface.register(ATTN_NAME, _attention)
+    try:
+        from transformers import AttentionInterface
+        AttentionInterface.register(ATTN_NAME, _attention)
+    except ImportError:  # transformers < 4.51: the registry is a plain dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        ALL_ATTENTION_FUNCTIONS[ATTN_NAME] = _attention
     try:  # transformers >= 4.53 builds masks per attention implementation
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
         AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     except ImportError:
         pass
+
+
+def load_hf_model(model_dir, dtype: str | torch.dtype = "float32") -> nn.Module:
+    """Hugging Face ``Qwen2ForCausalLM`` of a checkpoint directory in ``dtype``, in eval mode (transformers
+    4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``)."""
+    from transformers import Qwen2ForCausalLM
+    return Qwen2ForCausalLM.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}).eval()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

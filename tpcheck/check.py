@@ -18,8 +18,8 @@ def random_prompts(vocab: int, batch: int, seq_len: int, seed: int) -> list[list
 
 
 def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    from transformers import Qwen2ForCausalLM
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    from tpcheck.capture_hf import load_hf_model
+    model = load_hf_model(model_dir, dtype)
     with torch.no_grad():
         return [model(torch.tensor([p])).logits[0] for p in prompts]
 

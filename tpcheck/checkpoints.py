@@ -170,7 +170,8 @@ def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> "transformers.Qw
     from transformers import Qwen2Config
 
     _check_dtype(dtype)
-    return Qwen2Config(**dict(kwargs), dtype=dtype, architectures=["Qwen2ForCausalLM"])
+    from impl.config import HF_DTYPE_KEY
+    return Qwen2Config(**dict(kwargs), **{HF_DTYPE_KEY: dtype}, architectures=["Qwen2ForCausalLM"])
 
 
 def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype: str = "float32",

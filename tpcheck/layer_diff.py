@@ -17,7 +17,7 @@ import torch
 
 from impl.config import load_config, parse_dtype
 from tpcheck import exact_ops
-from tpcheck.capture_hf import HFCapture, cache_kv, new_cache
+from tpcheck.capture_hf import HFCapture, cache_kv, load_hf_model, new_cache
 from tpcheck.metrics import compare, mismatch, rel_err
 from tpcheck.points import point_names, split_point
 from tpcheck.result import DiffResult, Tolerances
@@ -30,11 +30,9 @@ def hf_capture(model_dir: str, dtype: str) -> HFCapture:
     """HF model with capture hooks, cached per (checkpoint, dtype) in this process (at most 4 kept)."""
     key = (str(model_dir), dtype)
     if key not in _HF:
-        from transformers import Qwen2ForCausalLM
         while len(_HF) >= 4:
             _HF.pop(next(iter(_HF)))
-        model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).eval()
-        _HF[key] = HFCapture(model)
+        _HF[key] = HFCapture(load_hf_model(model_dir, dtype))
     return _HF[key]
 
 
@@ -114,7 +112,7 @@ class _Run:
             nxt = gold["logits"][last].argmax(-1).tolist()
             starts = kv_lens
             tokens = [[t] for t in nxt]
-            del gold, points, held
+            del gold, points
             what = "prefill" if step == 0 else f"decode {step}/{self.steps}"
             print(f"  [{mode}] {what}: {time.monotonic() - t0:.1f}s", file=self.log, flush=True)
         self.engine.close()
