@@ -2,6 +2,7 @@
 reproduction commands are deterministic; tpcheck.hypothesis_profiles selects profiles from the environment."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 
@@ -155,6 +156,8 @@ def test_repro_recreates_the_checkpoint(tmp_path):
     line = case.repro(tmp_path / "a")
     assert line.startswith("tpcheck diff --layer-by-layer --model \"$(") and "\n" not in line
     assert "--tp 2 --dtype bfloat16 --prompt-ids 1,2,3 --decode-steps 2 --block-size 4" in line
+    assert "--exact-ops" not in line
+    assert "--block-size 4 --exact-ops" in dataclasses.replace(case, exact_ops=True).repro(tmp_path / "a")
 
 
 def test_profiles(monkeypatch):
