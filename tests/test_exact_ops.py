@@ -46,6 +46,7 @@ def test_clean_impl_ops_are_bit_identical_to_hf(preset, tp, dtype, steps, isolat
     assert (checked["op_mismatch"] == 0).all()
     assert t.loc[t["op_mismatch"].isna(), "kind"].isin(exact_ops.CHECKED_KINDS).sum() == 0
     assert r.meta["exact_ops"] is True
+    assert f"all {len(checked)} checked ops (norms, residual adds) bit-identical to HF's" in r.summary()
 
 
 @pytest.mark.parametrize("tp,dtype", [(1, "bfloat16"), (2, "float16")])

@@ -96,7 +96,11 @@ class DiffResult:
             worst = self.table.loc[self.table["excess"].idxmax()] if len(self.table) else None
             tail = "" if worst is None else (f"; closest to its threshold: {worst.point} (step {worst.step}) at "
                                              f"{worst.excess:.2f}x")
-            return head + ", every point within the noise floor" + tail
+            ops = ""
+            if m.get("exact_ops") and "op_mismatch" in self.table:
+                n_ops = int(self.table["op_mismatch"].notna().sum())
+                ops = f" and all {n_ops} checked ops (norms, residual adds) bit-identical to HF's"
+            return head + ", every point within the noise floor" + ops + tail
         lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
                        f"rel_err {fd['rel_err']:.3g} vs HF {m['dtype']} {fd['ref_rel_err']:.3g} "
                        f"-> {fd['excess']:.3g}x its threshold {fd['threshold']:.3g}; max |diff| {fd['max_abs']:.3g} "
