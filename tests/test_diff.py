@@ -2,24 +2,14 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
-import tpcheck
+from diff_runs import LAYERS, run_diff
 from tpcheck.cli import main
 from tpcheck.points import point_names
 
-QUIET = open("/dev/null", "w")
-
-
-def run(ckpt, engines, preset, tp, dtype="float32", steps=0, isolate=False, inject=(), layer=None, seq_len=12, batch=2):
-    rng = random.Random(f"{preset}{tp}{dtype}{steps}")
-    vocab = {"tiny": 250, "small": 1000, "tiny-mqa": 203, "tiny-untied": 301}[preset]
-    lens = [seq_len + 5 * i for i in range(batch)]  # ragged
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
-    return tpcheck.diff(model=ckpt(preset), tp=tp, dtype=dtype, prompts=prompts, decode_steps=steps, isolate=isolate,
-                        inject=list(inject), inject_layer=layer, pool=engines, log=QUIET)
+run = run_diff
 
 
 CLEAN = [("tiny", 1, "float32", 0, False), ("tiny", 2, "bfloat16", 3, True), ("tiny", 4, "float32", 3, True),
@@ -31,7 +21,7 @@ def test_clean_impl_passes(preset, tp, dtype, steps, isolate, ckpt, engines):
     r = run(ckpt, engines, preset, tp, dtype, steps, isolate)
     assert r.passed, r.summary() + "\n" + r.table[~r.table.passed].to_string()
     assert r.first_divergence is None
-    num_layers = {"tiny": 2, "small": 4, "tiny-mqa": 2, "tiny-untied": 3}[preset]
+    num_layers = LAYERS[preset]
     per_step = len(point_names(num_layers, with_kv=steps > 0))
     assert len(r.table) == per_step * (steps + 1) * (2 if isolate else 1)  # every point, every step, every mode
     assert set(r.table["step"]) == set(range(steps + 1))

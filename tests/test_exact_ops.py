@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
 
-import tpcheck
+from diff_runs import LAYERS, run_diff
 from tpcheck import exact_ops
 from tpcheck.cli import main
 from tpcheck.gate import regate
@@ -18,16 +17,9 @@ from tpcheck.layer_diff import hf_capture
 from tpcheck.metrics import mismatch
 from tpcheck.points import point_names, split_point
 
-QUIET = open("/dev/null", "w")
-LAYERS = {"tiny": 2, "small": 4, "tiny-mqa": 2, "tiny-untied": 3}
-VOCAB = {"tiny": 250, "small": 1000, "tiny-mqa": 203, "tiny-untied": 301}
-
 
 def run(ckpt, engines, preset, tp, dtype, steps=0, isolate=False, inject=(), layer=None, exact=True):
-    rng = random.Random(f"exact-{preset}{tp}{dtype}{steps}")
-    prompts = [[rng.randrange(VOCAB[preset]) for _ in range(n)] for n in (9, 14)]
-    return tpcheck.diff(model=ckpt(preset), tp=tp, dtype=dtype, prompts=prompts, decode_steps=steps, isolate=isolate,
-                        inject=list(inject), inject_layer=layer, pool=engines, exact_ops=exact, log=QUIET)
+    return run_diff(ckpt, engines, preset, tp, dtype, steps, isolate, inject, layer, seq_len=9, exact_ops=exact)
 
 
 CLEAN = [("tiny", 1, "float32", 3, True), ("tiny", 2, "bfloat16", 3, True), ("tiny-mqa", 4, "float16", 2, False),

@@ -1,0 +1,22 @@
+"""``run_diff``: ``tpcheck.diff`` of a synthetic preset on the session's engines, with ragged seeded prompts
+(shared by the diff and exact-ops tests)."""
+from __future__ import annotations
+
+import random
+
+import tpcheck
+
+QUIET = open("/dev/null", "w")
+VOCAB = {"tiny": 250, "small": 1000, "tiny-mqa": 203, "tiny-untied": 301}
+LAYERS = {"tiny": 2, "small": 4, "tiny-mqa": 2, "tiny-untied": 3}
+
+
+def run_diff(ckpt, engines, preset, tp, dtype="float32", steps=0, isolate=False, inject=(), layer=None, seq_len=12,
+             batch=2, **kw):
+    """Prompts of ``seq_len``, ``seq_len + 5``, ... tokens, seeded by the configuration; ``kw`` goes to
+    ``tpcheck.diff`` (e.g. ``exact_ops=True``)."""
+    rng = random.Random(f"{preset}{tp}{dtype}{steps}")
+    lens = [seq_len + 5 * i for i in range(batch)]  # ragged
+    prompts = [[rng.randrange(VOCAB[preset]) for _ in range(n)] for n in lens]
+    return tpcheck.diff(model=ckpt(preset), tp=tp, dtype=dtype, prompts=prompts, decode_steps=steps, isolate=isolate,
+                        inject=list(inject), inject_layer=layer, pool=engines, log=QUIET, **kw)
