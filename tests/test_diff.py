@@ -49,8 +49,15 @@ def test_fault_origin(fault, preset, tp, steps, origin, step, ckpt, engines):
 
 
 def test_kv_replica_fault_is_silent_without_replication(ckpt, engines):
-    """tiny at tp 2 partitions its 2 KV heads: the replica index is never used."""
-    assert run(ckpt, engines, "tiny", 2, inject=["kv_replica_index"]).passed
+    """tiny at tp 2 partitions its 2 KV heads: the replica index is never used, and diff says so up front."""
+    r = run(ckpt, engines, "tiny", 2, inject=["kv_replica_index"])
+    assert r.passed
+    assert "cannot show at tp 2 in float32" in r.meta["inject_silent"]["kv_replica_index"]
+    r = run(ckpt, engines, "tiny", 2, inject=["decode_position_off_by_one", "rope_skipped"])
+    assert r.meta["inject_silent"] == {"decode_position_off_by_one": "shows only while decoding, and --decode-steps is 0"}
+    assert not r.passed  # rope_skipped shows
+    with pytest.raises(ValueError, match="unknown fault 'nope'"):  # before any engine work
+        run(ckpt, engines, "tiny", 2, inject=["nope"])
 
 
 def test_isolate_separates_local_from_inherited_error(ckpt, engines):

@@ -47,6 +47,7 @@ def test_rmsnorm_cast_order_found_by_exact_ops_only(tp, dtype, ckpt, engines):
     gate_only = run(ckpt, engines, "tiny", tp, dtype, inject=fault, exact=False)
     # the blind spot, measured: more accurate than HF at the dtype, so within the noise floor
     assert gate_only.passed
+    assert gate_only.meta["inject_silent"] == {fault[0]: "is as accurate as HF at the dtype: only --exact-ops sees it"}
     norm = gate_only.table[gate_only.table["point"] == "layers.0.input_norm"].iloc[0]
     assert norm.rel_err < norm.ref_rel_err
     r = run(ckpt, engines, "tiny", tp, dtype, inject=fault)

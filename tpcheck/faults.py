@@ -145,6 +145,8 @@ class Fault:
     # the step of the expected origin: "prefill" (step 0), "decode" (the first decode step, 1) or
     # "block_boundary" (the first decode step whose position is a multiple of the KV block size)
     origin_step: str = "prefill"
+    # as accurate as HF at the dtype: only ``tpcheck diff --exact-ops`` sees it
+    needs_exact_ops: bool = False
 
     @property
     def per_layer(self) -> bool:
@@ -159,6 +161,18 @@ class Fault:
         """Whether the fault can show at all with this model, TP size and dtype (False where the TP size
         cannot split the model)."""
         return _tp_ok(cfg, tp) and bool(self.predicate(cfg, tp, dtype))
+
+    def silent_because(self, cfg: ModelConfig, tp: int, dtype: str, decode_steps: int, exact_ops: bool) -> str | None:
+        """Why a ``tpcheck diff`` of this configuration cannot fail on this fault (None: it should fail)."""
+        if not self.applies(cfg, tp, dtype):
+            return f"cannot show at tp {tp} in {dtype} with this model (shows: {self.shows_when})"
+        if self.decode_only and decode_steps == 0:
+            return "shows only while decoding, and --decode-steps is 0"
+        if self.check == "memory":
+            return "changes memory, not numbers (`tpcheck faults matrix` runs its memory check)"
+        if self.needs_exact_ops and not exact_ops:
+            return "is as accurate as HF at the dtype: only --exact-ops sees it"
+        return None
 
 
 _FAULT_LIST = [
@@ -224,7 +238,7 @@ _FAULT_LIST = [
           "RMSNorm multiplies by its weight in float32 and casts back after (HF casts back, then multiplies)",
           "half precision only (bfloat16, float16), and only with --exact-ops: it is closer to float64 than HF, "
           "so the noise-floor gate passes it", "layers.{layer}.input_norm",
-          predicate=_half_precision),
+          predicate=_half_precision, needs_exact_ops=True),
     Fault("rope_theta_default",
           "rope_theta silently defaulted to 10000 when the checkpoint's config says otherwise",
           "checkpoints with rope_theta != 10000 (any position > 0)", "layers.{layer}.attn.q_rope",

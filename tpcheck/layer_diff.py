@@ -166,6 +166,7 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
     from tpcheck.adapter import ImplAdapter
     from tpcheck.check import random_prompts
     from tpcheck.checkpoints import cached_checkpoint
+    from tpcheck.faults import get_fault
     from tpcheck.pool import EnginePool
     model_dir = str(model or cached_checkpoint(preset))
     cfg = load_config(model_dir)
@@ -185,11 +186,17 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
     print(f"tpcheck diff: {model_dir} tp={tp} {dtype}, {len(prompts)} prompt(s), {decode_steps} decode step(s)"
           f"{', isolate' if isolate else ''}{', exact-ops' if exact_ops else ''}{', inject ' + ','.join(inject) if inject else ''}",
           file=log, flush=True)
+    silent = {}
+    for name in inject:
+        why = get_fault(name).silent_because(cfg, tp, dtype, decode_steps, exact_ops)
+        if why:
+            silent[name] = why
+            print(f"tpcheck diff: note: {name} {why}; expect this run to pass", file=log, flush=True)
     own = pool is None
     pool = pool or EnginePool()
     try:
         engine = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size)
-        meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer,
+        meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer, "inject_silent": silent,
                 "command": command or _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer,
                                                block_size, exact_ops)}
         return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, log, meta,
