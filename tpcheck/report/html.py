@@ -517,6 +517,8 @@ def _fmt_meta(v) -> str:
         if len(v) > 40:
             return ", ".join(map(str, v[:40])) + f", ... ({len(v)} in all)"
         return ", ".join(map(str, v)) if v else "-"
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {x}" for k, x in v.items()) if v else "-"
     if v is None or v == "":
         return "-"
     return str(v)
