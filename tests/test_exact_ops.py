@@ -84,6 +84,8 @@ def test_expected_is_hf_module_on_engine_input(ckpt):
     # not checked, or an input missing: no expectation (the row is judged by the gate alone)
     assert exact_ops.expected(model, "layers.0.attn.q", get, layer_input) is None
     assert exact_ops.expected(model, "layers.1.post_attn_norm", get, layer_input) is None
+    wrong = torch.zeros(3, h + 1, dtype=torch.bfloat16)  # a hidden size HF's norm cannot take: the gate judges
+    assert exact_ops.expected(model, "layers.0.input_norm", get, lambda i: wrong) is None
 
 
 def test_mismatch_counts_values_not_dtypes():

@@ -45,26 +45,25 @@ def expected(model: nn.Module, name: str, get: Callable[[str], torch.Tensor],
              layer_input: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
     """What HF ``model`` (a ``Qwen2ForCausalLM`` at the test dtype) computes for point ``name`` from the engine's
     inputs; ``get(point)`` returns the engine's tensor of a point of this step and ``layer_input(i)`` layer
-    ``i``'s input (``i = num_layers``: the final norm's). None when ``name`` is not a checked op or an input
-    is missing (KeyError) or has another shape than its partner: those rows are judged by the gate alone."""
+    ``i``'s input (``i = num_layers``: the final norm's). None when ``name`` is not a checked op, or an input
+    is missing (KeyError) or of a shape HF's op cannot take: those rows are judged by the gate alone."""
     layer, kind = split_point(name)
     if kind not in CHECKED_KINDS:
         return None
     m = model.model
     p = f"layers.{layer}."
-    # .forward: bypasses the capture hooks installed on these modules
     try:
-        if kind == "final_norm":
-            return m.norm.forward(layer_input(len(m.layers)))
-        block = m.layers[layer]
-        if kind == "input_norm":
-            return block.input_layernorm.forward(layer_input(layer))
-        if kind == "post_attn_norm":
-            return block.post_attention_layernorm.forward(get(p + "attn.residual"))
+        if kind in ("final_norm", "input_norm", "post_attn_norm"):
+            if kind == "final_norm":
+                norm, x = m.norm, layer_input(len(m.layers))
+            elif kind == "input_norm":
+                norm, x = m.layers[layer].input_layernorm, layer_input(layer)
+            else:
+                norm, x = m.layers[layer].post_attention_layernorm, get(p + "attn.residual")
+            # .forward: bypasses the capture hooks installed on these modules
+            return norm.forward(x) if x.shape[-1:] == norm.weight.shape else None
         a, b = ((layer_input(layer), get(p + "attn.out")) if kind == "attn.residual"
                 else (get(p + "attn.residual"), get(p + "mlp.out")))
-    except (KeyError, RuntimeError):  # an input missing, or of a shape HF's module cannot take: gate alone
+    except KeyError:  # an input the engine does not emit: the row is judged by the gate alone
         return None
-    if a.shape != b.shape:
-        return None
-    return a + b  # HF: residual + hidden_states
+    return a + b if a.shape == b.shape else None  # HF: residual + hidden_states
