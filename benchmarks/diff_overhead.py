@@ -5,7 +5,7 @@ prompt. Diff: ``tpcheck.diff`` on the same engine and prompt (hooks, transfers, 
 statistics). Models are loaded and warmed before timing, so both sides time forward work only. Peak memory
 is the largest summed RSS of this process and its TP workers while each side runs.
 
-    python benchmarks/diff_overhead.py [--preset qwen2.5-0.5b] [--tp 2] [--seq-len 128] [--dtype float32]
+    python benchmarks/diff_overhead.py [--preset qwen2.5-0.5b] [--tp 2] [--seq-len 128] [--dtype float32] [--exact-ops]
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--exact-ops", action="store_true", help="time tpcheck diff --exact-ops")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
 
@@ -87,7 +88,7 @@ def main() -> int:
 
         def diff():
             return tpcheck.diff(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], pool=pool,
-                                log=open(os.devnull, "w"))
+                                exact_ops=a.exact_ops, log=open(os.devnull, "w"))
 
         print("warm-up...", file=log, flush=True)
         bare()
