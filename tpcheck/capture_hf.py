@@ -110,6 +110,24 @@ class HFCapture:
             self.sink = self.teacher = None
             _STATE["sink"] = None
 
+    def step(self, tokens: list[list[int]], caches: list, starts: list[int], teacher: dict | None = None,
+             with_kv: bool = False) -> dict[str, torch.Tensor]:
+        """One step of every prompt (each a batch of one: ``tokens[b]`` at positions ``starts[b]..``, into
+        ``caches[b]``): every point, rows concatenated in prompt order. ``teacher``: ``{i: [rows, hidden]}``
+        over all prompts' rows; ``with_kv``: also each layer's whole cache contents (``kv.k`` / ``kv.v``)."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        offset = 0
+        for b, toks in enumerate(tokens):
+            t_b = None if teacher is None else {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
+            self.run(toks, caches[b], starts[b], lambda n, t: parts.setdefault(n, []).append(t), t_b)
+            offset += len(toks)
+        out = {n: torch.cat(ts) for n, ts in parts.items()}
+        if with_kv:
+            for i in range(self.num_layers):
+                ks, vs = zip(*(cache_kv(c, i) for c in caches))
+                out[f"layers.{i}.kv.k"], out[f"layers.{i}.kv.v"] = torch.cat(ks), torch.cat(vs)
+        return out
+
 
 def new_cache(model):
     from transformers import DynamicCache

@@ -17,7 +17,7 @@ import torch
 
 from impl.config import load_config, parse_dtype
 from tpcheck import exact_ops
-from tpcheck.capture_hf import HFCapture, cache_kv, load_hf_model, new_cache
+from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
 from tpcheck.metrics import compare, mismatch, rel_err
 from tpcheck.points import point_names, split_point
 from tpcheck.result import DiffResult, Tolerances
@@ -54,22 +54,6 @@ class _Run:
         self.with_kv = decode_steps > 0
         self.order = {n: i for i, n in enumerate(point_names(num_layers, self.with_kv))}
 
-    def _hf_step(self, cap: HFCapture, caches, tokens, starts, teacher) -> dict[str, torch.Tensor]:
-        parts: dict[str, list[torch.Tensor]] = {}
-        offset = 0
-        for b, toks in enumerate(tokens):
-            t_b = None
-            if teacher is not None:
-                t_b = {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
-            cap.run(toks, caches[b], starts[b], lambda n, t: parts.setdefault(n, []).append(t), t_b)
-            offset += len(toks)
-        out = {n: torch.cat(ts) for n, ts in parts.items()}
-        if self.with_kv:
-            for i in range(self.L):
-                ks, vs = zip(*(cache_kv(c, i) for c in caches))
-                out[f"layers.{i}.kv.k"], out[f"layers.{i}.kv.v"] = torch.cat(ks), torch.cat(vs)
-        return out
-
     def run(self) -> list[dict]:
         rows: list[dict] = []
         mode = "isolated" if self.isolated else "propagated"
@@ -79,12 +63,12 @@ class _Run:
         tokens, starts = [list(p) for p in self.prompts], [0] * len(self.prompts)
         for step in range(self.steps + 1):
             t0 = time.monotonic()
-            gold = self._hf_step(self.golden, g_caches, tokens, starts, None)
+            gold = self.golden.step(tokens, g_caches, starts, None, self.with_kv)
             teacher = None
             if self.isolated:
                 teacher = {i: gold["embed" if i == 0 else f"layers.{i - 1}.out"] for i in range(self.L)}
                 teacher[self.L] = gold[f"layers.{self.L - 1}.out"]
-            ref = self._hf_step(self.ref, r_caches, tokens, starts, teacher)
+            ref = self.ref.step(tokens, r_caches, starts, teacher, self.with_kv)
             ref_err = {n: rel_err(t, gold[n]) for n, t in ref.items() if n in gold and t.shape == gold[n].shape}
             del ref
             eng_teacher = None if teacher is None else {i: t.to(self.dtype) for i, t in teacher.items()}
