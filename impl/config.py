@@ -13,11 +13,12 @@ from transformers import Qwen2Config
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+_TF_VERSION = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 # transformers 5 resolves rope_theta / rope_scaling into config.rope_parameters; 4.x reads them at the top level
-TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+TRANSFORMERS_5 = _TF_VERSION >= (5, 0)
 # the keyword (from_pretrained, configs) naming the weights' dtype: ``dtype`` since transformers 4.56; before,
 # ``dtype`` is taken for an unknown config attribute and the model silently loads in float32
-HF_DTYPE_KEY = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+HF_DTYPE_KEY = "dtype" if _TF_VERSION >= (4, 56) else "torch_dtype"
 
 
 class ConfigError(ValueError):
@@ -36,8 +37,13 @@ def hf_rope_theta(hf: Qwen2Config) -> float:
     """The theta HF's Qwen2 rotary embedding uses: ``rope_parameters["rope_theta"]`` in transformers 5 (which
     wins when a file has both), the top-level ``rope_theta`` in 4.x (where a ``rope_parameters`` key is
     just an unread attribute)."""
-    params = (getattr(hf, "rope_parameters", None) or {}) if TRANSFORMERS_5 else {}
+    params = _rope_parameters(hf)
     return float(params["rope_theta"] if "rope_theta" in params else hf.rope_theta)
+
+
+def _rope_parameters(hf: Qwen2Config) -> dict:
+    """``rope_parameters`` as HF reads it: transformers 5 only (in 4.x the key is an unread attribute)."""
+    return (getattr(hf, "rope_parameters", None) or {}) if TRANSFORMERS_5 else {}
 
 
 def _rope_theta(raw: dict, hf: Qwen2Config, path: Path) -> float:
@@ -50,7 +56,7 @@ def _rope_theta(raw: dict, hf: Qwen2Config, path: Path) -> float:
         raise ConfigError(f"{path}: rope_theta is only in 'rope_parameters' (the transformers 5 layout); "
                           f"transformers {transformers.__version__} reads the top-level 'rope_theta' and would use "
                           "10000: add a top-level rope_theta or use transformers >= 5")
-    params = (getattr(hf, "rope_parameters", None) or {}) if TRANSFORMERS_5 else {}
+    params = _rope_parameters(hf)
     scaling = getattr(hf, "rope_scaling", None) or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":

@@ -169,8 +169,8 @@ def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> "transformers.Qw
     ``tpcheck.strategies``), with ``dtype`` and the Qwen2 architecture recorded in it."""
     from transformers import Qwen2Config
 
-    _check_dtype(dtype)
     from impl.config import HF_DTYPE_KEY
+    _check_dtype(dtype)
     return Qwen2Config(**dict(kwargs), **{HF_DTYPE_KEY: dtype}, architectures=["Qwen2ForCausalLM"])
 
 

@@ -5,8 +5,8 @@ noise floor) and the engine run next and each of their points is compared as it 
 dropped. Decode tokens are the golden run's greedy choices, so all three models see the same inputs.
 ``isolate`` adds a teacher-forced pass: every layer of the engine and of the noise-floor model gets the
 golden input of that layer, so each row shows the layer's local error apart from what it inherited.
-``exact_ops`` also holds the elementwise ops (norms, SiLU-and-multiply, residual adds) to bit-identity with
-HF's own modules applied to the engine's own inputs (``tpcheck.exact_ops``)."""
+``exact_ops`` also holds the RMSNorms and residual adds to bit-identity with HF's own modules applied to the
+engine's own inputs (``tpcheck.exact_ops``)."""
 from __future__ import annotations
 
 import shlex
@@ -181,8 +181,8 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
     try:
         engine = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size)
         meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer, "inject_silent": silent,
-                "command": command or _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer,
-                                               block_size, exact_ops)}
+                "command": command or diff_command(["--model", model_dir], tp, dtype, prompts, decode_steps, block_size,
+                                                   isolate, exact_ops, inject, inject_layer)}
         return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, log, meta,
                               exact_ops)
     finally:
@@ -215,13 +215,18 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
     return DiffResult.from_rows(rows, meta)
 
 
-def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, inject_layer, block_size=16,
-             exact_ops=False) -> str:
-    parts = ["tpcheck", "diff", "--layer-by-layer", "--model", model_dir, "--tp", str(tp), "--dtype", dtype]
+def diff_command(source: list[str], tp: int, dtype: str, prompts: list[list[int]], decode_steps: int = 0,
+                 block_size: int = 16, isolate: bool = False, exact_ops: bool = False, inject=(),
+                 inject_layer: int | None = None) -> str:
+    """The ``tpcheck diff`` command line that repeats a run; ``source``: ``["--model", DIR]`` or
+    ``["--preset", NAME]``."""
+    parts = ["tpcheck", "diff", "--layer-by-layer", *map(str, source), "--tp", str(tp), "--dtype", dtype]
     for p in prompts:
         parts += ["--prompt-ids", ",".join(map(str, p))]
     if decode_steps:
         parts += ["--decode-steps", str(decode_steps)]
+    if block_size != 16:
+        parts += ["--block-size", str(block_size)]
     if isolate:
         parts.append("--isolate")
     if exact_ops:
@@ -230,6 +235,4 @@ def _command(model_dir, tp, dtype, prompts, decode_steps, isolate, inject, injec
         parts += ["--inject", ",".join(inject)]
     if inject_layer is not None:
         parts += ["--inject-layer", str(inject_layer)]
-    if block_size != 16:
-        parts += ["--block-size", str(block_size)]
     return shlex.join(parts)

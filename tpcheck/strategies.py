@@ -336,22 +336,11 @@ class Case:
 
     def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
         """The ``tpcheck diff`` command line of this case (block size included)."""
+        from tpcheck.layer_diff import diff_command
         by_name = self.preset is not None and self.weight_seed == 0
-        src = ["--preset", self.preset] if by_name else ["--model", str(model_dir)]
-        parts = ["tpcheck", "diff", "--layer-by-layer", *src, "--tp", str(self.tp), "--dtype", self.dtype]
-        for p in self.prompts:
-            parts += ["--prompt-ids", ",".join(map(str, p))]
-        if self.decode_steps:
-            parts += ["--decode-steps", str(self.decode_steps)]
-        if self.block_size != 16:
-            parts += ["--block-size", str(self.block_size)]
-        if self.exact_ops:
-            parts.append("--exact-ops")
-        if inject:
-            parts += ["--inject", ",".join(inject)]
-        if inject_layer is not None:
-            parts += ["--inject-layer", str(inject_layer)]
-        return shlex.join(parts)
+        return diff_command(["--preset", self.preset] if by_name else ["--model", model_dir], self.tp, self.dtype,
+                            self.prompts, self.decode_steps, self.block_size, exact_ops=self.exact_ops, inject=inject,
+                            inject_layer=inject_layer)
 
     def repro(self, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None) -> str:
         """One shell line that recreates the checkpoint if needed and runs ``tpcheck diff`` on this case."""
