@@ -10,10 +10,16 @@ from typing import Protocol
 
 import torch
 
+from tpcheck.reductions import Reductions
+
 Points = dict[str, tuple[object, list[torch.Tensor | None]]]
 
 
 class EngineAdapter(Protocol):
+    reductions: Reductions
+    """How the engine's row-parallel all-reduces round (``tpcheck.reductions``): its tp and reduce dtype. The
+    noise floor admits that rounding; an adapter without it is judged against one-device HF only."""
+
     def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
         """Start fresh sequences (one per prompt) with room for ``decode_steps`` more tokens each."""
 
@@ -33,6 +39,7 @@ class ImplAdapter:
 
     def __init__(self, llm, inject: list[str] = (), inject_layer: int | None = None, block_size: int = 16):
         self.llm, self.block_size = llm, block_size
+        self.reductions = Reductions(llm.tp_size)  # impl all-reduces in the activations' dtype, in place
         self.inject, self.inject_layer = list(inject), inject_layer
         self.tables: list[list[int]] = []
         self.lens: list[int] = []

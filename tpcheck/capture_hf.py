@@ -3,13 +3,15 @@
 Forward hooks and pre-hooks on HF's own modules, plus one custom attention function registered through
 transformers' attention interface (to see the post-RoPE query/key): no fork of HF code. Each prompt runs
 as a batch of one, so no padding reaches the comparison. ``teacher`` (isolate mode) replaces each decoder
-layer's input and the final norm's input with given tensors."""
+layer's input and the final norm's input with given tensors. ``reductions`` (``tpcheck.reductions``) makes
+``o_proj`` and ``down_proj`` round as a ``tp``-way row-parallel engine does: the noise floor's TP reference."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from impl.config import HF_DTYPE_KEY, parse_dtype
+from tpcheck.reductions import Reductions, row_parallel_linear
 
 ATTN_NAME = "tpcheck_sdpa"
 _STATE: dict = {}
@@ -59,6 +61,7 @@ class HFCapture:
         _register()
         model.config._attn_implementation = ATTN_NAME
         self.model, self.sink, self.teacher = model, None, None
+        self.reductions: Reductions | None = None  # set for one step by ``step(reductions=...)``
         self.num_layers = model.config.num_hidden_layers
         m = model.model
         out = lambda name: (lambda mod, args, output: self._emit(name, _rows(output)))  # noqa: E731
@@ -78,6 +81,8 @@ class HFCapture:
             mlp.up_proj.register_forward_hook(out(p + "mlp.up"))
             mlp.down_proj.register_forward_pre_hook(pre(p + "mlp.act"))
             mlp.down_proj.register_forward_hook(out(p + "mlp.out"))
+            for proj in (a.o_proj, mlp.down_proj):
+                proj.forward = self._row_parallel(proj)
             layer.register_forward_hook(out(p + "out"))
         m.norm.register_forward_pre_hook(self._teach(self.num_layers), with_kwargs=True)
         m.norm.register_forward_hook(out("final_norm"))
@@ -86,6 +91,13 @@ class HFCapture:
     def _emit(self, name: str, t: torch.Tensor) -> None:
         if self.sink is not None:
             self.sink(name, t.detach())
+
+    def _row_parallel(self, linear: nn.Linear):
+        def forward(x):
+            if self.reductions is None or not self.reductions.emulated:
+                return nn.Linear.forward(linear, x)
+            return row_parallel_linear(x, linear.weight, linear.bias, self.reductions)
+        return forward
 
     def _teach(self, i: int):
         def hook(mod, args, kwargs):
@@ -111,16 +123,21 @@ class HFCapture:
             _STATE["sink"] = None
 
     def step(self, tokens: list[list[int]], caches: list, starts: list[int], teacher: dict | None = None,
-             with_kv: bool = False) -> dict[str, torch.Tensor]:
+             with_kv: bool = False, reductions: Reductions | None = None) -> dict[str, torch.Tensor]:
         """One step of every prompt (each a batch of one: ``tokens[b]`` at positions ``starts[b]..``, into
         ``caches[b]``): every point, rows concatenated in prompt order. ``teacher``: ``{i: [rows, hidden]}``
-        over all prompts' rows; ``with_kv``: also each layer's whole cache contents (``kv.k`` / ``kv.v``)."""
+        over all prompts' rows; ``with_kv``: also each layer's whole cache contents (``kv.k`` / ``kv.v``);
+        ``reductions``: row-parallel linears rounded as that TP engine rounds them (``tpcheck.reductions``)."""
         parts: dict[str, list[torch.Tensor]] = {}
         offset = 0
-        for b, toks in enumerate(tokens):
-            t_b = None if teacher is None else {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
-            self.run(toks, caches[b], starts[b], lambda n, t: parts.setdefault(n, []).append(t), t_b)
-            offset += len(toks)
+        self.reductions = reductions
+        try:
+            for b, toks in enumerate(tokens):
+                t_b = None if teacher is None else {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
+                self.run(toks, caches[b], starts[b], lambda n, t: parts.setdefault(n, []).append(t), t_b)
+                offset += len(toks)
+        finally:
+            self.reductions = None
         out = {n: torch.cat(ts) for n, ts in parts.items()}
         if with_kv:
             for i in range(self.num_layers):

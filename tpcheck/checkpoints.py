@@ -30,6 +30,7 @@ and a random sign s.  Activations stay O(1)-O(10) through many layers, finite in
 from __future__ import annotations
 
 import errno
+import re
 import json
 import os
 import pathlib
@@ -70,7 +71,14 @@ PRESETS: dict[str, dict] = {
                          tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          max_position_embeddings=32768, bos_token_id=151643,
                          eos_token_id=151645, use_sliding_window=False),
+    "small-outliers": dict(_TINY, hidden_size=192, num_attention_heads=12, num_key_value_heads=2,
+                           intermediate_size=512, num_hidden_layers=6, vocab_size=1000,
+                           tie_word_embeddings=False, rope_theta=1000000.0,
+                           max_position_embeddings=2048),
 }
+
+# presets drawn with the massive-activation recipe (``outliers=`` of ``make_config_checkpoint``)
+OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
 
 
 def preset_names() -> list[str]:
@@ -137,6 +145,58 @@ def _draw(shape: tuple[int, ...], kind: str, gen: torch.Generator, bias_std: flo
     return u.mul_(sign).add_(1.0)
 
 
+def outlier_channels(hidden: int) -> list[int]:
+    """The two residual channels the massive-activation recipe makes large."""
+    return [hidden // 3, (2 * hidden) // 3 + 1]
+
+
+def _outlier_units(layer: int, inter: int) -> list[int]:
+    """One MLP unit in each quarter of the intermediate dim, so at tp 2 and 4 every rank's down_proj
+    shard holds part of the outlier's sum (the partial products a TP engine rounds)."""
+    q = inter // 4
+    return [k * q + (layer * 7) % q for k in range(4)]
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
+
+
+def _add_outliers(name: str, t: torch.Tensor, cfg, strength: float) -> torch.Tensor:
+    """The massive-activation recipe (in place on the float32 tensor ``name``): trained LLMs carry a few
+    residual channels in the hundreds while the rest stay near 1, grown by the MLPs layer after layer and
+    kept out of the normalized activations by small norm weights on those channels.
+
+    * the embedding writes ``+2s`` / ``-1.5s`` into the two channels (``outlier_channels``) for every token;
+    * in each layer four MLP units (``_outlier_units``, one per quarter of the intermediate dim) read the
+      channels through ``post_attention_layernorm`` (weights 0.25 / -0.3 there) with gate and up weights
+      of 2 / 1.6, and ``down_proj`` writes them back with weights ``s * (1, 0.6, -0.5, 0.3)`` of mixed sign,
+      so the down_proj sum is a difference of larger partial products (the units' other down_proj weights
+      are scaled by 0.05: they write almost only into the outlier channels);
+    * ``input_layernorm`` (0.03 / 0.04) and the final norm (0.02 / -0.03) keep the channels small in what
+      attention and the LM head read."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    c = outlier_channels(h)
+    if name == "model.embed_tokens.weight":
+        t[:, c[0]] += 2.0 * strength
+        t[:, c[1]] -= 1.5 * strength
+    elif name == "model.norm.weight":
+        t[c] = torch.tensor([0.02, -0.03])
+    elif (m := _LAYER.fullmatch(name)) is not None:
+        units, rest = _outlier_units(int(m.group(1)), inter), m.group(2)
+        if rest == "input_layernorm.weight":
+            t[c] = torch.tensor([0.03, 0.04])
+        elif rest == "post_attention_layernorm.weight":
+            t[c] = torch.tensor([0.25, -0.3])
+        elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            t[units, c[0]] += 2.0
+            t[units, c[1]] += 1.6
+        elif rest == "mlp.down_proj.weight":
+            d = torch.tensor([1.0, 0.6, -0.5, 0.3]) * strength
+            t[:, units] *= 0.05  # the units write (almost) only into the outlier channels
+            t[c[0], units] += d
+            t[c[1], units] -= 0.7 * d
+    return t
+
+
 def _split(sizes: list[int], shards: int) -> list[int]:
     """Shard index of each tensor: contiguous groups of roughly equal byte size."""
     total, acc, out = sum(sizes), 0, []
@@ -161,7 +221,8 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
     ``shards > 1`` writes ``model-0000i-of-0000N.safetensors`` plus an index json.
     Returns ``out`` as a Path.
     """
-    return make_config_checkpoint(preset_config(preset, dtype), out, seed=seed, dtype=dtype, shards=shards)
+    return make_config_checkpoint(preset_config(preset, dtype), out, seed=seed, dtype=dtype, shards=shards,
+                                  outliers=OUTLIERS.get(preset, 0.0))
 
 
 def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> "transformers.Qwen2Config":  # noqa: F821
@@ -175,11 +236,12 @@ def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> "transformers.Qw
 
 
 def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype: str = "float32",
-                           shards: int = 1, bias_std: float = 0.5) -> pathlib.Path:
+                           shards: int = 1, bias_std: float = 0.5, outliers: float = 0.0) -> pathlib.Path:
     """``make_checkpoint`` for any Qwen2 shape: ``config`` is a ``Qwen2Config`` or a dict of its keyword
     arguments (an explicit ``head_dim`` is honoured, as HF does).  Same value recipe, same atomic write;
-    ``bias_std`` scales the q/k/v biases (default 0.5: the presets' recipe).  Presets written through
-    here are bit-for-bit those of ``make_checkpoint``."""
+    ``bias_std`` scales the q/k/v biases (default 0.5: the presets' recipe); ``outliers > 0`` adds the
+    massive-activation recipe at that strength (``_add_outliers``; 1.0 is ``small-outliers``').  Presets
+    written through here are bit-for-bit those of ``make_checkpoint``."""
     cfg = config_from_kwargs(config, dtype) if isinstance(config, dict) else config
     tdtype = _check_dtype(dtype)
     specs = _tensor_specs(cfg)
@@ -205,7 +267,8 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
             tensors = {}
             for (name, shape, kind), o in zip(specs, owner):
                 if o == s:  # shards are contiguous, so the draw order is always `specs`
-                    tensors[name] = _draw(shape, kind, gen, bias_std).to(tdtype)
+                    t = _draw(shape, kind, gen, bias_std)
+                    tensors[name] = (_add_outliers(name, t, cfg, outliers) if outliers else t).to(tdtype)
                     weight_map[name] = fname
             save_file(tensors, tmp / fname, metadata={"format": "pt"})
             del tensors

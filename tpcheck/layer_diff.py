@@ -9,6 +9,7 @@ golden input of that layer, so each row shows the layer's local error apart from
 engine's own inputs (``tpcheck.exact_ops``)."""
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 import time
@@ -20,6 +21,7 @@ from tpcheck import exact_ops
 from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
 from tpcheck.metrics import compare, mismatch, rel_err
 from tpcheck.points import point_names, split_point
+from tpcheck.reductions import Reductions
 from tpcheck.result import DiffResult, Tolerances
 from tpcheck.unshard import unshard
 
@@ -48,8 +50,10 @@ class _Run:
     """One mode (propagated or isolated) over prefill + decode steps."""
 
     def __init__(self, golden: HFCapture, ref: HFCapture, engine, prompts, decode_steps, num_layers, dtype,
-                 tol: Tolerances, isolated: bool, log, exact_ops: bool = False):
+                 tol: Tolerances, isolated: bool, log, exact_ops: bool = False, reductions: Reductions = Reductions()):
         self.golden, self.ref, self.engine, self.prompts, self.exact_ops = golden, ref, engine, prompts, exact_ops
+        # the noise floor's references: HF at the dtype, and (tp > 1) HF at the dtype rounding like the engine
+        self.refs = [("hf", None)] + ([("hf-tp", reductions)] if reductions.emulated else [])
         self.steps, self.L, self.dtype, self.tol, self.isolated, self.log = decode_steps, num_layers, dtype, tol, isolated, log
         self.with_kv = decode_steps > 0
         self.order = {n: i for i, n in enumerate(point_names(num_layers, self.with_kv))}
@@ -58,7 +62,7 @@ class _Run:
         rows: list[dict] = []
         mode = "isolated" if self.isolated else "propagated"
         g_caches = [new_cache(self.golden.model) for _ in self.prompts]
-        r_caches = [new_cache(self.ref.model) for _ in self.prompts]
+        r_caches = {name: [new_cache(self.ref.model) for _ in self.prompts] for name, _ in self.refs}
         self.engine.begin(self.prompts, self.steps)
         tokens, starts = [list(p) for p in self.prompts], [0] * len(self.prompts)
         for step in range(self.steps + 1):
@@ -68,9 +72,13 @@ class _Run:
             if self.isolated:
                 teacher = {i: gold["embed" if i == 0 else f"layers.{i - 1}.out"] for i in range(self.L)}
                 teacher[self.L] = gold[f"layers.{self.L - 1}.out"]
-            ref = self.ref.step(tokens, r_caches, starts, teacher, self.with_kv)
-            ref_err = {n: rel_err(t, gold[n]) for n, t in ref.items() if n in gold and t.shape == gold[n].shape}
-            del ref
+            ref_err: dict[str, dict[str, float]] = {}  # point -> reference name -> rel_err
+            for ref_name, red in self.refs:
+                ref = self.ref.step(tokens, r_caches[ref_name], starts, teacher, self.with_kv, red)
+                for n, t in ref.items():
+                    if n in gold and t.shape == gold[n].shape:
+                        ref_err.setdefault(n, {})[ref_name] = rel_err(t, gold[n])
+                del ref
             eng_teacher = None if teacher is None else {i: t.to(self.dtype) for i, t in teacher.items()}
             points = self.engine.step(tokens, eng_teacher, self.with_kv)
             row_lens = [len(t) for t in tokens]
@@ -117,7 +125,11 @@ class _Run:
             r, f = stats["max_abs_index"]
             b, t = _row_index(r, row_lens, starts)
             stats["max_abs_index"] = [b, t, f]
-        ref_err = float("nan") if ref_err is None else ref_err
+        refs = ref_err or {}
+        ref_hf, ref_tp = refs.get("hf", float("nan")), refs.get("hf-tp", float("nan"))
+        finite = {name: e for name, e in refs.items() if math.isfinite(e)}
+        ref_by = max(finite, key=finite.get) if finite else ""  # the worst legitimate reference sets the floor
+        ref_err = finite[ref_by] if finite else float("nan")
         threshold = self.tol.threshold(kind, self.dtype_name, ref_err)
         passed = stats["rel_err"] <= threshold and not u.rank_mismatch and not row["note"]
         if u.rank_mismatch:
@@ -129,7 +141,8 @@ class _Run:
                 passed = False
                 row["note"] = (f"exact-ops: {n_bad} of {n} elements differ from HF's op on the engine's input "
                                f"(max |diff| {float((u.tensor.double() - want.double()).abs().max()):.3g})")
-        return {**row, **stats, "ref_rel_err": ref_err, "threshold": threshold,
+        return {**row, **stats, "ref_rel_err": ref_err, "ref_rel_err_hf": ref_hf, "ref_rel_err_tp": ref_tp,
+                "ref_by": ref_by, "threshold": threshold,
                 "excess": stats["rel_err"] / threshold if threshold > 0 else float("inf"), "passed": bool(passed)}
 
     @property
@@ -194,14 +207,21 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
                    isolate: bool = False, tolerances: Tolerances | None = None, log=sys.stderr,
                    meta: dict | None = None, exact_ops: bool = False) -> DiffResult:
     """Run any ``tpcheck.adapter.EngineAdapter`` against HF float64 (golden) and HF at ``dtype`` (noise
-    floor) on the checkpoint ``model_dir``; the engine must already be loaded with that checkpoint.
+    floor: on one device, and with the engine's declared ``reductions`` emulated when its tp > 1) on the
+    checkpoint ``model_dir``; the engine must already be loaded with that checkpoint.
     ``exact_ops``: also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``)."""
     cfg = load_config(model_dir)
+    reductions = getattr(engine, "reductions", None)
+    if reductions is None:
+        reductions = Reductions()
+        print("tpcheck diff: note: the engine adapter declares no `reductions` (tpcheck.reductions.Reductions): "
+              "the noise floor is HF on one device only and does not admit the rounding of TP all-reduces",
+              file=log, flush=True)
     golden, ref = hf_capture(model_dir, "float64"), hf_capture(model_dir, dtype)
     tol, rows = tolerances or Tolerances(), []
     for isolated in [False] + ([True] if isolate else []):
         run = _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), tol, isolated, log,
-                   exact_ops)
+                   exact_ops, reductions)
         try:
             rows += run.run()
         except BaseException:
@@ -211,6 +231,7 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
                 pass
             raise
     meta = {"model": str(model_dir), "dtype": dtype, "decode_steps": decode_steps, "isolate": isolate, "exact_ops": exact_ops,
+            "reductions": {"tp": reductions.tp, "dtype": reductions.dtype or dtype},
             "num_layers": cfg.num_layers, "prompt_lens": [len(p) for p in prompts], **(meta or {})}
     return DiffResult.from_rows(rows, meta)
 

@@ -25,7 +25,11 @@ class Tolerances:
         return k * ref_err + floor if math.isfinite(ref_err) else floor
 
 
-COLUMNS = ["point", "layer", "step", "mode", "kind", "rel_err", "ref_rel_err", "threshold", "excess", "cosine",
+# ref_rel_err: the reference error the threshold uses, the larger of ref_rel_err_hf (HF at the dtype, one
+# device) and ref_rel_err_tp (HF at the dtype rounding as the engine's TP reductions do; NaN at tp 1);
+# ref_by names the one that set it ("hf" or "hf-tp")
+COLUMNS = ["point", "layer", "step", "mode", "kind", "rel_err", "ref_rel_err", "ref_rel_err_hf", "ref_rel_err_tp",
+           "ref_by", "threshold", "excess", "cosine",
            "max_abs", "max_abs_index", "mean_abs", "p99_abs", "ref_norm", "nan", "inf", "op_mismatch", "passed", "note", "order"]
 
 
@@ -69,7 +73,7 @@ class DiffResult:
         t["excess_key"] = t["excess"].fillna(math.inf)
         idx = t.groupby(["step", "layer_key"], sort=False)["excess_key"].idxmax()
         w = t.loc[idx].sort_values(["step", "order"])
-        return w[["step", "layer", "point", "rel_err", "ref_rel_err", "excess", "max_abs", "passed", "note"]]
+        return w[["step", "layer", "point", "rel_err", "ref_rel_err", "ref_by", "excess", "max_abs", "passed", "note"]]
 
     def growth(self) -> list[dict]:
         """With an isolated pass: each layer's local error (isolated) beside its propagated error and the

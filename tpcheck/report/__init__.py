@@ -18,11 +18,12 @@ class ResultFormatError(ValueError):
 
 
 _REQUIRED = ("point", "step", "mode", "rel_err", "ref_rel_err")
-_NUMERIC = ("rel_err", "ref_rel_err", "threshold", "excess", "cosine", "max_abs", "mean_abs", "p99_abs", "ref_norm",
+_NUMERIC = ("rel_err", "ref_rel_err", "ref_rel_err_hf", "ref_rel_err_tp", "threshold", "excess", "cosine", "max_abs", "mean_abs", "p99_abs", "ref_norm",
             "op_mismatch")
 _DEFAULTS = {"threshold": math.nan, "excess": math.nan, "cosine": math.nan, "max_abs": math.nan,
              "max_abs_index": None, "mean_abs": math.nan, "p99_abs": math.nan, "ref_norm": math.nan,
-             "nan": 0, "inf": 0, "op_mismatch": math.nan, "passed": True, "note": ""}
+             "nan": 0, "inf": 0, "op_mismatch": math.nan, "passed": True, "note": "", "ref_rel_err_hf": math.nan,
+             "ref_rel_err_tp": math.nan, "ref_by": ""}
 
 
 def _num(v) -> bool:

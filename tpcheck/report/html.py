@@ -26,9 +26,10 @@ import pandas as pd
 from tpcheck.points import LAYER_POINTS
 from tpcheck.result import DiffResult
 
-_COLS = ["point", "layer", "step", "mode", "kind", "rel_err", "ref_rel_err", "threshold", "excess", "cosine",
+_COLS = ["point", "layer", "step", "mode", "kind", "rel_err", "ref_rel_err", "ref_rel_err_hf", "ref_rel_err_tp", "ref_by",
+         "threshold", "excess", "cosine",
          "max_abs", "max_abs_index", "mean_abs", "p99_abs", "ref_norm", "nan", "inf", "op_mismatch", "passed", "note"]
-_FLOAT_COLS = ["rel_err", "ref_rel_err", "threshold", "excess", "cosine", "max_abs", "mean_abs", "p99_abs", "ref_norm",
+_FLOAT_COLS = ["rel_err", "ref_rel_err", "ref_rel_err_hf", "ref_rel_err_tp", "threshold", "excess", "cosine", "max_abs", "mean_abs", "p99_abs", "ref_norm",
                "op_mismatch"]
 _MODES = ["propagated", "isolated"]
 
