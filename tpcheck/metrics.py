@@ -22,6 +22,17 @@ def rel_err(x: torch.Tensor, golden: torch.Tensor) -> float:
     return d / ref if ref > 0 else d
 
 
+def max_row_rel_err(x: torch.Tensor, golden: torch.Tensor) -> float:
+    """The largest ``rel_err`` of one row (token) of ``[rows, features]`` tensors, over the rows whose golden
+    norm is not 0 (NaN when x has a NaN; NaN when no row qualifies)."""
+    x64, g64 = x.detach().to(torch.float64), golden.detach().to(torch.float64)
+    ref = g64.norm(dim=-1)
+    keep = ref > 0
+    if not bool(keep.any()):
+        return math.nan
+    return float(((x64 - g64).norm(dim=-1)[keep] / ref[keep]).max())
+
+
 def compare(x: torch.Tensor, golden: torch.Tensor) -> dict:
     """Statistics of ``x`` against ``golden``, computed in float64. A NaN/Inf in ``x`` makes its
     absolute differences infinite (never "close") and its relative error NaN (never passes a gate)."""

@@ -12,7 +12,8 @@ smallest case that still fails. Everything drawn is valid for impl and for Huggi
   partition (``tp <= num_kv_heads``) and replication (``tp > num_kv_heads``).
 * ``tp_sizes(config)``, ``block_sizes()``, ``prompt_lengths(block_size)``, ``prompts(vocab, block_size)``
   (batch 1-8 of ragged lengths 1-300, lengths at block boundaries +-1 drawn often), ``decode_lengths(K)``,
-  ``dtypes()``, ``bias_stds()``, ``seeds()``.
+  ``dtypes()``, ``bias_stds()``, ``outlier_strengths()`` (massive activations, as trained weights have
+  them), ``seeds()``.
 * ``cases(...)``: all of it together as a ``Case``, which writes its checkpoint (``Case.checkpoint``),
   runs the layer-by-layer diff (``Case.diff``), asserts the properties (``Case.check``: ranks agree on
   replicated points, every point within the noise floor) and prints a one-line reproduction
@@ -57,6 +58,7 @@ HEAD_DIMS = (8, 16, 32)                      # even: RoPE rotates pairs
 GROUPS = (1, 2, 4, 3, 7, 8)                  # query heads per KV head (7: Qwen2.5-0.5B's 14 / 2)
 ROPE_THETAS = (10000.0, 1000000.0, 500000.0, 100.0)
 BIAS_STDS = (0.5, 0.0, 4.0)                  # q/k/v bias scale: the presets' recipe, no bias, large (real Qwen2 k)
+OUTLIER_STRENGTHS = (0.0, 1.0, 2.0)          # massive-activation recipe: off, small-outliers' strength, stronger
 MAX_POSITION = 1024
 _DEVNULL = open(os.devnull, "w")
 _FIXED = dict(max_position_embeddings=MAX_POSITION, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
@@ -209,6 +211,12 @@ def bias_stds(values=BIAS_STDS) -> st.SearchStrategy[float]:
     return st.sampled_from(tuple(values))
 
 
+def outlier_strengths(values=OUTLIER_STRENGTHS) -> st.SearchStrategy[float]:
+    """Strength of the massive-activation recipe (``tpcheck.checkpoints.make_config_checkpoint(outliers=...)``:
+    a few residual channels in the hundreds, as trained models have them); 0 is off, where shrinking goes."""
+    return st.sampled_from(tuple(values))
+
+
 def seeds() -> st.SearchStrategy[int]:
     """Sampling / weight seeds."""
     return st.integers(0, 2**32 - 1)
@@ -263,37 +271,44 @@ def default_root() -> pathlib.Path:
     return pathlib.Path(env) / "configs" if env else pathlib.Path(tempfile.gettempdir()) / "tpcheck-configs"
 
 
-def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: str = "float32") -> str:
-    blob = json.dumps({"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype}, sort_keys=True)
+def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: str = "float32",
+                   outliers: float = 0.0) -> str:
+    what = {"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype}
+    if outliers:
+        what["outliers"] = outliers
+    blob = json.dumps(what, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def config_checkpoint(config: dict, root: str | os.PathLike | None = None, seed: int = 0, bias_std: float = 0.5,
-                      dtype: str = "float32") -> pathlib.Path:
+                      dtype: str = "float32", outliers: float = 0.0) -> pathlib.Path:
     """Path of the random-weight checkpoint of ``config`` (a ``Qwen2Config`` kwargs dict) under ``root``,
     written once (``tpcheck.checkpoints.make_config_checkpoint``: the presets' value recipe, atomic rename)
-    and cached by a hash of (config, seed, bias_std, dtype). Deterministic: the same arguments recreate the
+    and cached by a hash of (config, seed, bias_std, dtype, outliers). Deterministic: the same arguments recreate the
     same weights bit for bit, so a path printed by a failing test can be rebuilt after its temp dir is gone."""
     from tpcheck.checkpoints import make_config_checkpoint
     path = pathlib.Path(root) if root is not None else default_root()
-    path = path / f"cfg-{checkpoint_key(config, seed, bias_std, dtype)}"
+    path = path / f"cfg-{checkpoint_key(config, seed, bias_std, dtype, outliers)}"
     if (path / "config.json").is_file():
         return path
     try:
-        return make_config_checkpoint(dict(config), path, seed=seed, dtype=dtype, bias_std=bias_std)
+        return make_config_checkpoint(dict(config), path, seed=seed, dtype=dtype, bias_std=bias_std,
+                                      outliers=outliers)
     except FileExistsError:
         if (path / "config.json").is_file():  # another process (xdist worker) finished first
             return path
         raise
 
 
-def recreate_command(config: dict, root: str | os.PathLike, seed: int = 0, bias_std: float = 0.5) -> str:
+def recreate_command(config: dict, root: str | os.PathLike, seed: int = 0, bias_std: float = 0.5,
+                     outliers: float = 0.0) -> str:
     """A shell command that writes (or finds) the checkpoint of ``config`` and prints its path."""
     code = ("import json,sys; from tpcheck.strategies import config_checkpoint as c; "
-            "print(c(json.loads(sys.argv[1]), sys.argv[2], seed=int(sys.argv[3]), bias_std=float(sys.argv[4])))")
+            "print(c(json.loads(sys.argv[1]), sys.argv[2], seed=int(sys.argv[3]), bias_std=float(sys.argv[4]), "
+            "outliers=float(sys.argv[5])))")
     python = "python" if shutil.which("python") == sys.executable else sys.executable
-    return shlex.join([python, "-c", code,
-                       json.dumps(config, sort_keys=True), str(root), str(seed), repr(float(bias_std))])
+    return shlex.join([python, "-c", code, json.dumps(config, sort_keys=True), str(root), str(seed),
+                       repr(float(bias_std)), repr(float(outliers))])
 
 
 # ---- a whole drawn case -----------------------------------------------------------------------------------
@@ -313,6 +328,7 @@ class Case:
     bias_std: float = 0.5
     preset: str | None = None  # a named preset (``tpcheck.checkpoints.PRESETS``): its cached checkpoint
     exact_ops: bool = False  # also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``)
+    outliers: float = 0.0  # strength of the massive-activation recipe (0: off)
 
     @property
     def layout(self) -> str:
@@ -324,7 +340,8 @@ class Case:
         return (f"tp={self.tp} {self.dtype} heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv "
                 f"({self.layout}) head_dim {hd} hidden {c['hidden_size']} inter {c['intermediate_size']} "
                 f"layers {c['num_hidden_layers']} vocab {c['vocab_size']} "
-                f"{'tied' if c['tie_word_embeddings'] else 'untied'}; prompts {[len(p) for p in self.prompts]}, "
+                f"{'tied' if c['tie_word_embeddings'] else 'untied'}"
+                f"{f', outliers {self.outliers:g}' if self.outliers else ''}; prompts {[len(p) for p in self.prompts]}, "
                 f"decode {self.decode_steps}, block {self.block_size}")
 
     def checkpoint(self, root: str | os.PathLike | None = None) -> pathlib.Path:
@@ -332,7 +349,7 @@ class Case:
         if self.preset is not None:
             from tpcheck.checkpoints import cached_checkpoint
             return cached_checkpoint(self.preset, seed=self.weight_seed, root=root)
-        return config_checkpoint(self.config, root, self.weight_seed, self.bias_std)
+        return config_checkpoint(self.config, root, self.weight_seed, self.bias_std, outliers=self.outliers)
 
     def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
         """The ``tpcheck diff`` command line of this case (block size included)."""
@@ -347,7 +364,7 @@ class Case:
         if self.preset is not None and self.weight_seed == 0:
             return self.diff_command(None, inject, inject_layer)  # tpcheck diff --preset writes its own
         root = pathlib.Path(root) if root is not None else default_root()
-        model = f'"$({recreate_command(self.config, root, self.weight_seed, self.bias_std)})"'
+        model = f'"$({recreate_command(self.config, root, self.weight_seed, self.bias_std, self.outliers)})"'
         cmd = self.diff_command("MODEL_DIR", inject, inject_layer)
         return cmd.replace("MODEL_DIR", model, 1)
 
@@ -397,13 +414,14 @@ class Case:
 def cases(draw, tps=DEFAULT_TPS, dtypes=DEFAULT_DTYPES, max_decode: int = 8, layouts=("partition", "replication"),
           block_sizes=DEFAULT_BLOCK_SIZES, max_batch: int = 8, common_batch: int = 4, max_len: int = 300,
           max_layers: int = 3, max_hidden: int = 128, max_vocab: int = 600, bias=BIAS_STDS,
-          weight_seeds: bool = False) -> Case:
+          weight_seeds: bool = False, outliers=(0.0,)) -> Case:
     """A whole ``Case``. Shrinks toward: tp 1, partition, few small heads, 1 layer, short prompts, no
-    decode, block size 16, the first dtype, the presets' bias recipe."""
+    decode, block size 16, the first dtype, the presets' bias recipe, the first outlier strength
+    (``outliers``: strengths to draw, e.g. ``OUTLIER_STRENGTHS``; default: none)."""
     config, tp = draw(config_and_tp(tps, layouts, max_hidden, max_layers, max_vocab))
     dtype = draw(st.sampled_from(tuple(dtypes)))
     bs = draw(st.sampled_from(tuple(block_sizes)))
     ps = draw(prompts(config["vocab_size"], bs, max_batch, max_len, common_batch))
     steps = draw(decode_lengths(max_decode))
     return Case(config, tp, dtype, ps, steps, bs, weight_seed=draw(st.integers(0, 3)) if weight_seeds else 0,
-                bias_std=draw(st.sampled_from(tuple(bias))))
+                bias_std=draw(st.sampled_from(tuple(bias))), outliers=draw(outlier_strengths(outliers)))

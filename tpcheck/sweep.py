@@ -50,6 +50,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                      help=f"synthetic presets, comma-separated or repeated (default: {','.join(TINY_PRESETS)})")
     src.add_argument("--random-configs", action="store_true",
                      help="a fresh random model (tpcheck.strategies) per example instead of presets")
+    sw.add_argument("--outliers", type=lambda s: [float(x) for x in _names(s)], default=[0.0],
+                    help="with --random-configs: strengths of the massive-activation recipe to draw from, "
+                         "comma-separated (0: off; 1: small-outliers' strength; default 0)")
     sw.add_argument("--block-size", type=int, default=None, help="fix the KV block size (default: drawn)")
     sw.add_argument("--max-len", type=int, default=64, help="longest drawn prompt (default 64; up to 300)")
     sw.add_argument("--max-batch", type=int, default=4, help="largest drawn batch (default 4, at most 8)")
@@ -89,6 +92,11 @@ def _validate(a) -> list[str]:
         errors.append(f"--max-len must be in [1, 1000], got {a.max_len}")
     if not 1 <= a.max_batch <= 8:
         errors.append(f"--max-batch must be in [1, 8], got {a.max_batch}")
+    outliers = getattr(a, "outliers", [0.0])
+    if not outliers or any(not 0 <= x <= 10 for x in outliers):
+        errors.append(f"--outliers needs strengths in [0, 10], got {outliers}")
+    elif any(outliers) and not a.random_configs:
+        errors.append("--outliers applies to --random-configs (presets carry their own recipe: small-outliers)")
     for f in a.inject:
         if f not in FAULTS:
             errors.append(f"unknown fault {f!r}; known faults: {', '.join(FAULTS)}")
@@ -108,14 +116,17 @@ def _case_strategy(source: str, tp: int, dtype: str, steps: int, a):
 
     @st.composite
     def draw_case(draw):
+        outliers = 0.0
         if source == "random":
             config, _ = draw(tst.config_and_tp(tps=(tp,)))
             preset = None
+            outliers = draw(tst.outlier_strengths(getattr(a, "outliers", [0.0])))
         else:
             config, preset = dict(PRESETS[source]), source
         bs = draw(st.sampled_from(bss))
         ps = draw(tst.prompts(config["vocab_size"], bs, a.max_batch, a.max_len, min(4, a.max_batch)))
-        return tst.Case(config, tp, dtype, ps, steps, bs, preset=preset, exact_ops=getattr(a, "exact_ops", False))
+        return tst.Case(config, tp, dtype, ps, steps, bs, preset=preset, exact_ops=getattr(a, "exact_ops", False),
+                        outliers=outliers)
 
     return draw_case()
 
