@@ -1,7 +1,8 @@
 """Property tests: Hypothesis draws (config, tp, prompts, decode length, dtype, block size) and impl must
 
 * stay within the noise floor of Hugging Face at every point of every step (``tpcheck.diff``), with its
-  RMSNorms and residual adds bit-identical to HF's on its own inputs (``--exact-ops``),
+  RMSNorms and residual adds bit-identical to HF's on its own inputs (``--exact-ops``), also with massive
+  activations in bfloat16/float16 (``outliers``: the TP-aware floor),
 * have its ranks agree on every replicated point (residual stream, replicated KV heads),
 * decode greedily in float32 exactly as HF ``generate`` does (up to a near-tie),
 * keep only its own, un-repeated KV heads in the paged cache.
@@ -27,9 +28,10 @@ from tpcheck.hypothesis_profiles import PROFILE, PROFILES, examples, record_exam
 
 QUIET = open(os.devnull, "w")
 
-# share of the profile's max_examples each property runs; ci: 50 -> 70 + 70 + 50 + 30 = 220
-WEIGHTS = {"diff[float32]": 1.4, "diff[bfloat16]": 1.4, "greedy_float32": 1.0, "kv_cache_heads": 0.6}
-CI_MINIMUM = 200
+# share of the profile's max_examples each property runs; ci: 50 -> 70 + 70 + 2 x 25 + 50 + 30 = 270
+WEIGHTS = {"diff[float32]": 1.4, "diff[bfloat16]": 1.4, "diff[outliers,bfloat16]": 0.5,
+           "diff[outliers,float16]": 0.5, "greedy_float32": 1.0, "kv_cache_heads": 0.6}
+CI_MINIMUM = 250
 MAX_DECODE = 6
 
 
@@ -80,6 +82,26 @@ def test_diff_within_noise_floor_and_ranks_agree(dtype, engines, root):
     record_examples(name, len(seen))
     assert len(seen) >= examples(WEIGHTS[name])
     _assert_covered(seen, name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_outliers_within_tp_aware_noise_floor(dtype, engines, root):
+    """Massive activations (trained-model statistics) at low precision: where a one-device floor fails correct
+    engines at tp > 1, the TP-aware floor must not."""
+    name = f"diff[outliers,{dtype}]"
+    seen: list[tuple] = []
+
+    @settings(max_examples=examples(WEIGHTS[name]))
+    @given(case=tst.cases(dtypes=(dtype,), max_decode=MAX_DECODE, max_batch=8, max_len=120,
+                          outliers=tst.OUTLIER_STRENGTHS[1:]))
+    def prop(case):
+        seen.append((case.tp, case.layout, case.decode_steps))
+        note(f"case: {case.describe()}")
+        case.check(pool=engines, root=root, log=QUIET)
+
+    prop()
+    record_examples(name, len(seen))
+    assert len(seen) >= examples(WEIGHTS[name])
 
 
 # ---- greedy decode: token for token with HF generate (float32) ---------------------------------------------
@@ -185,7 +207,7 @@ def test_kv_cache_holds_unrepeated_heads(engines, root):
 
 # ---- the budget ----------------------------------------------------------------------------------------------
 
-def test_ci_profile_runs_at_least_200_examples():
+def test_ci_profile_runs_at_least_250_examples():
     """The ci profile's budgets add up to >= CI_MINIMUM; when every property test ran in this process (no
     xdist split), the executed count is checked too. The total of a run is printed at its end and written to
     reports/property_examples.txt by the tpcheck.hypothesis_profiles pytest plugin."""

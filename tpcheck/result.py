@@ -25,9 +25,10 @@ class Tolerances:
         return k * ref_err + floor if math.isfinite(ref_err) else floor
 
 
-# ref_rel_err: the reference error the threshold uses, the larger of ref_rel_err_hf (HF at the dtype, one
-# device) and ref_rel_err_tp (HF at the dtype rounding as the engine's TP reductions do; NaN at tp 1);
-# ref_by names the one that set it ("hf" or "hf-tp")
+# ref_rel_err: the reference error the threshold uses: the worst row (token) of the references at this point
+# over this and earlier steps, or a reference's whole-tensor error if larger; ref_by names the reference and
+# step ("hf-tp@0"). The references' whole-tensor errors at this step: ref_rel_err_hf (HF at the dtype, one
+# device) and ref_rel_err_tp (HF at the dtype rounding as the engine's TP all-reduces do; NaN at tp 1).
 COLUMNS = ["point", "layer", "step", "mode", "kind", "rel_err", "ref_rel_err", "ref_rel_err_hf", "ref_rel_err_tp",
            "ref_by", "threshold", "excess", "cosine",
            "max_abs", "max_abs_index", "mean_abs", "p99_abs", "ref_norm", "nan", "inf", "op_mismatch", "passed", "note", "order"]
@@ -63,6 +64,7 @@ class DiffResult:
         r = bad.iloc[0]
         return {"point": r.point, "layer": None if pd.isna(r.layer) else int(r.layer), "step": int(r.step),
                 "mode": r["mode"], "rel_err": float(r.rel_err), "ref_rel_err": float(r.ref_rel_err),
+                "ref_by": r.ref_by if isinstance(r.ref_by, str) else "",
                 "threshold": float(r.threshold), "excess": float(r.excess), "max_abs": float(r.max_abs),
                 "max_abs_index": r.max_abs_index, "note": r.note}
 
@@ -106,7 +108,8 @@ class DiffResult:
                 ops = f" and all {n_ops} checked ops (norms, residual adds) bit-identical to HF's"
             return head + ", every point within the noise floor" + ops + tail
         lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
-                       f"rel_err {fd['rel_err']:.3g} vs HF {m['dtype']} {fd['ref_rel_err']:.3g} "
+                       f"rel_err {fd['rel_err']:.3g} vs HF {m['dtype']} {fd['ref_rel_err']:.3g}"
+                       + (f" ({fd['ref_by']})" if fd.get("ref_by") else "") + " "
                        f"-> {fd['excess']:.3g}x its threshold {fd['threshold']:.3g}; max |diff| {fd['max_abs']:.3g} "
                        f"at (batch, token, feature) {fd['max_abs_index']}" + (f"; {fd['note']}" if fd["note"] else "")]
         if m.get("isolate"):
