@@ -17,6 +17,9 @@ Presets (head_dim = hidden / heads = 8 or 16 for the tiny ones):
                   evenly, untied.
 * ``tiny-mqa``    4 heads / 1 KV head: KV replicated at tp 2 and 4; odd vocab 203; tied.
 * ``small``       a slightly larger GQA model (4 layers, replication at tp 4), untied.
+* ``small-outliers`` trained-model statistics (6 layers, 12/2 heads, hidden 192): two residual
+                  channels grow to the hundreds with depth (``_add_outliers``), the rest stay O(1);
+                  where a one-device noise floor fails correct TP engines in bfloat16/float16.
 * ``qwen2.5-0.5b`` the real Qwen2.5-0.5B shape (14 heads / 2 KV heads, so tp 1 or 2;
                   tied; ~2 GB in float32) with random weights, for scale tests.
 
