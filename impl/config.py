@@ -104,7 +104,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     if raw.get("model_type") != "qwen2":
         raise ConfigError(f"{path}: model_type is {raw.get('model_type')!r}, impl supports only 'qwen2'")
     if raw.get("use_sliding_window"):

@@ -8,11 +8,13 @@ gets the whole group torn down and an error naming the rank; workers also die wi
 Under ``torchrun`` (``WORLD_SIZE`` set) ``LocalExecutor`` runs this process's rank in-process instead."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -74,6 +76,36 @@ def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pi
     close_tp()
 
 
+@contextlib.contextmanager
+def _main_not_reimported():
+    """Spawned children re-run the parent's ``__main__`` (by path, or by module name under ``python -m``)
+    before unpickling their target; a user script that builds an ``LLM`` at module level without
+    ``if __name__ == "__main__":`` would then start ranks from inside ranks. The workers need nothing from
+    ``__main__`` (their target is ``_worker_main`` in this module), so hide it while they start."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        for k in saved:
+            if k == "__spec__":
+                main.__spec__ = None
+            else:
+                del main.__dict__[k]
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
+def _death(proc) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 class Executor:
     def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, init_timeout_s: float = 120.0):
         self.tp_size, self.timeout_s = tp_size, timeout_s
@@ -85,7 +117,8 @@ class Executor:
             p = ctx.Process(target=_worker_main, daemon=True, name=f"impl-rank{rank}",
                             args=(rank, tp_size, os.path.join(self._tmp, "store"), child, device,
                                   os.getpid(), timeout_s))
-            p.start()
+            with _main_not_reimported():
+                p.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
@@ -99,9 +132,18 @@ class Executor:
         """Run ``runner.method(*args, **kwargs)`` on every rank; returns the per-rank results."""
         if self.closed:
             raise RuntimeError("the TP workers are stopped (closed, or torn down after a rank failed)")
-        for conn in self.conns:
-            conn.send((method, args, kwargs))
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((method, args, kwargs))
+            except OSError:  # BrokenPipeError: the rank is gone; name it rather than the pipe
+                self._raise_dead(rank)
         return self._collect(timeout_s or self.timeout_s)
+
+    def _raise_dead(self, rank: int):
+        self.procs[rank].join(timeout=5)
+        how = _death(self.procs[rank])
+        self.shutdown(force=True)
+        raise RankError(rank, f"TP rank {rank} died ({how})") from None
 
     def _collect(self, timeout_s: float) -> list:
         results: list = [None] * self.tp_size
@@ -118,26 +160,21 @@ class Executor:
                     try:
                         status, value, *info = conn.recv()
                     except (EOFError, OSError):  # the pipe closed: the rank is gone
-                        self.procs[rank].join(timeout=5)
-                        code = self.procs[rank].exitcode
-                        self.shutdown(force=True)
-                        raise RankError(rank, f"TP rank {rank} died (exit code {code})") from None
+                        self._raise_dead(rank)
                     del pending[rank]
                     results[rank] = value
                     if status == "err" and failure is None:
                         failure = (rank, value, info)
                         deadline = min(deadline, time.monotonic() + 10.0)  # peers may be stuck in a collective
                 elif self.procs[rank].sentinel in ready:
-                    code = self.procs[rank].exitcode
-                    self.shutdown(force=True)
-                    raise RankError(rank, f"TP rank {rank} died (exit code {code})")
+                    self._raise_dead(rank)
         if failure is not None:
             rank, exc, (text, tb) = failure
             if pending:
                 self.shutdown(force=True)
             if isinstance(exc, Exception):
                 exc.args = (text,) + tuple(exc.args[1:])
-                exc.rank = rank
+                exc.rank, exc.rank_traceback = rank, tb
                 raise exc
             raise RankError(rank, f"{text}\n{tb}")
         if pending:

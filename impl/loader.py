@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from impl.layers.linear import ShapeMismatch, check_shape
@@ -50,7 +50,11 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, list[str]]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
         by_file: dict[str, list[str]] = defaultdict(list)
-        for name, fname in json.loads(index.read_text())["weight_map"].items():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise LoadError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        for name, fname in weight_map.items():
             by_file[str(d / fname)].append(name)
         for f in by_file:
             if not Path(f).is_file():
@@ -63,9 +67,17 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, list[str]]:
         raise LoadError(f"{model_dir}: no *.safetensors weights{hint}")
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
+        with open_safetensors(str(f)) as h:
             out[str(f)] = list(h.keys())
     return out
+
+
+def open_safetensors(path: str):
+    """``safe_open`` with a damaged file (cut short, a header that is not JSON) named in a LoadError."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise LoadError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def expected_tensors(model: nn.Module) -> dict[str, tuple[str, object]]:
@@ -99,7 +111,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
             loader = getattr(param, "weight_loader", default_weight_loader)
             # one mapping per tensor: safetensors slices are views into an mmap of the file, and the pages a
             # slice touches stay resident until the mapping closes (a row-parallel column slice touches them all)
-            with safe_open(fname, framework="pt") as f:
+            with open_safetensors(fname) as f:
                 try:
                     loader(param, LazySlice(f.get_slice(name), dtype), sid)
                 except ShapeMismatch as e:

@@ -153,15 +153,30 @@ def test_errors(tmp_path):
 
 
 def test_cached_checkpoint(tmp_path, monkeypatch):
+    v = ck.RECIPE_VERSION
     p1 = ck.cached_checkpoint("tiny-mqa", seed=2, root=tmp_path)
-    assert p1 == tmp_path / "tiny-mqa-s2-float32"
+    assert p1 == tmp_path / f"tiny-mqa-s2-float32-r{v}"
     st = p1 / "model.safetensors"
     mtime = st.stat().st_mtime_ns
     p2 = ck.cached_checkpoint("tiny-mqa", seed=2, root=tmp_path)
     assert p2 == p1 and st.stat().st_mtime_ns == mtime
-    assert sorted(os.listdir(tmp_path)) == ["tiny-mqa-s2-float32"]
+    assert sorted(os.listdir(tmp_path)) == [f"tiny-mqa-s2-float32-r{v}"]
     monkeypatch.setenv("TPCHECK_CACHE", str(tmp_path / "env"))
-    assert ck.cached_checkpoint("tiny", dtype="bfloat16") == tmp_path / "env" / "tiny-s0-bfloat16"
+    assert ck.default_cache_root() == tmp_path / "env"
+    assert ck.cached_checkpoint("tiny", dtype="bfloat16") == tmp_path / "env" / f"tiny-s0-bfloat16-r{v}"
+
+
+def test_recipe_version_is_in_the_cache_key(tmp_path, monkeypatch):
+    """A changed recipe (a bumped RECIPE_VERSION) never reuses a checkpoint cached under the old one."""
+    old = ck.cached_checkpoint("tiny", root=tmp_path)
+    assert old.name == ck.cache_key("tiny") == f"tiny-s0-float32-r{ck.RECIPE_VERSION}"
+    (old / "model.safetensors").write_bytes(b"stale")  # what the old recipe left behind
+    monkeypatch.setattr(ck, "RECIPE_VERSION", ck.RECIPE_VERSION + 1)
+    new = ck.cached_checkpoint("tiny", root=tmp_path)
+    assert new != old and new.name == f"tiny-s0-float32-r{ck.RECIPE_VERSION}"
+    fresh = ck.make_checkpoint("tiny", tmp_path / "fresh")
+    assert (new / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+    assert (old / "model.safetensors").read_bytes() == b"stale"  # left alone, never handed out again
 
 
 def test_lost_race_keeps_existing(tmp_path, monkeypatch):

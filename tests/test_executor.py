@@ -111,9 +111,10 @@ def test_workers_die_with_killed_driver(ckpt, tmp_path):
 
 
 def test_ranks_that_die_at_start_are_reported_not_waited_on(ckpt):
-    """A driver whose main module cannot be re-imported by spawned ranks (code piped on stdin): the ranks die
-    at start; the driver must raise promptly, naming a rank, instead of spinning on the closed pipes."""
-    code = f"from impl import LLM\nLLM({str(ckpt('tiny'))!r}, tp_size=2)\n"
+    """Ranks whose interpreter exits at once (``/bin/false`` as the spawn executable): the driver must raise
+    promptly, naming a rank, instead of spinning on the closed pipes."""
+    code = ("import multiprocessing as mp\nmp.set_executable('/bin/false')\n"
+            f"from impl import LLM\nLLM({str(ckpt('tiny'))!r}, tp_size=2)\n")
     t = time.monotonic()
     r = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0

@@ -104,6 +104,25 @@ def test_tolerances_from_pyproject(saved, tmp_path, monkeypatch):
     assert load_tolerances(tmp_path / "pyproject.toml").k_for("mlp.up", "bfloat16") == 1e9
 
 
+def test_explicit_file_without_tool_tpcheck_is_an_error(saved, tmp_path, monkeypatch):
+    """An explicit --tolerances file with [tool.*] tables but no [tool.tpcheck] is an error naming the file (not
+    the defaults); the default ./pyproject.toml without [tool.tpcheck] still means the defaults."""
+    monkeypatch.chdir(tmp_path)
+    other = '[project]\nname = "x"\n\n[tool.ruff]\nline-length = 120\n'
+    f = tmp_path / "other.toml"
+    f.write_text(other)
+    with pytest.raises(ToleranceError) as ei:
+        load_tolerances(f)
+    msg = str(ei.value)
+    assert str(f) in msg and "[tool.tpcheck] is missing" in msg and "[tool.ruff]" in msg
+    assert cli("gate", saved[0], "--tolerances", f) == 2
+    (tmp_path / "pyproject.toml").write_text(other)
+    assert load_tolerances().source == "default tolerances"
+    assert cli("gate", saved[0]) == 0 and cli("gate", saved[1]) == 1  # the defaults judge
+    with pytest.raises(ToleranceError, match="tool.tpcheck. is missing"):
+        load_tolerances(tmp_path / "pyproject.toml")  # the same file given explicitly
+
+
 @pytest.mark.parametrize("toml,key", [
     ("[tolerances]\nkk = 2.0\n", "'tolerances.kk'"),
     ('[tolerances.kinds."attn.qq"]\nk = 2.0\n', "'tolerances.kinds.\"attn.qq\"'"),

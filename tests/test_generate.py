@@ -76,16 +76,39 @@ def test_preemption_keeps_outputs(ckpt, engines, hf_model):
         assert_same_tokens(g, r, gaps)
 
 
-def test_eos_stops_like_hf(ckpt, engines, hf_model):
-    d = ckpt("tiny-untied")
+def test_eos_stops_like_hf(ckpt, engines, hf_model, tmp_path):
+    """A request stops at its first EOS token (included), as HF generate does; the others run to max_tokens.
+
+    The checkpoint's own EOS id (2) is met by none of these greedy continuations within NEW tokens (a random
+    model rarely produces one fixed id), so the EOS id is set to a token HF's greedy continuation of one
+    prompt first produces mid-way (no near-tie before it) and another continuation never produces."""
+    import json
+    import shutil
+    base = ckpt("tiny-untied")
+    cfg = json.loads((base / "config.json").read_text())
+    prompts = mixed_prompts(cfg["vocab_size"], seed=3)
+    free = refs(hf_model(base), ("tiny-untied", 3), prompts)  # HF without stopping: (tokens, top-2 gaps)
+    pick = next(((i, k, r[k]) for i, (r, gaps) in enumerate(free) for k in range(NEW // 4, NEW - 1)
+                 if r[k] not in r[:k] and min(gaps[:k + 1]) >= 1e-4 and any(r[k] not in o for o, _ in free)),
+                None)
+    assert pick is not None, "no HF continuation has a token usable as EOS"
+    i, k, eos = pick
+    d = tmp_path / "tiny-untied-eos"
+    shutil.copytree(base, d)
+    (d / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
     llm = engines.get(d, 2)
-    prompts = mixed_prompts(llm.cfg.vocab_size, seed=3)
+    assert llm.cfg.eos_token_ids == (eos,)
     got = llm.generate(prompts, SamplingParams(max_tokens=NEW))
+    hf = hf_model(d)
     stopped = 0
-    for g, (r, gaps) in zip(got, refs(hf_model(d), ("tiny-untied", 3), prompts, stop_at_eos=True)):
+    for g, p in zip(got, prompts):
+        r, gaps = hf_greedy(hf, p, NEW, stop_at_eos=True)
         assert_same_tokens(g, r, gaps)
         stopped += len(g) < NEW
-        assert all(t not in llm.cfg.eos_token_ids for t in g[:-1])
+        assert eos not in g[:-1], f"EOS {eos} inside the output, not at its end: {g}"
+        assert len(g) == NEW or g[-1] == eos, f"stopped after {len(g)} tokens without EOS {eos}: {g}"
+    assert got[i] == free[i][0][:k + 1], f"request {i} did not stop at its EOS {eos} (step {k}): {got[i]}"
+    assert 1 <= stopped < len(prompts), f"{stopped} of {len(prompts)} requests stopped at EOS {eos}: {got}"
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -127,8 +150,12 @@ def test_bad_requests_fail_before_work_and_engine_stays_usable(ckpt, engines):
         llm.generate([[1] * 1030], sp)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate([[1] * 100], sp)  # 103 tokens need 26 blocks of 4; the cache has 20
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == 20, f"refused requests hold {20 - bm.num_free_blocks} of 20 KV blocks"
     assert llm.generate([[5, 6, 7]], sp)[0] == llm.generate([[5, 6, 7]], sp)[0]
-    assert llm.scheduler.block_manager.num_free_blocks == 20 or llm.enable_prefix_caching
+    # finished requests give every block back; prefix caching keeps a freed block's hash, not the block
+    assert bm.num_free_blocks == 20 and not any(bm.ref_count), \
+        f"finished requests still hold {20 - bm.num_free_blocks} of 20 KV blocks (ref counts {bm.ref_count})"
 
 
 def test_text_prompts_with_a_tokenizer(ckpt, tmp_path):

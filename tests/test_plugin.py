@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import re
+from pathlib import Path
 
 import tpcheck.pytest_plugin  # noqa: F401  imported here, so the in-process runs below import nothing new
 import tpcheck.report.html  # noqa: F401
@@ -96,7 +98,25 @@ def test_fault(tpcheck_diff, assert_layers_close):
     assert (pytester.path / "closed.txt").read_text() == "True"
 
 
-def test_fixture_names_do_not_clash_with_the_repo_conftest():
-    import tpcheck.pytest_plugin as plugin
-    names = {n for n in dir(plugin) if n.startswith("tpcheck_")} | {"assert_layers_close"}
-    assert not names & {"ckpt", "engines", "hf_model"}
+def _fixtures_by_source(output: str) -> dict[str, set[str]]:
+    """``pytest --fixtures -v`` output -> {"fixtures defined from X" section: names of its fixtures}."""
+    out: dict[str, set[str]] = {}
+    section = None
+    for line in output.splitlines():
+        if m := re.fullmatch(r"-+ fixtures defined from (\S+) -+", line.strip()):
+            section = out.setdefault(m.group(1), set())
+        elif section is not None and (m := re.match(r"(\w+)(?: \[\w+ scope\])? -- \S+:\d+$", line)):
+            section.add(m.group(1))
+    return out
+
+
+def test_fixture_names_do_not_clash_with_the_repo_conftest(pytester):
+    """The fixtures pytest registers from the plugin and from this repository's ``conftest.py`` (both load in
+    every session here) share no name: a clash would silently override one of them."""
+    pytester.makeconftest((Path(__file__).resolve().parents[1] / "conftest.py").read_text())
+    res = pytester.runpytest(*_plugin_args(), "-p", "no:cacheprovider", "--fixtures", "-v")
+    found = _fixtures_by_source(res.stdout.str())
+    plugin, repo = found.get("tpcheck.pytest_plugin", set()), found.get("conftest", set())
+    assert {"ckpt", "engines", "hf_model"} <= repo, found
+    assert not plugin & repo, f"the plugin and conftest.py both define {sorted(plugin & repo)}"
+    assert plugin == {"tpcheck_checkpoint", "tpcheck_engines", "tpcheck_diff", "assert_layers_close"}, found

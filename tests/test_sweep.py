@@ -95,12 +95,18 @@ def test_property_finds_and_shrinks_kv_replication_fault(engines, tmp_path):
     with pytest.raises(AssertionError, match="fails"):
         prop()
     shrunk = last_failure[0]  # Hypothesis replays the shrunk example last
-    c = shrunk.config
     print(f"shrunk after {len(outcome)} diff runs: {shrunk.describe()}\n{shrunk.repro(root, fault)}")
-    assert shrunk.tp > c["num_key_value_heads"] > 1 and shrunk.layout == "replication"
-    assert shrunk.tp == 4 and c["num_key_value_heads"] == 2  # the only replication with > 1 KV head at tp <= 4
-    assert c["num_hidden_layers"] == 1 and len(shrunk.prompts) == 1 and len(shrunk.prompts[0]) <= 2
-    assert shrunk.decode_steps == 0 and shrunk.dtype == "float32"
-    assert c["num_attention_heads"] <= 8 and c["hidden_size"] <= 64
+    # The exact example: derandomize=True (a fixed seed, no database) makes the run deterministic, and it is the
+    # strategy's simplest case the fault still shows in. Every draw is at its first/smallest option except what
+    # the fault needs: tp 4, replication, 2 KV heads (the only replication with > 1 KV head at tp <= 4), so 4
+    # query heads (a multiple of tp); head_dim 8 -> hidden 32, intermediate 16, vocab 32, 1 layer, untied,
+    # theta 1e4, eps 1e-6; float32, block 16, one prompt of one token (prompt seed 0: token 24), no decode.
+    config = dict(tst._FIXED, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
+                  num_hidden_layers=1, vocab_size=32, tie_word_embeddings=False, rope_theta=10000.0,
+                  rms_norm_eps=1e-6)
+    expected = tst.Case(config, tp=4, dtype="float32", prompts=[[24]], decode_steps=0, block_size=16,
+                        weight_seed=0, bias_std=0.5, outliers=0.0)
+    assert shrunk == expected, f"shrunk to {shrunk.describe()}: {shrunk!r}"
+    assert shrunk.layout == "replication"
     # the same example without the fault passes: the fault, not the example, is what fails
     shrunk.check(pool=engines, root=root, log=QUIET)

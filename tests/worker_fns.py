@@ -36,3 +36,10 @@ def fail_then_collective(runner, rank: int):
 
 def pid(runner):
     return os.getpid()
+
+
+def runtime_error_on_rank(runner, rank: int):
+    """An engine bug: a RuntimeError inside one rank (e.g. a dtype mismatch in an index_put)."""
+    if runner.rank == rank:
+        torch.zeros(4).index_put_((torch.tensor([0]),), torch.ones(1, dtype=torch.float64))
+    return runner.rank

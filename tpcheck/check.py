@@ -1,5 +1,15 @@
 """End-to-end logits check: impl at each TP size against an fp64 Hugging Face golden run, gated by the
-noise floor of Hugging Face at the same dtype. (The layer-by-layer diff localises; this says whether.)"""
+noise floor of Hugging Face at the same dtype. (The layer-by-layer diff localises; this says whether.)
+
+The verdict (``passed``) is the noise-floor gate on the logits' ``rel_err`` (``tpcheck.metrics.gate``) and no
+NaN, nothing else. ``argmax_agree`` (the engine's top token equals the golden's at every position whose golden
+top-2 gap exceeds 1e-4) is informational and not part of the verdict: the 1e-4 cut is a fixed absolute gap,
+while the legitimate error of logits at the run's dtype (what Hugging Face itself makes at that dtype: in
+bfloat16 one rounding alone is up to 2^-9 of each logit, ~1e-2 on a logit of 5) can be far larger, so a correct
+engine flips near-ties whose gap lies between the two, as Hugging Face at that dtype would. A flip is evidence
+of a fault only where the gap is wider than twice the engine's error at that position; an error that large is
+what ``rel_err`` measures against the floor. (It is an aggregate over positions: an error confined to a few
+positions is localised by ``tpcheck diff``.)"""
 from __future__ import annotations
 
 import random
@@ -25,9 +35,11 @@ def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]]) -> li
 
 
 def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: list[list[int]],
-                 pool=None, log=sys.stderr) -> pd.DataFrame:
-    """One row per (tp, prompt): engine and HF-at-dtype errors against the fp64 golden, and the verdict."""
+                 pool=None, log=None) -> pd.DataFrame:
+    """One row per (tp, prompt): engine and HF-at-dtype errors against the fp64 golden, and the verdict
+    (``passed``: the noise-floor gate and no NaN; ``argmax_agree`` is informational, see the module docstring)."""
     from tpcheck.pool import EnginePool
+    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     print(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s)...", file=log)
     golden = hf_logits(model_dir, "float64", prompts)
     ref = hf_logits(model_dir, dtype, prompts) if dtype != "float64" else golden

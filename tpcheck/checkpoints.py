@@ -43,6 +43,12 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
+# Version of what a checkpoint's bytes are made from: the value recipe (module docstring, ``_draw``), the
+# massive-activation recipe (``_add_outliers``), the tensor draw order and the PRESETS configs. It is part of
+# the cache key (``cache_key``), so a cache never hands back a checkpoint made by an older recipe.
+# Bump it whenever any of these changes what a (preset, seed, dtype) writes.
+RECIPE_VERSION = 1
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -293,14 +299,21 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
 
 
 def default_cache_root() -> pathlib.Path:
-    """``$TPCHECK_CACHE`` or ``~/.cache/tpcheck/checkpoints``."""
+    """``$TPCHECK_CACHE`` or ``~/.cache/tpcheck/checkpoints``: the one cache of every command (``diff``,
+    ``check``, ``sweep``, ...) that does not name its own root."""
     env = os.environ.get("TPCHECK_CACHE")
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "tpcheck" / "checkpoints"
 
 
+def cache_key(preset: str, seed: int = 0, dtype: str = "float32") -> str:
+    """The cache directory name of a preset checkpoint: ``<preset>-s<seed>-<dtype>-r<RECIPE_VERSION>``."""
+    return f"{preset}-s{seed}-{dtype}-r{RECIPE_VERSION}"
+
+
 def cached_checkpoint(preset: str, seed: int = 0, dtype: str = "float32",
                       root: str | os.PathLike | None = None) -> pathlib.Path:
-    """Path of the checkpoint ``root/<preset>-s<seed>-<dtype>``, created when missing.
+    """Path of the checkpoint ``root/<cache_key(preset, seed, dtype)>``, created when missing; ``root``
+    defaults to ``default_cache_root()``.
 
     Safe under concurrent callers (pytest-xdist): creation is an atomic rename, so a
     directory that has a ``config.json`` is complete.
@@ -308,7 +321,7 @@ def cached_checkpoint(preset: str, seed: int = 0, dtype: str = "float32",
     _check_preset(preset)
     _check_dtype(dtype)
     path = pathlib.Path(root) if root is not None else default_cache_root()
-    path = path / f"{preset}-s{seed}-{dtype}"
+    path = path / cache_key(preset, seed, dtype)
     if (path / "config.json").is_file():
         return path
     try:

@@ -1,15 +1,26 @@
-"""``tpcheck`` command line. Exit codes: 0 every check passed, 1 a check failed, 2 bad usage or input.
+"""``tpcheck`` command line.
+
+Exit codes, the same for every subcommand:
+  0  pass: every check passed
+  1  diverged: a point left the noise floor (the origin is named)
+  2  bad input: a file, config field, flag or path (named)
+  3  the engine or the harness failed: a rank died, hung or raised (named, with its last words), the engine
+     did not report what the verdict needs (coverage), or an I/O error (the path)
+One line on stderr for 2 and 3; the traceback only with --debug (or TPCHECK_DEBUG=1).
 
 With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
-import tempfile
+import traceback
 from pathlib import Path
 
 from tpcheck import checkpoints
+from tpcheck.coverage import DEFAULT_REQUIRE, CoverageError
 
 
 def int_list(text: str, minimum: int | None = None) -> list[int]:
@@ -27,8 +38,18 @@ def positive_ints(text: str) -> list[int]:
     return int_list(text, 1)
 
 
+def _regex(text: str) -> str:
+    import re
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {e}") from None
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
     sub = ap.add_subparsers(dest="cmd")
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic Hugging Face Qwen2 checkpoint")
@@ -39,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     mk.add_argument("--shards", type=int, default=1, help="number of safetensors files (>1 writes an index)")
 
     sub.add_parser("presets", help="list the synthetic checkpoint presets")
+    sub.add_parser("schema", help="print the JSON Schema (draft 2020-12) of the --json documents")
     fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
     fsub = fl.add_subparsers(dest="action", required=True)
     fsub.add_parser("list", help="each fault: description, where it shows, expected origin")
@@ -81,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="faults to inject into impl (tpcheck faults list)")
     df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
     df.add_argument("--block-size", type=int, default=16)
+    df.add_argument("--require-points", type=_regex, default=DEFAULT_REQUIRE, metavar="REGEX",
+                    help="canonical points the engine must report, else exit 3 (default: %(default)s)")
     df.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
     df.add_argument("--csv", type=Path, help="write every row as CSV")
     df.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
@@ -99,7 +123,6 @@ def _fmt(df) -> str:
 
 
 def _cmd_diff(a, argv: list[str]) -> int:
-    import shlex
     import tpcheck
     from tpcheck.report.html import write_html
     from tpcheck.tolerances import load_tolerances, rejudge
@@ -114,7 +137,7 @@ def _cmd_diff(a, argv: list[str]) -> int:
     r = tpcheck.diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
                      decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
                      block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
-                     command=shlex.join(["tpcheck", *argv]), tolerances=tol)
+                     command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points)
     r = rejudge(r, tol)  # the abs_max bounds; thresholds are already tol's
     for mode in ["propagated"] + (["isolated"] if a.isolate else []):
         t = r.table[r.table["mode"] == mode]
@@ -127,19 +150,28 @@ def _cmd_diff(a, argv: list[str]) -> int:
     for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
                         (a.html, lambda p: write_html(r, p))):
         if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
             write(path)
             print(f"wrote {path}")
-    return 0 if r.passed else 1
+    return exit_code(r)
 
 
-def _cmd_check(a) -> int:
+def exit_code(r) -> int:
+    """A DiffResult's exit code: 1 when a point diverged, else 3 when coverage fails the run, else 0."""
+    if not bool(r.table["passed"].all()):
+        return EXIT_DIVERGED
+    problem = r.meta.get("coverage", {}).get("problem")
+    if problem:
+        print(f"tpcheck: error: coverage: {problem}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_PASS
+
+
+def _cmd_check(a, argv: list[str]) -> int:
     from impl.config import ConfigError, load_config
     from tpcheck.check import check_logits, random_prompts
     model = a.model
     if model is None:
-        model = checkpoints.cached_checkpoint(a.preset, seed=0, dtype="float32",
-                                              root=Path(tempfile.gettempdir()) / "tpcheck-checkpoints")
+        model = checkpoints.cached_checkpoint(a.preset, seed=0, dtype="float32")
     cfg = load_config(model)
     if a.tp is None:
         tps = [t for t in (1, 2, 4) if _tp_ok(cfg, t)]
@@ -159,8 +191,9 @@ def _cmd_check(a) -> int:
     print(f"\n{'PASS' if ok else 'FAIL'}: worst tp={worst.tp} prompt {worst.prompt}: rel_err {worst.rel_err:.3g} vs "
           f"HF {a.dtype} {worst.ref_rel_err:.3g}")
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"passed": ok, "model": str(model), "rows": df.to_dict("records")}, indent=1))
+        from tpcheck.result import write_json
+        write_json(a.json, "check", {"passed": ok, "model": str(model), "rows": df.to_dict("records")},
+                   meta={"dtype": a.dtype, "tp": tps}, command=shlex.join(["tpcheck", *argv]))
     return 0 if ok else 1
 
 
@@ -172,46 +205,111 @@ def _tp_ok(cfg, tp: int) -> bool:
         return False
 
 
+EXIT_PASS, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_FAILED = 0, 1, 2, 3
+
+
+def check_output_paths(*paths: Path | None, allow_dir: bool = False) -> None:
+    """Fail before any engine work if an output file cannot be written: its directory is created when
+    missing; a path that is a directory (unless ``allow_dir``), or a directory that cannot be made or
+    written, is named."""
+    for path in paths:
+        if path is None:
+            continue
+        is_dir = path.is_dir() or str(path).endswith("/")
+        if is_dir and not allow_dir:
+            raise ValueError(f"output {path} is a directory, not a file")
+        folder = path if is_dir else path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"output {path}: cannot create directory {folder} ({e.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"output {path}: directory {folder} is not writable")
+
+
+def _exit_code(e: BaseException) -> tuple[int, str]:
+    """(exit code, one-line message) for an error that ended a command."""
+    from impl.config import ConfigError
+    from impl.executor import RankError
+    from impl.loader import LoadError
+    first = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, (ConfigError, LoadError)):  # a checkpoint at fault, even when a rank found it
+        return EXIT_BAD_INPUT, first
+    if isinstance(e, RankError) or getattr(e, "rank", None) is not None:
+        what = first if first.startswith(("TP rank", "rank")) else f"rank {e.rank}: {type(e).__name__}: {first}"
+        return EXIT_FAILED, f"the engine failed: {what}"
+    if isinstance(e, CoverageError):
+        return EXIT_FAILED, f"coverage: {first}"
+    if isinstance(e, (ValueError, FileExistsError, FileNotFoundError)):
+        return EXIT_BAD_INPUT, first
+    if isinstance(e, OSError):
+        where = f" on {e.filename}" if e.filename else ""
+        return EXIT_FAILED, f"I/O error{where}: {e.strerror or e}"
+    return EXIT_FAILED, f"internal error: {type(e).__name__}: {first}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("TPCHECK_DEBUG", "") not in ("", "0")
+    argv = [x for x in argv if x != "--debug"]  # accepted anywhere on the line
     argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
     a = _parser().parse_args(argv)
-    from impl.config import ConfigError
-    from impl.loader import LoadError
     try:
-        if a.cmd == "make-checkpoint":
-            print(checkpoints.make_checkpoint(a.preset, a.out, seed=a.seed, dtype=a.dtype, shards=a.shards))
-            return 0
-        if a.cmd == "presets":
-            for name in checkpoints.preset_names():
-                c = checkpoints.PRESETS[name]
-                print(f"{name:14s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
-                      f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
-                      f"{'tied' if c.get('tie_word_embeddings') else 'untied'}")
-            return 0
-        if a.cmd == "faults":
-            if a.action == "matrix":
-                from tpcheck import fault_matrix
-                return fault_matrix.run(a)
-            from tpcheck.faults import FAULTS
-            for f in FAULTS.values():
-                print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
-            return 0
-        if a.cmd == "check":
-            return _cmd_check(a)
-        if a.cmd == "diff":
-            return _cmd_diff(a, argv)
-        if a.cmd == "sweep":
-            from tpcheck import sweep
-            return sweep.run(a)
-        if a.cmd in ("gate", "report"):
-            from tpcheck import gate
-            return gate.run(a)
-    except (ConfigError, LoadError, FileExistsError, ValueError) as e:
-        print(f"tpcheck: error: {e}", file=sys.stderr)
-        return 2
+        return _run(a, argv)
+    except KeyboardInterrupt:
+        print("tpcheck: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every error ends in one line and a documented exit code
+        code, message = _exit_code(e)
+        if debug:
+            traceback.print_exc()
+            if getattr(e, "rank_traceback", None):
+                print(f"traceback on rank {e.rank}:\n{e.rank_traceback}", file=sys.stderr)
+        print(f"tpcheck: error: {message}" + ("" if debug else " (--debug for the traceback)"
+                                               if code == EXIT_FAILED else ""), file=sys.stderr)
+        return code
+
+
+def _run(a, argv: list[str]) -> int:
+    if a.cmd == "make-checkpoint":
+        print(checkpoints.make_checkpoint(a.preset, a.out, seed=a.seed, dtype=a.dtype, shards=a.shards))
+        return 0
+    if a.cmd == "presets":
+        for name in checkpoints.preset_names():
+            c = checkpoints.PRESETS[name]
+            print(f"{name:14s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
+                  f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
+                  f"{'tied' if c.get('tie_word_embeddings') else 'untied'}")
+        return 0
+    if a.cmd == "faults":
+        if a.action == "matrix":
+            from tpcheck import fault_matrix
+            check_output_paths(a.json)
+            return fault_matrix.run(a)
+        from tpcheck.faults import FAULTS
+        for f in FAULTS.values():
+            print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
+        return 0
+    if a.cmd == "check":
+        check_output_paths(a.json)
+        return _cmd_check(a, argv)
+    if a.cmd == "diff":
+        check_output_paths(a.json, a.csv, a.parquet, a.html)
+        return _cmd_diff(a, argv)
+    if a.cmd == "sweep":
+        from tpcheck import sweep
+        check_output_paths(a.json)
+        return sweep.run(a)
+    if a.cmd in ("gate", "report"):
+        from tpcheck import gate
+        check_output_paths(getattr(a, "output", None), allow_dir=True)
+        return gate.run(a)
+    if a.cmd == "schema":
+        from tpcheck.result import load_schema
+        print(json.dumps(load_schema(), indent=2))
+        return 0
     _parser().print_help()
-    return 2
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

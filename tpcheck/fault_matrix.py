@@ -15,7 +15,6 @@ or the memory check is a false alarm.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -238,8 +237,9 @@ def flagged_by(fd: dict | None) -> str:
     return "NaN" if math.isnan(fd["rel_err"]) else "noise floor"
 
 
-def fault_row(name: str, pool, ckpt=None, log=sys.stderr) -> dict:
+def fault_row(name: str, pool, ckpt=None, log=None) -> dict:
     """Inject one fault on its smallest configuration and report what the checks found."""
+    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     ckpt = _resolver(ckpt)
     fault = F.get_fault(name)
     config = smallest_config(fault, ckpt)
@@ -272,8 +272,9 @@ def fault_row(name: str, pool, ckpt=None, log=sys.stderr) -> dict:
                 expected_point=exp_point, expected_step=exp_step, seconds=time.monotonic() - t0)
 
 
-def clean_row(config: dict, pool, ckpt=None, log=sys.stderr) -> dict:
+def clean_row(config: dict, pool, ckpt=None, log=None) -> dict:
     """A clean run of ``config``: the diff and the memory check must both stay quiet."""
+    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     ckpt = _resolver(ckpt)
     t0 = time.monotonic()
     r = _diff(pool, ckpt, config, [], log)
@@ -305,11 +306,12 @@ def clean_configs(configs: list[dict], dtypes=CLEAN_DTYPES) -> list[dict]:
     return out
 
 
-def run_matrix(faults: list[str] | None = None, pool=None, log=sys.stderr, ckpt=None, clean: bool = True,
+def run_matrix(faults: list[str] | None = None, pool=None, log=None, ckpt=None, clean: bool = True,
                clean_dtypes=CLEAN_DTYPES) -> pd.DataFrame:
     """One row per fault (on its smallest configuration), then one clean row per distinct configuration
     used and dtype. Columns: ``COLUMNS``; ``ok`` is the verdict of each row (a fault detected at its
     expected origin and step; a clean run without alarm)."""
+    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     from tpcheck.pool import EnginePool
     names = list(F.FAULTS) if faults is None else [F.get_fault(n).name for n in faults]
     ckpt = _resolver(ckpt)
@@ -381,7 +383,9 @@ def run(args, pool=None, ckpt=None) -> int:
     for _, r in df[~df["ok"].astype(bool) | (df["check"] == "memory")].iterrows():
         print(f"  {r.fault} ({r.config}): {r.note}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"passed": ok, "rows": json.loads(df.to_json(orient="records"))}, indent=1))
+        from tpcheck.result import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
+        write_json(args.json, "fault_matrix", {"passed": ok, "rows": df.to_dict(orient="records")},
+                   meta={"args": {k: v for k, v in vars(args).items()
+                                  if k not in ("cmd", "action", "json", "debug")}})
         print(f"wrote {args.json}")
     return 0 if ok else 1

@@ -1,6 +1,6 @@
 """Named, injectable tensor-parallel bugs, applied inside the rank workers of a live impl engine.
 
-Each fault reproduces a bug that a TP implementation really makes (the seed bug reports and vLLM's history):
+Each fault reproduces a bug that a TP implementation really makes (review notes on real TP engines and vLLM's history):
 the harness injects it into a correct engine and checks that the layer-by-layer diff finds it, and finds it
 where the bug is (``Fault.expected_origin``: the first canonical point whose value differs from a correct
 engine).
@@ -37,10 +37,10 @@ Choices and blind spots:
   row of the embedding, and the LM head strips the padding columns before anything sees the logits.
 * "QKVParallelLinear output size pre-multiplied by tp" is not a fault of its own: ``(H/tp + 2*K_local) * tp *
   head_dim`` is how vLLM's QKVParallelLinear (and impl's) states its width, so that KV replicas count; the
-  seed reviewer's point is readability. A width that did not cancel out would give each rank a weight of the
+  review's point is readability. A width that did not cancel out would give each rank a weight of the
   wrong shape, which the weight loader refuses at load time with an error naming the tensor and both shapes.
-  The seeds' QKV bug that shows in the numbers is the dim-1 shard (``qkv_shard_dim1``).
-* ``rope_wrong_layout`` rotates interleaved pairs (GPT-J) instead of halves (neox). The seeds' other
+  The QKV bug that shows in the numbers is the dim-1 shard (``qkv_shard_dim1``).
+* ``rope_wrong_layout`` rotates interleaved pairs (GPT-J) instead of halves (neox). The other
   wrong layout, cos/sin broadcast over the heads axis instead of the tokens axis, only runs when the
   token count equals the head count (or is 1), so it is not a fault here.
 * ``rmsnorm_weight_before_cast`` rounds once where HF rounds twice: the engine gets *closer* to the float64

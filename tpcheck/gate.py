@@ -18,7 +18,7 @@ from tpcheck.report import ResultFormatError, load_result
 from tpcheck.result import DiffResult, Tolerances
 from tpcheck.tolerances import GateTolerances, ToleranceError, as_gate_tolerances, load_tolerances, rejudge
 
-PASS, FAIL, BAD_INPUT = 0, 1, 2
+PASS, FAIL, BAD_INPUT, ENGINE_FAILED = 0, 1, 2, 3  # tpcheck.cli's contract
 
 
 def judge(result: DiffResult, tolerances: Tolerances | None = None, name: str = "result") -> tuple[int, str, DiffResult]:
@@ -32,6 +32,9 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None, name: str = 
         return PASS, (f"PASS {name}: all {len(t)} points within tolerance ({tol.source}); closest: {worst.point} "
                       f"(step {worst.step}, {worst['mode']}) at {worst.excess:.3g}x its threshold"), r
     fd = r.first_divergence
+    if fd is None:  # every compared point passes: coverage failed the run (or nothing was compared)
+        why = r.coverage_problem or "no point was compared"
+        return ENGINE_FAILED, f"FAIL {name}: coverage: {why}", r
     row = t[(t["point"] == fd["point"]) & (t["step"] == fd["step"]) & (t["mode"] == fd["mode"])].iloc[0]
     where = (f"layer {fd['layer']}" if fd["layer"] is not None else "outside the decoder layers") + \
             f", step {fd['step']}, {fd['mode']}"
@@ -54,7 +57,7 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None, name: str = 
 
 def regate(result_json_path: str | Path, tolerances: Tolerances | str | Path | None = None) -> tuple[int, str]:
     """Re-judge a saved result: ``(0, message)`` pass, ``(1, message)`` a point over tolerance, ``(2, message)``
-    unreadable or malformed input. ``tolerances``: a ``Tolerances``, a TOML file path, or None (defaults)."""
+    unreadable or malformed input, ``(3, message)`` the run's coverage failed (``tpcheck.coverage``). ``tolerances``: a ``Tolerances``, a TOML file path, or None (defaults)."""
     try:
         if tolerances is not None and not isinstance(tolerances, Tolerances):
             tolerances = load_tolerances(tolerances)

@@ -8,7 +8,7 @@ Profiles (``HYPOTHESIS_PROFILE=<name>`` or ``TPCHECK_PROFILE=<name>``; the first
   first on the next run.
 * ``ci``: what ``.ci/run`` uses: bounded so the whole suite stays within its budget on 2 cores,
   ``derandomize=True`` (every CI run draws the same examples; Hypothesis then keeps no database).
-* ``thorough``: nightly; twenty times ``ci``'s examples, random seeds, database kept.
+* ``thorough``: a longer local or scheduled run; twenty times ``ci``'s examples, random seeds, database kept.
 
 Every profile has ``deadline=None`` (a forward pass at tp 4 on a loaded machine takes what it takes) and
 suppresses the ``too_slow`` / ``data_too_large`` / ``function_scoped_fixture`` health checks. Property

@@ -19,6 +19,7 @@ import torch
 from impl.config import load_config, parse_dtype
 from tpcheck import exact_ops
 from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
+from tpcheck.coverage import DEFAULT_REQUIRE, Coverage, check_known
 from tpcheck.metrics import compare, max_row_rel_err, mismatch, rel_err
 from tpcheck.points import point_names, split_point
 from tpcheck.reductions import Reductions
@@ -57,6 +58,8 @@ class _Run:
         self.steps, self.L, self.dtype, self.tol, self.isolated, self.log = decode_steps, num_layers, dtype, tol, isolated, log
         self.with_kv = decode_steps > 0
         self.order = {n: i for i, n in enumerate(point_names(num_layers, self.with_kv))}
+        self.canonical = set(point_names(num_layers, with_kv=True))
+        self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
 
     def run(self) -> list[dict]:
         rows: list[dict] = []
@@ -104,9 +107,12 @@ class _Run:
             layer_input = (lambda i: eng_teacher[i]) if eng_teacher is not None else \
                 (lambda i: held["embed" if i == 0 else f"layers.{i - 1}.out"])
             for name, (placement, per_rank) in points.items():
-                for u in unshard(name, placement, per_rank):
+                parts = unshard(name, placement, per_rank)
+                check_known({u.name for u in parts}, self.canonical)
+                for u in parts:
                     if u.name not in gold:
                         continue
+                    self.reported.add(u.name)
                     want = None
                     if self.exact_ops:
                         if split_point(u.name)[1] in exact_ops.INPUT_KINDS:
@@ -169,13 +175,14 @@ class _Run:
 def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts: list[list[int]] | None = None,
          decode_steps: int = 0, isolate: bool = False, *, preset: str = "small", inject: list[str] = (),
          inject_layer: int | None = None, tolerances: Tolerances | None = None, pool=None, block_size: int = 16,
-         seq_len: int = 32, batch: int = 2, seed: int = 0, exact_ops: bool = False, log=sys.stderr,
-         command: str | None = None) -> DiffResult:
+         seq_len: int = 32, batch: int = 2, seed: int = 0, exact_ops: bool = False, log=None,
+         command: str | None = None, require_points: str = DEFAULT_REQUIRE) -> DiffResult:
     """Compare impl at ``tp``/``dtype`` with Hugging Face, every point, every step (``exact_ops``:
     ``tpcheck.exact_ops``).
 
     ``model`` is a checkpoint directory (default: the synthetic ``preset``); ``prompts`` token ids
     (default: ``batch`` random prompts of ``seq_len`` tokens from ``seed``)."""
+    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     from tpcheck.adapter import ImplAdapter
     from tpcheck.check import random_prompts
     from tpcheck.checkpoints import cached_checkpoint
@@ -213,20 +220,25 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
                 "command": command or diff_command(["--model", model_dir], tp, dtype, prompts, decode_steps, block_size,
                                                    isolate, exact_ops, inject, inject_layer)}
         return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, log, meta,
-                              exact_ops)
+                              exact_ops, require_points)
     finally:
         if own:
             pool.close()
 
 
 def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str, decode_steps: int = 0,
-                   isolate: bool = False, tolerances: Tolerances | None = None, log=sys.stderr,
-                   meta: dict | None = None, exact_ops: bool = False) -> DiffResult:
+                   isolate: bool = False, tolerances: Tolerances | None = None, log=None,
+                   meta: dict | None = None, exact_ops: bool = False,
+                   require_points: str = DEFAULT_REQUIRE) -> DiffResult:
     """Run any ``tpcheck.adapter.EngineAdapter`` against HF float64 (golden) and HF at ``dtype`` (noise
     floor: on one device, and with the engine's declared ``reductions`` emulated when its tp > 1) on the
     checkpoint ``model_dir``; the engine must already be loaded with that checkpoint.
-    ``exact_ops``: also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``)."""
+    ``exact_ops``: also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``). ``require_points``: the
+    canonical points (a regex) the engine must report (``tpcheck.coverage``); ``meta["coverage"]`` says what
+    it did not."""
+    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     cfg = load_config(model_dir)
+    coverage = Coverage(point_names(cfg.num_layers, decode_steps > 0), require=require_points)
     reductions = getattr(engine, "reductions", None)
     if reductions is None:
         reductions = Reductions()
@@ -240,13 +252,15 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
                    exact_ops, reductions)
         try:
             rows += run.run()
+            coverage.reported |= run.reported
         except BaseException:
             try:
                 engine.close()
             except Exception:  # the engine may be gone (a dead rank); the first error is the one to report
                 pass
             raise
-    meta = {"model": str(model_dir), "dtype": dtype, "decode_steps": decode_steps, "isolate": isolate, "exact_ops": exact_ops,
+    coverage.comparisons = len(rows)
+    meta = {"model": str(model_dir), "dtype": dtype, "coverage": coverage.as_meta(), "decode_steps": decode_steps, "isolate": isolate, "exact_ops": exact_ops,
             "reductions": {"tp": reductions.tp, "dtype": reductions.dtype or dtype},
             "num_layers": cfg.num_layers, "prompt_lens": [len(p) for p in prompts], **(meta or {})}
     return DiffResult.from_rows(rows, meta)

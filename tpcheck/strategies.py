@@ -273,7 +273,8 @@ def default_root() -> pathlib.Path:
 
 def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: str = "float32",
                    outliers: float = 0.0) -> str:
-    what = {"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype}
+    from tpcheck.checkpoints import RECIPE_VERSION
+    what = {"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype, "recipe": RECIPE_VERSION}
     if outliers:
         what["outliers"] = outliers
     blob = json.dumps(what, sort_keys=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import sys
 import tempfile
@@ -215,9 +214,10 @@ def _fmt_table(rows: list[dict]) -> str:
     return "\n".join([line(head)] + [line(b) for b in body])
 
 
-def sweep(a, log=sys.stderr, pool=None) -> list[dict]:
+def sweep(a, log=None, pool=None) -> list[dict]:
     """Run every configuration of the parsed arguments ``a``; returns the rows. ``pool``: an
     ``EnginePool`` to use (and leave open); default a new one, closed at the end."""
+    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     import torch
     from impl.config import load_config
     from tpcheck.checkpoints import PRESETS, cached_checkpoint
@@ -262,7 +262,8 @@ def sweep(a, log=sys.stderr, pool=None) -> list[dict]:
 
 
 def run(a, pool=None) -> int:
-    """The ``sweep`` sub-command: 0 every configuration passed, 1 one failed, 2 bad input."""
+    """The ``sweep`` sub-command: 0 every configuration passed, 1 one diverged, 2 bad input, 3 a configuration
+    crashed (a dead rank, an engine error) and none diverged."""
     errors = _validate(a)
     if errors:
         for e in errors:
@@ -288,10 +289,13 @@ def run(a, pool=None) -> int:
           f"{', a fresh engine per example' if getattr(a, 'no_pool', False) else ', pooled engines'})"
           + (f"; {len(rows) - len(ran)} skipped" if len(rows) > len(ran) else ""))
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"passed": not failed, "rows": rows}, indent=1, default=str) + "\n")
+        from tpcheck.result import write_json  # strict JSON, schema_version, kind "sweep", run meta
+        write_json(a.json, "sweep", {"passed": not failed, "rows": rows},
+                   meta={"args": {k: v for k, v in vars(a).items() if k not in ("cmd", "json", "debug")}})
         print(f"wrote {a.json}")
-    return 1 if failed else 0
+    if any(r.get("origin") or not r.get("error") for r in failed):
+        return 1
+    return 3 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ The gate (``tpcheck.metrics``) passes a point when ``rel_err <= k * ref_rel_err 
 is Hugging Face's own error at the same dtype. The defaults are ``tpcheck.metrics.K_FACTOR`` / ``FLOOR``.
 
 Schema (in ``pyproject.toml``; a ``--tolerances FILE.toml`` holds the same tables without the ``tool.tpcheck``
-prefix, i.e. starting at ``[tolerances]``; a file that has a ``[tool.tpcheck]`` table is read from there)::
+prefix, i.e. starting at ``[tolerances]``; a file that has ``[tool.*]`` tables is read from ``[tool.tpcheck]``,
+and is an error without one; only the default ``./pyproject.toml`` may lack it)::
 
     [tool.tpcheck.tolerances]
     k = {float32 = 2.0, bfloat16 = 4.0}       # default k per dtype (a bare number: every dtype)
@@ -187,12 +188,19 @@ def _from_tool(data: dict, file: str) -> GateTolerances:
 
 
 def load_tolerances(path: str | Path | None = None, pyproject: str | Path | None = "pyproject.toml") -> GateTolerances:
-    """Tolerances from ``path`` (a ``--tolerances`` file: must exist) or else from ``pyproject``'s
-    ``[tool.tpcheck]`` (skipped when the file does not exist); the defaults when neither has any."""
+    """Tolerances from ``path`` (a ``--tolerances`` file: must exist; one with ``[tool.*]`` tables must have
+    ``[tool.tpcheck]``) or else from ``pyproject``'s ``[tool.tpcheck]`` (skipped when the file does not exist
+    or has no ``[tool.tpcheck]``); the defaults when neither has any."""
     if path is not None:
         path = Path(path)
         data = _read_toml(path)
         if "tool" in data:
+            tool = data["tool"]
+            if not isinstance(tool, dict) or "tpcheck" not in tool:  # e.g. a pyproject.toml with only [tool.ruff]
+                has = ", ".join(f"[tool.{k}]" for k in tool) if isinstance(tool, dict) and tool else "a 'tool' key"
+                raise ToleranceError(f"{path}: [tool.tpcheck] is missing: the file has {has} but no [tool.tpcheck] "
+                                     "table (a --tolerances file holds [tool.tpcheck.tolerances] or a top-level "
+                                     "[tolerances] table)")
             return _from_tool(data, str(path))
         _unknown(data, TOOL_KEYS, "", str(path))
         if "tolerances" not in data:

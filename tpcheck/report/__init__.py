@@ -1,7 +1,13 @@
 """Reports of a diff: a self-contained HTML file (``tpcheck.report.html``) and saved results read back.
 
 ``load_result(path)`` reads what ``DiffResult.to_json`` wrote; a file that cannot be read or does not have
-that shape raises ``ResultFormatError`` naming the file and what is wrong (``tpcheck gate`` exits 2 on it)."""
+that shape raises ``ResultFormatError`` naming the file and what is wrong (``tpcheck gate`` exits 2 on it).
+
+Versions (``tpcheck.result``'s module docstring): a document whose ``schema_version`` is newer than
+``tpcheck.result.SCHEMA_VERSION`` is refused, naming both versions; one without ``schema_version`` (written
+before documents carried it) is version 0 and is read when it has a diff result's shape (``meta`` with a
+known ``dtype``, non-empty ``rows``). A document of another ``kind`` (a check, sweep or fault-matrix result)
+is refused by name. ``null`` in a float column (the null rule: a non-finite value) is read as NaN."""
 from __future__ import annotations
 
 import json
@@ -10,7 +16,7 @@ from pathlib import Path
 
 from tpcheck.metrics import K_FACTOR
 from tpcheck.points import split_point
-from tpcheck.result import COLUMNS, DiffResult
+from tpcheck.result import COLUMNS, SCHEMA_VERSION, DiffResult
 
 
 class ResultFormatError(ValueError):
@@ -34,6 +40,19 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
     """A ``DiffResult`` from the parsed JSON of ``DiffResult.to_json``; ``source`` names it in errors."""
     if not isinstance(data, dict):
         raise ResultFormatError(f"{source}: expected a JSON object with 'meta' and 'rows', got {type(data).__name__}")
+    version = data.get("schema_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ResultFormatError(f"{source}: schema_version must be an integer >= 0, got {version!r}")
+    if version > SCHEMA_VERSION:
+        raise ResultFormatError(f"{source}: schema_version {version} is newer than this tpcheck "
+                                f"({_tpcheck_version()}) reads: schema_version {SCHEMA_VERSION} and older; "
+                                f"read it with a newer tpcheck")
+    kind = data.get("kind", "diff" if version == 0 else None)
+    if kind != "diff":
+        if "kind" not in data:
+            raise ResultFormatError(f"{source}: no 'kind' key (a schema_version {version} document must have one)")
+        what = f"a tpcheck {kind} result" if isinstance(kind, str) else f"kind {kind!r}"
+        raise ResultFormatError(f"{source}: {what}, not a diff result (the --json output of tpcheck diff)")
     for key in ("meta", "rows"):
         if key not in data:
             raise ResultFormatError(f"{source}: no '{key}' key (is this the --json output of tpcheck diff?)")
@@ -42,8 +61,8 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
         raise ResultFormatError(f"{source}: 'meta' must be an object")
     if meta.get("dtype") not in K_FACTOR:
         raise ResultFormatError(f"{source}: meta.dtype is {meta.get('dtype')!r}, expected one of {', '.join(K_FACTOR)}")
-    if not isinstance(rows, list) or not rows:
-        raise ResultFormatError(f"{source}: 'rows' must be a non-empty list")
+    if not isinstance(rows, list) or not (rows or (meta.get("coverage") or {}).get("problem")):
+        raise ResultFormatError(f"{source}: 'rows' must be a non-empty list (empty only with meta.coverage.problem)")
     out = []
     for i, r in enumerate(rows):
         if not isinstance(r, dict):
@@ -68,7 +87,12 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
         row["note"] = row["note"] or ""
         row["order"] = i  # rows are saved in execution order within each (mode, step)
         out.append(row)
-    return DiffResult.from_rows(out, meta)
+    return DiffResult.from_rows(out, meta, stamp=False)  # meta says where and when the result was made
+
+
+def _tpcheck_version() -> str:
+    from tpcheck.result import run_meta
+    return run_meta()["versions"]["tpcheck"]
 
 
 def load_result(path: str | Path) -> DiffResult:
