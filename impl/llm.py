@@ -14,6 +14,7 @@ from impl.sampler import sample
 from impl.sampling_params import SamplingParams
 from impl.scheduler import Scheduler
 from impl.sequence import Sequence
+from impl.shard_plan import shard_plan
 
 
 class LLM:
@@ -65,9 +66,9 @@ class LLM:
         self.load(self.model_dir, None, self.block_size, self._num_kv_blocks)
 
     def _default_num_blocks(self, budget: int, max_num_seqs: int) -> int:
+        plan = shard_plan(self.cfg, self.tp_size)
+        per_block = plan.kv_cache_bytes_per_block(self.cfg.num_layers, self.block_size, self.dtype.itemsize)
         c = self.cfg
-        local_kv = max(1, c.num_kv_heads // self.tp_size)
-        per_block = 2 * c.num_layers * self.block_size * local_kv * c.head_dim * self.dtype.itemsize
         cap = max_num_seqs * -(-c.max_position // self.block_size)
         return max(1, min(budget // per_block, cap))
 

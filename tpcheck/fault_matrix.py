@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from impl.config import load_config
-from impl.layers.embedding import padded_vocab_size
+from impl.shard_plan import shard_plan
 from tpcheck import faults as F
 
 # candidate configurations, smallest first: a fault runs on the first one where it can show
@@ -150,29 +150,18 @@ def rank_memory(runner) -> dict:
 
 def expected_share(model_dir, tp: int, dtype: str) -> tuple[int, int]:
     """(bytes one rank should hold, bytes of the whole checkpoint), both at ``dtype``, from the checkpoint's
-    tensor names and shapes: vocab rows padded and split, column/row-parallel weights split, KV heads split
-    or replicated, norms replicated."""
-    from safetensors import safe_open
-
-    from impl.loader import checkpoint_files
+    tensor names and shapes and impl's shard plan (``impl.shard_plan.ShardPlan.tensor_elements``)."""
+    from impl.loader import checkpoint_files, open_safetensors
     cfg = load_config(model_dir)
+    plan = shard_plan(cfg, tp)
     item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     share = total = 0
     for fname, names in checkpoint_files(model_dir).items():
-        with safe_open(fname, framework="pt") as f:
+        with open_safetensors(fname) as f:
             for name in names:
                 shape = list(f.get_slice(name).get_shape())
-                n = math.prod(shape)
-                total += n * item
-                if cfg.tie_word_embeddings and name == "lm_head.weight":
-                    continue
-                if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-                    n = padded_vocab_size(shape[0], tp) // tp * shape[1]
-                elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-                    n //= min(tp, cfg.num_kv_heads)
-                elif name.endswith(("_proj.weight", "_proj.bias")):  # q, o, gate, up, down
-                    n //= tp
-                share += n * item
+                total += math.prod(shape) * item
+                share += plan.tensor_elements(name, shape, cfg.tie_word_embeddings) * item
     return share, total
 
 

@@ -18,12 +18,7 @@ from impl.distributed import all_reduce, gather, get_tp_rank, get_tp_size
 from impl.layers.linear import check_shape
 from impl.placements import Replicate, Shard
 
-VOCAB_PADDING = 64
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    vp = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
-    return -(-vp // tp) * tp
+from impl.shard_plan import VOCAB_PADDING, padded_vocab_size  # noqa: F401 - the rule lives in shard_plan
 
 
 class VocabParallelEmbedding(nn.Module):

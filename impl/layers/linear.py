@@ -19,6 +19,7 @@ from torch import nn
 
 from impl.distributed import all_reduce, get_tp_rank, get_tp_size
 from impl.placements import Fused, Replicate, Shard
+from impl.shard_plan import kv_split
 
 
 class ShapeMismatch(ValueError):
@@ -102,9 +103,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
         if tp <= total_num_kv_heads:
-            self.num_kv_heads, self.kv_replicas = divide(total_num_kv_heads, tp, "num_key_value_heads"), 1
+            divide(total_num_kv_heads, tp, "num_key_value_heads")
         else:
-            self.num_kv_heads, self.kv_replicas = 1, divide(tp, total_num_kv_heads, "tp_size over num_kv_heads")
+            divide(tp, total_num_kv_heads, "tp_size over num_kv_heads")
+        self.num_kv_heads, self.kv_replicas = kv_split(total_num_kv_heads, tp)
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.totals = {"q": total_num_heads * head_dim, "k": total_num_kv_heads * head_dim,
                        "v": total_num_kv_heads * head_dim}
