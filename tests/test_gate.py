@@ -9,7 +9,8 @@ import pytest
 import tpcheck
 from tpcheck import gate
 from tpcheck.report.sample import sample_result
-from tpcheck.tolerances import GateTolerances, ToleranceError, load_tolerances, parse_tolerances, rejudge
+from tpcheck.judge import judge
+from tpcheck.tolerances import Tolerances, ToleranceError, load_tolerances, parse_tolerances
 
 QUIET = open("/dev/null", "w")
 
@@ -68,7 +69,7 @@ def test_gate_on_real_diff_results(ckpt, engines, tmp_path):
             assert r.first_divergence["point"] in msg
 
 
-def test_tolerances_from_a_file_rejudge(saved, tmp_path):
+def test_tolerances_from_a_file_judge(saved, tmp_path):
     passing, failing = saved
     loose = tmp_path / "loose.toml"
     loose.write_text("[tolerances]\nk = {float32 = 1e9}\nfloor = 1.0\n")
@@ -155,18 +156,18 @@ def test_bad_values_and_files(tmp_path, saved):
     assert cli("gate", saved[0], "--tolerances", f) == 2
 
 
-def test_rejudge_keeps_structural_failures_and_defaults_match_diff():
+def test_judge_keeps_structural_failures_and_defaults_match_diff():
     r = sample_result(2, 1, isolate=False)
-    same = rejudge(r)
+    same = judge(r)
     assert same.passed and (same.table["threshold"] - r.table["threshold"]).abs().max() < 1e-18
     r.table.loc[4, ["passed", "note"]] = [False, "rank 1 differs from rank 0"]  # a rank mismatch: fails however loose
-    assert not rejudge(r, parse_tolerances({"k": 1e9})).passed
+    assert not judge(r, parse_tolerances({"k": 1e9})).passed
     assert isinstance(parse_tolerances({}), tpcheck.Tolerances)
 
 
 def test_gate_tolerances_work_in_diff_thresholds():
     tol = parse_tolerances({"k": {"bfloat16": 5.0}, "kinds": {"logits": {"rel_max": 0.1, "k": 7}}})
-    assert isinstance(tol, GateTolerances)
+    assert isinstance(tol, Tolerances)
     assert tol.threshold("attn.q", "bfloat16", 1e-3) == pytest.approx(5e-3 + 1e-3)
     assert tol.threshold("attn.q", "float32", 1e-7) == pytest.approx(2e-7 + 1e-6)
     assert tol.threshold("logits", "float32", 1e-7) == 0.1  # rel_max replaces the rule

@@ -143,8 +143,8 @@ def test_nan_result_round_trips_to_the_same_verdict(validator, ckpt, engines, tm
     valid(validator, strict_load(path), "diff")
     back = load_result(path)
     assert back.meta == r.meta  # nothing re-stamped on reading
-    code, msg, judged = gate.judge(r)
-    code2, msg2, judged2 = gate.judge(back)
+    code, msg, judged = gate.gate_result(r)
+    code2, msg2, judged2 = gate.gate_result(back)
     assert code == code2 == 1 and msg == msg2
     keys = ("point", "layer", "step", "mode", "note", "ref_by")
     assert [judged.first_divergence[k] for k in keys] == [judged2.first_divergence[k] for k in keys]
@@ -167,7 +167,7 @@ def test_sample_result_with_inf_and_nan_round_trips(validator, tmp_path):
     assert doc["rows"][4]["rel_err"] is None and doc["rows"][4]["nan"] == 7
     assert all(r["layer"] is None or type(r["layer"]) is int for r in doc["rows"])  # not 1.0
     back = load_result(path)
-    (code, _, judged), (code2, _, judged2) = gate.judge(r), gate.judge(back)
+    (code, _, judged), (code2, _, judged2) = gate.gate_result(r), gate.gate_result(back)
     assert code == code2 == 1 and judged.table["passed"].tolist() == judged2.table["passed"].tolist()
     keys = ("point", "step", "mode", "note")
     assert [judged.first_divergence[k] for k in keys] == [judged2.first_divergence[k] for k in keys]

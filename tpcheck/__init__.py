@@ -1,7 +1,8 @@
 """tpcheck: a differential correctness harness for tensor-parallel LLM inference.
 
-``tpcheck.diff(...)`` compares an engine with Hugging Face layer by layer (see ``tpcheck.diff``). Imports are
-lazy so that loading the pytest plugin does not import torch until a test uses it."""
+``tpcheck.diff(...)`` compares an engine with Hugging Face layer by layer (``tpcheck.layer_diff.diff``). These
+three names are resolved on first use so that loading the pytest plugin does not import torch; tpcheck's own
+code imports them from their modules."""
 
 __all__ = ["diff", "DiffResult", "Tolerances"]
 
@@ -10,7 +11,10 @@ def __getattr__(name: str):
     if name == "diff":
         from tpcheck.layer_diff import diff
         return diff
-    if name in ("DiffResult", "Tolerances"):
-        from tpcheck import result
-        return getattr(result, name)
+    if name == "DiffResult":
+        from tpcheck.result import DiffResult
+        return DiffResult
+    if name == "Tolerances":
+        from tpcheck.tolerances import Tolerances
+        return Tolerances
     raise AttributeError(f"module 'tpcheck' has no attribute {name!r}")

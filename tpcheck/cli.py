@@ -123,9 +123,9 @@ def _fmt(df) -> str:
 
 
 def _cmd_diff(a, argv: list[str]) -> int:
-    import tpcheck
+    from tpcheck.layer_diff import diff
     from tpcheck.report.html import write_html
-    from tpcheck.tolerances import load_tolerances, rejudge
+    from tpcheck.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
     prompts = a.prompt_ids
     if a.prompt:
@@ -134,11 +134,10 @@ def _cmd_diff(a, argv: list[str]) -> int:
             raise ValueError("--prompt needs --model with a tokenizer (synthetic presets have none)")
         tok = load_tokenizer(a.model)
         prompts = [tok.encode(t) for t in a.prompt]
-    r = tpcheck.diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
+    r = diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
                      decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
                      block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
                      command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points)
-    r = rejudge(r, tol)  # the abs_max bounds; thresholds are already tol's
     for mode in ["propagated"] + (["isolated"] if a.isolate else []):
         t = r.table[r.table["mode"] == mode]
         shown = t.drop(columns=["order", "mode", "kind"]) if a.all_rows else r.layer_table(mode)

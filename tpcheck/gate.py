@@ -15,16 +15,17 @@ import sys
 from pathlib import Path
 
 from tpcheck.report import ResultFormatError, load_result
-from tpcheck.result import DiffResult, Tolerances
-from tpcheck.tolerances import GateTolerances, ToleranceError, as_gate_tolerances, load_tolerances, rejudge
+from tpcheck.result import DiffResult
+from tpcheck.judge import judge
+from tpcheck.tolerances import ToleranceError, Tolerances, load_tolerances
 
 PASS, FAIL, BAD_INPUT, ENGINE_FAILED = 0, 1, 2, 3  # tpcheck.cli's contract
 
 
-def judge(result: DiffResult, tolerances: Tolerances | None = None, name: str = "result") -> tuple[int, str, DiffResult]:
-    """Re-judge ``result`` under ``tolerances``: (exit code, message, re-judged result)."""
-    tol = as_gate_tolerances(tolerances)
-    r = rejudge(result, tol)
+def gate_result(result: DiffResult, tolerances: Tolerances | None = None, name: str = "result") -> tuple[int, str, DiffResult]:
+    """Re-judge ``result`` under ``tolerances`` (``tpcheck.judge``): (exit code, message, re-judged result)."""
+    tol = tolerances or Tolerances()
+    r = judge(result, tol)
     t = r.table
     dtype = r.meta["dtype"]
     if r.passed:
@@ -64,7 +65,7 @@ def regate(result_json_path: str | Path, tolerances: Tolerances | str | Path | N
         result = load_result(result_json_path)
     except (ResultFormatError, ToleranceError) as e:
         return BAD_INPUT, f"tpcheck gate: error: {e}"
-    code, msg, _ = judge(result, tolerances, str(result_json_path))
+    code, msg, _ = gate_result(result, tolerances, str(result_json_path))
     return code, msg
 
 
@@ -72,7 +73,7 @@ def regate(result_json_path: str | Path, tolerances: Tolerances | str | Path | N
 
 def register(subparsers) -> None:
     """Add ``gate`` and ``report`` to ``tpcheck``'s sub-command parsers."""
-    g = subparsers.add_parser("gate", help="re-judge saved results (tpcheck diff --json): exit 0 pass, 1 fail, 2 bad input",
+    g = subparsers.add_parser("gate", help="re-judge saved results (tpcheck diff --json): exit 0 pass, 1 fail, 2 bad input, 3 coverage",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("results", nargs="+", type=Path, metavar="RESULT.json")
     g.add_argument("--tolerances", type=Path, metavar="FILE.toml",
@@ -104,7 +105,7 @@ def run(args) -> int:
     raise ValueError(f"not a gate/report command: {args.cmd}")
 
 
-def _gate(paths: list[Path], tol: GateTolerances) -> int:
+def _gate(paths: list[Path], tol: Tolerances) -> int:
     worst = PASS
     for p in paths:
         code, msg = regate(p, tol)
@@ -122,7 +123,7 @@ def _config_row(r: DiffResult, name: str) -> dict:
             "origin": "-" if fd is None else f"{fd['point']} (step {fd['step']}, {fd['excess']:.3g}x)"}
 
 
-def _report(paths: list[Path], out: Path, tol: GateTolerances | None, title: str | None) -> int:
+def _report(paths: list[Path], out: Path, tol: Tolerances | None, title: str | None) -> int:
     from tpcheck.report.html import render_sweep_html, write_html
     results = []
     for p in paths:
@@ -131,7 +132,7 @@ def _report(paths: list[Path], out: Path, tol: GateTolerances | None, title: str
         except ResultFormatError as e:
             print(f"tpcheck report: error: {e}", file=sys.stderr)
             return BAD_INPUT
-        results.append((p, rejudge(r, tol) if tol is not None else r))
+        results.append((p, judge(r, tol) if tol is not None else r))
     if len(results) == 1 and not (out.is_dir() or str(out).endswith("/")):
         write_html(results[0][1], out, title)
         print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB)")

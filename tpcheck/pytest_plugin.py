@@ -100,9 +100,10 @@ def assert_layers_close(result, tolerances=None, *, name: str | None = None, _it
         from tpcheck.report import load_result
         result = load_result(result)
     if tolerances is not None:
-        from tpcheck.result import Tolerances
-        from tpcheck.tolerances import load_tolerances, rejudge
-        result = rejudge(result, tolerances if isinstance(tolerances, Tolerances) else load_tolerances(tolerances))
+        from tpcheck.judge import judge
+        from tpcheck.tolerances import Tolerances
+        from tpcheck.tolerances import load_tolerances
+        result = judge(result, tolerances if isinstance(tolerances, Tolerances) else load_tolerances(tolerances))
     if result.passed:
         return result
     msg = failure_message(result)

@@ -62,20 +62,6 @@ SCHEMA_FILE = "result.schema.json"  # package data of ``tpcheck``
 RUN_META_KEYS = ("versions", "machine", "command", "created_utc")
 
 
-@dataclass
-class Tolerances:
-    """Gate ``rel_err <= k * ref_rel_err + floor``; ``k`` and ``floor`` default per dtype
-    (``tpcheck.metrics``) and can be overridden per point kind (``"attn.q"``, ``"logits"``, ...)."""
-
-    k: dict[str, float] = field(default_factory=dict)
-    floor: dict[str, float] = field(default_factory=dict)
-
-    def threshold(self, kind: str, dtype: str, ref_err: float) -> float:
-        k = self.k.get(kind, K_FACTOR[dtype])
-        floor = self.floor.get(kind, FLOOR[dtype])
-        return k * ref_err + floor if math.isfinite(ref_err) else floor
-
-
 # ref_rel_err: the reference error the threshold uses: the worst row (token) of the references at this point
 # over this and earlier steps, or a reference's whole-tensor error if larger; ref_by names the reference and
 # step ("hf-tp@0"). The references' whole-tensor errors at this step: ref_rel_err_hf (HF at the dtype, one

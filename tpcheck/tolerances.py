@@ -31,12 +31,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
-
 from tpcheck.metrics import FLOOR, K_FACTOR
 from tpcheck.points import LAYER_POINTS
-from tpcheck.result import DiffResult, Tolerances
 
 try:
     import tomllib
@@ -58,9 +54,11 @@ Value = dict  # dtype -> float, with "*" for "every dtype"
 
 
 @dataclass
-class GateTolerances(Tolerances):
-    """``Tolerances`` with per-dtype values and absolute bounds. ``threshold`` keeps the base signature, so
-    an instance can be passed to ``tpcheck.diff(tolerances=...)``; ``abs_max`` is applied by ``rejudge``."""
+class Tolerances:
+    """The gate's numbers: ``threshold(kind, dtype, ref_err)`` is ``k * ref_err + floor`` (or ``rel_max``) and
+    ``abs_max`` an optional bound on max |diff|, per point kind and dtype (precedence in the module
+    docstring); ``Tolerances()`` is the defaults (``tpcheck.metrics.K_FACTOR`` / ``FLOOR``).
+    ``tpcheck.judge`` applies them."""
 
     default_k: Value = field(default_factory=dict)      # dtype|"*" -> k
     default_floor: Value = field(default_factory=dict)  # dtype|"*" -> floor
@@ -76,15 +74,11 @@ class GateTolerances(Tolerances):
     def k_for(self, kind: str, dtype: str) -> float:
         v = self._kind(kind, "k", dtype)
         if v is None:
-            v = self.k.get(kind)  # the base class's per-kind override
-        if v is None:
             v = self.default_k.get(dtype, self.default_k.get("*"))
         return K_FACTOR[dtype] if v is None else v
 
     def floor_for(self, kind: str, dtype: str) -> float:
         v = self._kind(kind, "floor", dtype)
-        if v is None:
-            v = self.floor.get(kind)
         if v is None:
             v = self.default_floor.get(dtype, self.default_floor.get("*"))
         return FLOOR[dtype] if v is None else v
@@ -108,13 +102,6 @@ class GateTolerances(Tolerances):
         if bound is not None:
             return f"rel_max {bound:.3g}"
         return f"k {self.k_for(kind, dtype):.3g} x HF {ref_err:.3g} + floor {self.floor_for(kind, dtype):.3g}"
-
-
-def as_gate_tolerances(tol: Tolerances | None) -> GateTolerances:
-    if isinstance(tol, GateTolerances):
-        return tol
-    tol = tol or Tolerances()
-    return GateTolerances(k=dict(tol.k), floor=dict(tol.floor))
 
 
 def _number(v, where: str, file: str) -> float:
@@ -141,12 +128,12 @@ def _unknown(table: dict, known: tuple, prefix: str, file: str) -> None:
             raise ToleranceError(f"{file}: unknown key '{prefix}{key}' (expected one of: {', '.join(known)})")
 
 
-def parse_tolerances(data: dict, file: str = "<tolerances>", prefix: str = "tolerances") -> GateTolerances:
-    """Build ``GateTolerances`` from the ``tolerances`` table (already parsed TOML)."""
+def parse_tolerances(data: dict, file: str = "<tolerances>", prefix: str = "tolerances") -> Tolerances:
+    """Build ``Tolerances`` from the ``tolerances`` table (already parsed TOML)."""
     if not isinstance(data, dict):
         raise ToleranceError(f"{file}: '{prefix}' must be a table")
     _unknown(data, TOP_KEYS, prefix + ".", file)
-    tol = GateTolerances(source=f"tolerances from {file}")
+    tol = Tolerances(source=f"tolerances from {file}")
     if "k" in data:
         tol.default_k = _value(data["k"], f"{prefix}.k", file)
     if "floor" in data:
@@ -175,19 +162,19 @@ def _read_toml(path: Path) -> dict:
         raise ToleranceError(f"{path}: not valid TOML: {e}") from None
 
 
-def _from_tool(data: dict, file: str) -> GateTolerances:
+def _from_tool(data: dict, file: str) -> Tolerances:
     tool = data.get("tool", {}).get("tpcheck")
     if tool is None:
-        return GateTolerances(source="default tolerances")
+        return Tolerances(source="default tolerances")
     if not isinstance(tool, dict):
         raise ToleranceError(f"{file}: 'tool.tpcheck' must be a table")
     _unknown(tool, TOOL_KEYS, "tool.tpcheck.", file)
     if "tolerances" not in tool:
-        return GateTolerances(source="default tolerances")
+        return Tolerances(source="default tolerances")
     return parse_tolerances(tool["tolerances"], file, "tool.tpcheck.tolerances")  # source: the file
 
 
-def load_tolerances(path: str | Path | None = None, pyproject: str | Path | None = "pyproject.toml") -> GateTolerances:
+def load_tolerances(path: str | Path | None = None, pyproject: str | Path | None = "pyproject.toml") -> Tolerances:
     """Tolerances from ``path`` (a ``--tolerances`` file: must exist; one with ``[tool.*]`` tables must have
     ``[tool.tpcheck]``) or else from ``pyproject``'s ``[tool.tpcheck]`` (skipped when the file does not exist
     or has no ``[tool.tpcheck]``); the defaults when neither has any."""
@@ -204,35 +191,8 @@ def load_tolerances(path: str | Path | None = None, pyproject: str | Path | None
             return _from_tool(data, str(path))
         _unknown(data, TOOL_KEYS, "", str(path))
         if "tolerances" not in data:
-            return GateTolerances(source=f"tolerances from {path} (none set: the defaults)")
+            return Tolerances(source=f"tolerances from {path} (none set: the defaults)")
         return parse_tolerances(data["tolerances"], str(path), "tolerances")
     if pyproject is not None and Path(pyproject).is_file():
         return _from_tool(_read_toml(Path(pyproject)), str(pyproject))
-    return GateTolerances()
-
-
-def rejudge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResult:
-    """The same rows judged again under ``tolerances``: new ``threshold``, ``excess`` and ``passed``.
-
-    A row that failed for a reason other than its numbers (a rank mismatch, a shape mismatch: the saved
-    ``rel_err`` was within the saved ``threshold`` yet it failed, or it carries a note) stays failed."""
-    tol = as_gate_tolerances(tolerances)
-    dtype = result.meta["dtype"]
-    t = result.table.copy()
-    rel = pd.to_numeric(t["rel_err"], errors="coerce").astype(float)
-    ref = pd.to_numeric(t["ref_rel_err"], errors="coerce").astype(float)
-    mx = pd.to_numeric(t["max_abs"], errors="coerce").astype(float)
-    old_thr = pd.to_numeric(t["threshold"], errors="coerce").astype(float)
-    old_pass = t["passed"].fillna(False).astype(bool)
-    note = t["note"].fillna("").astype(str) != ""
-    structural = ~old_pass & ((rel <= old_thr) | note)
-    thr = np.array([tol.threshold(k, dtype, r) for k, r in zip(t["kind"], ref)], dtype=float)
-    bound = np.array([np.nan if (b := tol.abs_max(k, dtype)) is None else b for k in t["kind"]], dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel_excess = np.where(thr > 0, rel / thr, np.where(rel > 0, np.inf, 0.0))
-        abs_excess = np.where(np.isnan(bound), 0.0, np.where(bound > 0, mx / bound, np.where(mx > 0, np.inf, 0.0)))
-    excess = np.where(np.isnan(rel), np.nan, np.maximum(rel_excess, np.nan_to_num(abs_excess, nan=np.inf)))
-    ok = (rel <= thr) & (np.isnan(bound) | (mx <= bound)) & ~structural.to_numpy()
-    t["threshold"], t["excess"], t["passed"] = thr, excess, ok.astype(bool)
-    return DiffResult(t, {**result.meta, "tolerances": tol.source})
-
+    return Tolerances()
