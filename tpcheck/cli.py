@@ -20,31 +20,8 @@ import traceback
 from pathlib import Path
 
 from tpcheck import checkpoints
+from tpcheck.arg_types import int_list, regex
 from tpcheck.coverage import DEFAULT_REQUIRE, CoverageError
-
-
-def int_list(text: str, minimum: int | None = None) -> list[int]:
-    """argparse type for ``1,2,4``: a non-empty list of integers (each >= ``minimum`` when given)."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or (minimum is not None and any(v < minimum for v in values)):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers{f' >= {minimum}' if minimum is not None else ''}, got {text!r}")
-    return values
-
-
-def positive_ints(text: str) -> list[int]:
-    return int_list(text, 1)
-
-
-def _regex(text: str) -> str:
-    import re
-    try:
-        re.compile(text)
-    except re.error as e:
-        raise argparse.ArgumentTypeError(f"not a regular expression: {e}") from None
-    return text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="faults to inject into impl (tpcheck faults list)")
     df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
     df.add_argument("--block-size", type=int, default=16)
-    df.add_argument("--require-points", type=_regex, default=DEFAULT_REQUIRE, metavar="REGEX",
+    df.add_argument("--require-points", type=regex, default=DEFAULT_REQUIRE, metavar="REGEX",
                     help="canonical points the engine must report, else exit 3 (default: %(default)s)")
     df.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
     df.add_argument("--csv", type=Path, help="write every row as CSV")

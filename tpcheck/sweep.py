@@ -9,8 +9,8 @@ printed with a one-line ``tpcheck diff`` reproduction.
 
 Output: one row per configuration (pass / fail, the worst point over all its examples and its excess over
 the noise-floor threshold: ``rel_err / (k * ref_rel_err + floor)``, above 1 fails); progress on stderr;
-``--json`` writes the rows. Exit code as for ``diff``: 0 every configuration passed, 1 one failed, 2 bad
-input."""
+``--json`` writes the rows. Exit codes as for ``diff`` (``tpcheck.cli``): 0 every configuration passed, 1 one
+diverged, 2 bad input, 3 configurations crashed and none diverged."""
 from __future__ import annotations
 
 import argparse
@@ -21,16 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from tpcheck.arg_types import int_list, name_list
+
 TINY_PRESETS = ("tiny", "tiny-untied", "tiny-mha", "tiny-mqa")
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``sweep`` sub-command to a ``tpcheck`` argparse ``subparsers``."""
-    from tpcheck.cli import int_list  # (lazy: the CLI imports this module)
     sw = subparsers.add_parser(
         "sweep", help="the layer-by-layer diff over tp x dtype x decode steps, inputs drawn by Hypothesis",
         description="Run the layer-by-layer diff over every (model, tp, dtype, decode steps) configuration, "
@@ -40,16 +37,16 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "fails). A failing configuration is shrunk to its smallest failing example, printed with "
                     "a one-line `tpcheck diff` reproduction. Exit 0 all passed, 1 one failed, 2 bad input.")
     sw.add_argument("--tp", type=int_list, default=[1, 2, 4], help="TP sizes (default 1,2,4)")
-    sw.add_argument("--dtype", type=_names, default=["float32", "bfloat16"],
+    sw.add_argument("--dtype", type=name_list, default=["float32", "bfloat16"],
                     help="dtypes: float32, bfloat16, float16 (default float32,bfloat16)")
     sw.add_argument("--decode-steps", type=int_list, default=[0, 8], help="decode lengths (default 0,8)")
     sw.add_argument("--examples", type=int, default=5, help="drawn examples per configuration (default 5)")
     src = sw.add_mutually_exclusive_group()
-    src.add_argument("--preset", type=_names, action="extend", default=None,
+    src.add_argument("--preset", type=name_list, action="extend", default=None,
                      help=f"synthetic presets, comma-separated or repeated (default: {','.join(TINY_PRESETS)})")
     src.add_argument("--random-configs", action="store_true",
                      help="a fresh random model (tpcheck.strategies) per example instead of presets")
-    sw.add_argument("--outliers", type=lambda s: [float(x) for x in _names(s)], default=[0.0],
+    sw.add_argument("--outliers", type=lambda s: [float(x) for x in name_list(s)], default=[0.0],
                     help="with --random-configs: strengths of the massive-activation recipe to draw from, "
                          "comma-separated (0: off; 1: small-outliers' strength; default 0)")
     sw.add_argument("--block-size", type=int, default=None, help="fix the KV block size (default: drawn)")
