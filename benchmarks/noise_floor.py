@@ -24,14 +24,16 @@ import pandas as pd
 
 import tpcheck
 from impl.config import load_config
-from tpcheck import faults as F
+from tpcheck.faults import FAULTS, get_fault
 from tpcheck.check import random_prompts
 from tpcheck.checkpoints import PRESETS, cached_checkpoint
 from tpcheck.fault_matrix import expected_step, prompts_for, smallest_config
 from tpcheck.metrics import FLOOR, K_FACTOR
 from tpcheck.pool import EnginePool
 
-QUIET = open(os.devnull, "w")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
+from common import QUIET  # noqa: E402
+
 OUTLIER_CASE = dict(preset="small-outliers", tp=2, dtype="bfloat16", decode_steps=4, prompt_lens=(24, 29),
                     block_size=8)
 
@@ -89,7 +91,7 @@ def clean_runs(presets, seeds, decodes, pool) -> pd.DataFrame:
 
 
 def _fault_run(name: str, config: dict, pool) -> dict:
-    fault = F.get_fault(name)
+    fault = get_fault(name)
     d = cached_checkpoint(config["preset"])
     r = tpcheck.diff(model=str(d), tp=config["tp"], dtype=config["dtype"], decode_steps=config["decode_steps"],
                      prompts=prompts_for(config, load_config(d).vocab_size), inject=[name], pool=pool,
@@ -107,7 +109,7 @@ def _fault_run(name: str, config: dict, pool) -> dict:
 def fault_runs(pool) -> pd.DataFrame:
     rows = []
     outlier_cfg = load_config(cached_checkpoint("small-outliers"))
-    for name, fault in F.FAULTS.items():
+    for name, fault in FAULTS.items():
         if fault.check == "memory":
             continue
         configs = [smallest_config(fault)]

@@ -3,6 +3,7 @@ paged KV cache), drives the TP workers step by step and samples on the driver.""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,7 +60,7 @@ class LLM:
         self.max_num_batched_tokens = self._max_batched or max(8192, cfg.max_position)
         self.executor.call("_load", self.model_dir, str(self.dtype).removeprefix("torch."), self.device)
         self.executor.call("allocate_kv_cache", self.num_kv_blocks, self.block_size)
-        self._reset_scheduler()
+        self.reset_scheduler()
 
     def reload(self) -> None:
         """Reload the current checkpoint and cache layout (undoes anything done to the ranks' models)."""
@@ -72,7 +73,10 @@ class LLM:
         cap = max_num_seqs * -(-c.max_position // self.block_size)
         return max(1, min(budget // per_block, cap))
 
-    def _reset_scheduler(self) -> None:
+    def reset_scheduler(self) -> None:
+        """A fresh scheduler over an empty block pool: forgets the prefix cache and any queued or half-run
+        sequence (the KV cache tensors on the ranks are left as they are). For whoever changes what the
+        ranks compute (fault injection, hooks): blocks the old model wrote are not reused."""
         bm = BlockManager(self.num_kv_blocks, self.block_size, self.enable_prefix_caching)
         self.scheduler = Scheduler(bm, self.max_num_seqs, self.max_num_batched_tokens, set(self.cfg.eos_token_ids))
 
@@ -129,7 +133,7 @@ class LLM:
                 if bar is not None:
                     bar.update(len(batch))
         except BaseException:
-            self._reset_scheduler()  # half-run sequences must not hold blocks for the next request
+            self.reset_scheduler()  # half-run sequences must not hold blocks for the next request
             raise
         finally:
             if bar is not None:
@@ -144,8 +148,14 @@ class LLM:
         """Per rank, per layer: the (K, V) cache tensor shapes."""
         return self.executor.call("kv_cache_shapes")
 
-    def call(self, target: str, *args, **kwargs) -> list:
-        """Run ``module:function(runner, ...)`` on every rank (hooks, faults, inspection)."""
+    def call(self, target: Callable | str, *args, **kwargs) -> list:
+        """Run ``target(runner, *args, **kwargs)`` on every rank (hooks, faults, inspection); ``target`` is a
+        module-level function (each rank imports it by name) or its ``"module:function"`` name."""
+        if callable(target):
+            name = f"{target.__module__}:{target.__qualname__}"
+            if "." in target.__qualname__ or target.__module__ == "__main__":
+                raise ValueError(f"LLM.call needs a module-level function a rank can import, got {name}")
+            target = name
         return self.executor.call("call", target, *args, **kwargs)
 
     def close(self) -> None:

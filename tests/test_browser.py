@@ -189,6 +189,8 @@ def _check_page(browser, path: Path, want_fail: bool) -> dict:
         scripts: document.querySelectorAll('script').length,
         injected: document.querySelectorAll('#command b, dl.meta script').length,
         literal: document.body.textContent.includes('/ckpt/<script>alert(1)</script>'),
+        badge: getComputedStyle(document.getElementById('verdict')).backgroundColor,
+        sticky: getComputedStyle(document.querySelector('#rows thead th')).position,
     })""")
     state = json.loads(state)
     assert state["rendered"] == "1", state
@@ -197,6 +199,8 @@ def _check_page(browser, path: Path, want_fail: bool) -> dict:
     assert state["tableRows"] > 0, state
     assert state["verdict"] == ("FAIL" if want_fail else "PASS")
     assert state["injected"] == 0 and state["scripts"] == 2 and state["literal"], "user-provided text became markup"
+    # the inlined stylesheet (static/report.css) applies: the CSP lets it in
+    assert state["badge"] == ("rgb(198, 40, 40)" if want_fail else "rgb(46, 125, 50)") and state["sticky"] == "sticky", state
     assert browser.errors() == [], browser.errors()
     assert browser.requests() == [path.as_uri()], f"network requests: {browser.requests()}"
     return state
@@ -263,4 +267,7 @@ def test_sweep_page_renders_offline(browser, tmp_path):
     browser.open(page.as_uri())
     cells = browser.evaluate("[...document.querySelectorAll('#matrix td a')].map(a => a.textContent + ' ' + a.getAttribute('href'))")
     assert cells == ["PASS a.html", "FAIL b.html"]
+    colors = browser.evaluate("[...document.querySelectorAll('#matrix td.pass, #matrix td.fail')]"
+                              ".map(td => getComputedStyle(td).backgroundColor)")
+    assert colors == ["rgb(232, 245, 233)", "rgb(253, 232, 232)", "rgb(232, 245, 233)"], colors  # the stylesheet applies here too
     assert browser.errors() == [] and browser.requests() == [page.as_uri()]

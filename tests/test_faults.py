@@ -1,7 +1,9 @@
-"""tpcheck.faults: the registry, and each fault injected into a live (pooled) engine breaks it as described,
+"""tpcheck.faults: the registry (one declaration per fault, beside its patch), when a fault is silent (the
+KV layout included), and each fault injected into a live (pooled) engine breaks it as described,
 only where aimed, and a reload restores it. Every test restores its engine in a ``finally``."""
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -10,7 +12,8 @@ import torch
 from impl import SamplingParams
 from impl.config import load_config
 from tpcheck import faults
-from tpcheck.faults import FAULTS, fault_names, get_fault
+from tpcheck.faults import FAULTS, Fault, fault_names, get_fault
+from tpcheck.faults.registry import register
 
 APPLY = "tpcheck.faults:apply"
 DESCRIBE = "tpcheck.faults:describe"
@@ -101,6 +104,56 @@ def test_applies(ckpt):
                                            "every_rank_loads_rank0_shard", "rmsnorm_weight_before_cast",
                                            "rope_theta_default", "allreduce_low_precision")]
 
+
+
+def test_each_fault_declared_once_with_its_patch():
+    """One registry: every fault carries its patch and predicate (module-level: a Fault pickles), catalogue
+    numbers give the listing order, and a second declaration of a name or number is refused."""
+    assert [f.number for f in FAULTS.values()] == list(range(1, len(FAULTS) + 1))
+    for f in FAULTS.values():
+        assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.faults."), f.name
+        assert pickle.loads(pickle.dumps(f)) == f
+    rope = get_fault("rope_skipped")
+    with pytest.raises(ValueError, match="duplicate fault name"):
+        register(rope)
+    with pytest.raises(ValueError, match="share the number 3"):
+        register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 19  # the refused ones left no trace
+
+
+def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):
+    """slot_mapping_off_by_one_at_block_boundary fires only on a decode token at position p % block == 0:
+    ``tpcheck diff --preset small --tp 2 --seq-len 21 --decode-steps 3`` (block 16) writes 21..23, so diff
+    must say up front that the run cannot show it; a prompt of 14 tokens writes 16 at decode step 3."""
+    cfg = load_config(ckpt("small"))
+    slot = get_fault("slot_mapping_off_by_one_at_block_boundary")
+    why = slot.silent_because(cfg, 2, "float32", 3, False, prompt_lens=[21, 21], block_size=16)
+    assert why == ("shows only when a decode step writes the first slot of a KV block, and none does here "
+                   "(block size 16; decode steps write positions 21..23)")
+    assert slot.silent_because(cfg, 2, "float32", 3, False, prompt_lens=[14, 21], block_size=16) is None
+    assert slot.silent_because(cfg, 2, "float32", 4, False, prompt_lens=[21], block_size=8) is None  # 24: step 4
+    assert "positions 6, 14" in slot.silent_because(cfg, 1, "float32", 1, False, prompt_lens=[6, 14], block_size=8)
+    assert slot.silent_because(cfg, 2, "float32", 3, False) is None  # layout not given: no claim (old callers)
+    assert slot.silent_because(cfg, 2, "float32", 0, False, prompt_lens=[21], block_size=16) == (
+        "shows only while decoding, and --decode-steps is 0")
+    assert slot.expected_step([21, 21], 3, 16) is None and slot.expected_step([6, 14], 3, 8) == 3
+    # faults without a block-boundary origin ignore the layout
+    pos = get_fault("decode_position_off_by_one")
+    assert pos.silent_because(cfg, 2, "float32", 3, False, prompt_lens=[21, 21], block_size=16) is None
+
+
+def test_diff_notes_a_block_boundary_fault_that_cannot_fire(ckpt, engines):
+    """End to end (tpcheck.diff passes the run's prompt lengths and block size to ``silent_because``)."""
+    import tpcheck
+    slot = "slot_mapping_off_by_one_at_block_boundary"
+    d = ckpt("small")
+    for seq_len, silent in ((21, True), (14, False)):
+        r = tpcheck.diff(model=str(d), tp=2, seq_len=seq_len, decode_steps=3, inject=[slot], pool=engines,
+                         log=open("/dev/null", "w"))
+        assert (slot in r.meta["inject_silent"]) is silent, (seq_len, r.meta["inject_silent"])
+        assert r.passed is silent, r.summary()
+        if not silent:
+            assert (r.first_divergence["point"], r.first_divergence["step"]) == ("layers.0.kv.k", 3)
 
 # ---- prefill faults on a live engine ----------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Every JSON document tpcheck writes is strict JSON (no NaN / Infinity), versioned (``schema_version``,
-``kind``, run ``meta``) and valid against the shipped schema (``tpcheck.result.load_schema``); a saved result
+``kind``, run ``meta``) and valid against the shipped schema (``tpcheck.documents.load_schema``); a saved result
 read back is judged the same, and the readers refuse what they cannot read (a newer schema_version, another
 kind) by name."""
 from __future__ import annotations
@@ -18,8 +18,7 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 import tpcheck  # noqa: E402
-import tpcheck.layer_diff  # noqa: E402,F401 - now: its log=sys.stderr default must not be a test's capsys stream
-from tpcheck import fault_matrix, gate, result, sweep  # noqa: E402
+from tpcheck import documents, fault_matrix, gate, sweep  # noqa: E402
 from tpcheck.cli import main  # noqa: E402
 from tpcheck.report import ResultFormatError, load_result  # noqa: E402
 from tpcheck.report.sample import sample_result  # noqa: E402
@@ -38,7 +37,7 @@ def strict_load(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def validator():
-    schema = result.load_schema()
+    schema = documents.load_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
 
@@ -46,9 +45,9 @@ def validator():
 def valid(validator, doc: dict, kind: str) -> dict:
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
-    assert doc["schema_version"] == result.SCHEMA_VERSION == 1 and doc["kind"] == kind
+    assert doc["schema_version"] == documents.SCHEMA_VERSION == 1 and doc["kind"] == kind
     meta = doc["meta"]
-    assert set(result.RUN_META_KEYS) <= set(meta)
+    assert set(documents.RUN_META_KEYS) <= set(meta)
     assert meta["versions"]["tpcheck"] and meta["versions"]["torch"] and meta["versions"]["python"]
     assert meta["machine"]["cpu_count"] == os.cpu_count()
     when = datetime.datetime.fromisoformat(meta["created_utc"])
@@ -59,22 +58,22 @@ def valid(validator, doc: dict, kind: str) -> dict:
 # ------------------------------------------------------------------------------------------ the schema itself
 
 def test_schema_ships_and_describes_every_kind_and_column(validator):
-    schema = result.load_schema()
+    schema = documents.load_schema()
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    assert set(schema["properties"]["kind"]["enum"]) == set(result.KINDS)
-    assert all(k in schema["$defs"] for k in result.KINDS)
+    assert set(schema["properties"]["kind"]["enum"]) == set(documents.KINDS)
+    assert all(k in schema["$defs"] for k in documents.KINDS)
     row = schema["$defs"]["diff_row"]
-    cols = [c for c in result.COLUMNS if c != "order"]
+    cols = [c for c in tpcheck.result.COLUMNS if c != "order"]
     assert list(row["properties"]) == cols and row["required"] == cols and row["additionalProperties"] is False
     assert row["properties"]["rel_err"] == {"$ref": "#/$defs/number_or_null",
                                             "description": row["properties"]["rel_err"]["description"]}
     assert fault_matrix.COLUMNS == list(schema["$defs"]["fault_matrix_row"]["properties"])
-    assert set(schema["$defs"]["meta"]["required"]) == set(result.RUN_META_KEYS)
+    assert set(schema["$defs"]["meta"]["required"]) == set(documents.RUN_META_KEYS)
     # the shipped file is package data, so an installed wheel has it
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert '[tool.setuptools.package-data]\ntpcheck = ["result.schema.json"]' in text
     # a document of an unknown kind, a newer version, or with NaN where a number goes does not validate
-    doc = result.document("diff", {"passed": True, "first_divergence": None, "rows": []}, meta={})
+    doc = documents.document("diff", {"passed": True, "first_divergence": None, "rows": []}, meta={})
     assert not validator.is_valid(doc)  # no rows, no meta.dtype / model
     assert not validator.is_valid({**doc, "kind": "nope"}) and not validator.is_valid({**doc, "schema_version": 2})
 
@@ -82,28 +81,28 @@ def test_schema_ships_and_describes_every_kind_and_column(validator):
 def test_strict_json_nulls_every_non_finite_value_and_dumps_refuses_a_miss(monkeypatch):
     doc = {"a": math.nan, "b": [math.inf, -math.inf, np.float32("nan"), np.float64(2.5)], "c": (np.int64(3),),
            "d": {"e": np.array([1.0, np.nan]), 5: Path("/x")}, "f": np.bool_(True), "g": None}
-    assert result.strict_json(doc) == {"a": None, "b": [None, None, None, 2.5], "c": [3],
+    assert documents.strict_json(doc) == {"a": None, "b": [None, None, None, 2.5], "c": [3],
                                        "d": {"e": [1.0, None], "5": "/x"}, "f": True, "g": None}
-    text = result.dumps(doc)
+    text = documents.dumps(doc)
     assert "NaN" not in text and "Infinity" not in text
     json.loads(text, parse_constant=_no_constant)
-    monkeypatch.setattr(result, "strict_json", lambda obj: obj)  # a sanitizer that misses: dumps raises
+    monkeypatch.setattr(documents, "strict_json", lambda obj: obj)  # a sanitizer that misses: dumps raises
     with pytest.raises(ValueError, match="not JSON compliant"):
-        result.dumps({"x": math.nan})
+        documents.dumps({"x": math.nan})
 
 
 def test_run_meta_and_document_layout():
-    m = result.run_meta("tpcheck check --tp 1")
-    assert m["command"] == "tpcheck check --tp 1" and set(m) == set(result.RUN_META_KEYS)
+    m = documents.run_meta("tpcheck check --tp 1")
+    assert m["command"] == "tpcheck check --tp 1" and set(m) == set(documents.RUN_META_KEYS)
     assert set(m["versions"]) == {"tpcheck", "python", "torch", "transformers"}
     assert set(m["machine"]) == {"platform", "cpu_count", "gpu"}
-    doc = result.document("sweep", {"passed": True, "rows": [{"x": 1}]}, meta={"command": "mine", "seed": 3})
+    doc = documents.document("sweep", {"passed": True, "rows": [{"x": 1}]}, meta={"command": "mine", "seed": 3})
     assert list(doc) == ["schema_version", "kind", "passed", "meta", "rows"]
     assert doc["meta"]["command"] == "mine" and doc["meta"]["seed"] == 3  # the caller's meta wins
     with pytest.raises(ValueError, match="kind"):
-        result.document("table", {})
+        documents.document("table", {})
     with pytest.raises(ValueError, match="schema_version"):
-        result.document("check", {"schema_version": 7})
+        documents.document("check", {"schema_version": 7})
 
 
 # ------------------------------------------------------------------------------------------ real outputs
@@ -199,12 +198,12 @@ def test_check_json_is_strict_and_valid(validator, ckpt, engines, tmp_path):
     ok = bool(df["passed"].all())
     out = tmp_path / "sub" / "check.json"
     # what cli.py's `check --json` writes
-    result.write_json(out, "check", {"passed": ok, "model": str(model), "rows": df.to_dict("records")})
+    documents.write_json(out, "check", {"passed": ok, "model": str(model), "rows": df.to_dict("records")})
     doc = valid(validator, strict_load(out), "check")
     assert doc["passed"] is True and {r["tp"] for r in doc["rows"]} == {1, 2}
     # a NaN in a check row is written as null and still validates
     df.loc[0, ["rel_err", "cosine", "nan", "passed"]] = [math.nan, math.nan, 12, False]
-    result.write_json(out, "check", {"passed": False, "model": str(model), "rows": df.to_dict("records")})
+    documents.write_json(out, "check", {"passed": False, "model": str(model), "rows": df.to_dict("records")})
     doc = valid(validator, strict_load(out), "check")
     assert doc["rows"][0]["rel_err"] is None and doc["rows"][0]["nan"] == 12
 
@@ -228,11 +227,11 @@ def test_readers_refuse_a_newer_schema_version_and_other_kinds_by_name(tmp_path,
     sample_result(2, 0, isolate=False).to_json(path)
     doc = json.loads(path.read_text())
     newer = tmp_path / "newer.json"
-    newer.write_text(json.dumps({**doc, "schema_version": result.SCHEMA_VERSION + 1}))
+    newer.write_text(json.dumps({**doc, "schema_version": documents.SCHEMA_VERSION + 1}))
     code, msg = gate.regate(newer)
     assert code == 2 and str(newer) in msg
-    assert f"schema_version {result.SCHEMA_VERSION + 1} is newer" in msg
-    assert f"schema_version {result.SCHEMA_VERSION} and older" in msg
+    assert f"schema_version {documents.SCHEMA_VERSION + 1} is newer" in msg
+    assert f"schema_version {documents.SCHEMA_VERSION} and older" in msg
     ap = argparse.ArgumentParser(prog="tpcheck")
     gate.register(ap.add_subparsers(dest="cmd"))
     assert gate.run(ap.parse_args(["gate", str(newer)])) == 2
@@ -253,7 +252,7 @@ def test_a_file_without_schema_version_reads_as_version_0(tmp_path, monkeypatch)
     r = sample_result(3, 1, isolate=False, fail_at="layers.1.attn.q")
     doc = r.to_document()
     old = {"passed": doc["passed"], "first_divergence": doc["first_divergence"],
-           "meta": {k: v for k, v in doc["meta"].items() if k not in result.RUN_META_KEYS or k == "command"},
+           "meta": {k: v for k, v in doc["meta"].items() if k not in documents.RUN_META_KEYS or k == "command"},
            "rows": doc["rows"]}
     old["rows"][0]["cosine"] = math.nan  # the old writer let NaN through outside the rows' cleaning
     path = tmp_path / "old.json"

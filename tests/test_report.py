@@ -2,15 +2,19 @@
 read back (``load_result``) the same as they were written."""
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import json
 import math
 import re
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import tpcheck.report
 from tpcheck.report import ResultFormatError, load_result, result_from_dict
 from tpcheck.report.html import render_html, render_sweep_html, write_html
 from tpcheck.report.sample import sample_result
@@ -157,3 +161,65 @@ def test_sweep_page_links_each_configuration_and_escapes():
     assert page.count('class="fail"') >= 2 and '<span class="badge fail"' in page  # one failing: the sweep fails
     with pytest.raises(ValueError):
         render_sweep_html(rows, ["a.html"])
+
+
+# ---------------------------------------------------------------------------------------------- the package's layout
+
+REPORT = Path(tpcheck.report.__file__).parent
+
+
+def test_the_stylesheet_and_script_are_package_data_inlined_verbatim():
+    """``static/report.css`` and ``report.js`` are what the page's ``<style>`` and ``<script>`` hold, the CSP
+    hash is of that script, and the sweep page has the stylesheet and no script."""
+    css = (REPORT / "static" / "report.css").read_text(encoding="utf-8")
+    js = (REPORT / "static" / "report.js").read_text(encoding="utf-8")
+    page = render_html(sample_result(2, 1, fail_at="layers.0.mlp.up"))
+    assert re.search(r"<style>(.*?)</style>", page, re.S).group(1) == "\n" + css
+    script = re.search(r"<script>(.*?)</script>", page, re.S).group(1)
+    assert script == "\n" + js
+    assert f"'sha256-{base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()}'" in page
+    sweep = render_sweep_html([{"tp": 1, "passed": True}])
+    assert re.search(r"<style>(.*?)</style>", sweep, re.S).group(1) == "\n" + css
+    assert "<script" not in sweep and "script-src" not in sweep  # no script may run there
+
+
+def test_pyproject_ships_the_static_files():
+    """An installed wheel has every file the report inlines: pyproject's package-data names them."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(REPORT.parent.parent / "pyproject.toml", "rb") as f:
+        data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    shipped = {p for glob in data["tpcheck.report"] for p in REPORT.glob(glob)}
+    assert {"report.css", "report.js"} <= {p.name for p in shipped}
+    assert set((REPORT / "static").iterdir()) <= shipped
+
+
+def test_a_static_file_that_would_end_its_element_is_refused(tmp_path, monkeypatch):
+    from tpcheck.report import shell
+    (tmp_path / "static").mkdir()
+    (tmp_path / "static" / "report.js").write_text("var s = '</SCRIPT>';\n")
+    monkeypatch.setattr(shell, "resources", SimpleNamespace(files=lambda package: tmp_path))
+    shell.static_text.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"report\.js contains '</script'"):
+            shell.static_text("report.js")
+    finally:
+        shell.static_text.cache_clear()
+
+
+def test_the_report_modules_stay_small():
+    """The report is split by concern (page, chart, heatmap, sweep, shell, static CSS/JS): no module over
+    400 lines, no function over 80, and no stylesheet or script inside Python strings."""
+    for path in REPORT.glob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert len(text.splitlines()) < 400, path.name
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno + 1 <= 80, f"{path.name}: {node.name}"
+        assert "addEventListener" not in text and "box-sizing" not in text, path.name
+
+
+def test_the_public_names_import():
+    from tpcheck.report import html, render_html as lazy_render, render_sweep_html as lazy_sweep
+    from tpcheck.report.shell import static_text
+    assert lazy_render is render_html and lazy_sweep is render_sweep_html and html.write_html is write_html
+    assert static_text("report.js").lstrip().startswith("(function") and ":root" in static_text("report.css")

@@ -3,13 +3,15 @@
 An adapter runs the engine's TP ranks on a checkpoint and, for each step, returns its hook points as
 ``{name: (placement, [rank 0 tensor, rank 1 tensor, ...])}`` with canonical names (``tpcheck.points``),
 ``[rows, features]`` tensors and ``impl.placements`` placements (a rank that does not hold a point gives
-None). Points an engine does not report are simply not compared. See ``docs/adapters.md``."""
+None). Points an engine does not report are not compared, and listed (``tpcheck.coverage``). See
+``docs/adapters.md``."""
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
 
+from tpcheck import faults, impl_worker
 from tpcheck.reductions import Reductions
 
 Points = dict[str, tuple[object, list[torch.Tensor | None]]]
@@ -46,19 +48,19 @@ class ImplAdapter:
 
     def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
         if self.inject:
-            self.llm.call("tpcheck.faults:apply", self.inject, self.inject_layer)
+            self.llm.call(faults.apply, self.inject, self.inject_layer)
         bs, self.tables, nxt = self.block_size, [], 0
         for p in prompts:
             n = -(-(len(p) + decode_steps) // bs)
             self.tables.append(list(range(nxt, nxt + n)))
             nxt += n
         self.lens = [0] * len(prompts)
-        self.llm.call("tpcheck.impl_worker:setup", nxt, bs)
+        self.llm.call(impl_worker.setup, nxt, bs)
 
     def step(self, new_tokens, teacher, capture_kv) -> Points:
         batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]
         self.lens = [n + len(t) for n, t in zip(self.lens, new_tokens)]
-        per_rank = self.llm.call("tpcheck.impl_worker:step", batch, teacher, self.lens if capture_kv else None)
+        per_rank = self.llm.call(impl_worker.step, batch, teacher, self.lens if capture_kv else None)
         points: Points = {}
         for rank, pts in enumerate(per_rank):
             for name, (placement, t) in pts.items():

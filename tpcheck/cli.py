@@ -167,7 +167,7 @@ def _cmd_check(a, argv: list[str]) -> int:
     print(f"\n{'PASS' if ok else 'FAIL'}: worst tp={worst.tp} prompt {worst.prompt}: rel_err {worst.rel_err:.3g} vs "
           f"HF {a.dtype} {worst.ref_rel_err:.3g}")
     if a.json:
-        from tpcheck.result import write_json
+        from tpcheck.documents import write_json
         write_json(a.json, "check", {"passed": ok, "model": str(model), "rows": df.to_dict("records")},
                    meta={"dtype": a.dtype, "tp": tps}, command=shlex.join(["tpcheck", *argv]))
     return 0 if ok else 1
@@ -281,7 +281,7 @@ def _run(a, argv: list[str]) -> int:
         check_output_paths(getattr(a, "output", None), allow_dir=True)
         return gate.run(a)
     if a.cmd == "schema":
-        from tpcheck.result import load_schema
+        from tpcheck.documents import load_schema
         print(json.dumps(load_schema(), indent=2))
         return 0
     _parser().print_help()

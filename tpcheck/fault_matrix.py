@@ -27,7 +27,7 @@ import torch
 
 from impl.config import load_config
 from impl.shard_plan import shard_plan
-from tpcheck import faults as F
+from tpcheck.faults import FAULTS, Fault, get_fault, injected
 
 # candidate configurations, smallest first: a fault runs on the first one where it can show
 PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small")
@@ -59,11 +59,11 @@ def _resolver(ckpt):
     return cached_checkpoint
 
 
-def smallest_config(fault: F.Fault | str, ckpt=None) -> dict:
+def smallest_config(fault: Fault | str, ckpt=None) -> dict:
     """The smallest configuration where ``fault`` can show: ``{preset, tp, dtype, decode_steps,
     prompt_lens, block_size}`` (presets, then TP sizes, smallest first; float32 before bfloat16; the
     decode layout for decode-only faults). ``ckpt(preset) -> checkpoint dir`` (default: the cache)."""
-    fault = F.get_fault(fault) if isinstance(fault, str) else fault
+    fault = get_fault(fault) if isinstance(fault, str) else fault
     ckpt = _resolver(ckpt)
     for dtype in DTYPE_ORDER:
         for preset in PRESET_ORDER:
@@ -75,16 +75,11 @@ def smallest_config(fault: F.Fault | str, ckpt=None) -> dict:
     raise ValueError(f"{fault.name}: shows in none of the candidate configurations")
 
 
-def expected_step(fault: F.Fault, config: dict) -> int:
+def expected_step(fault: Fault, config: dict) -> int:
     """The step of the fault's expected origin in ``config``."""
-    if fault.origin_step == "prefill":
-        return 0
-    if fault.origin_step == "decode":
-        return 1
-    bs = config["block_size"]  # block_boundary: the first decode step that writes a position p % bs == 0
-    for s in range(1, config["decode_steps"] + 1):
-        if any((n + s - 1) % bs == 0 for n in config["prompt_lens"]):
-            return s
+    step = fault.expected_step(config["prompt_lens"], config["decode_steps"], config["block_size"])
+    if step is not None:
+        return step
     raise ValueError(f"{fault.name}: no prompt crosses a block boundary in {describe_config(config)}")
 
 
@@ -174,7 +169,7 @@ def memory_check(llm, inject: list[str] = (), layer: int | None = None) -> dict:
     clean = llm.call("tpcheck.fault_matrix:rank_memory")
     ranks = clean
     if inject:
-        with F.injected(llm, list(inject), layer):
+        with injected(llm, list(inject), layer):
             ranks = llm.call("tpcheck.fault_matrix:rank_memory")
     worst = max(ranks, key=lambda r: r["tensor_bytes"])
     return {"share_bytes": share, "checkpoint_bytes": total, "limit_bytes": limit, "clean": clean, "ranks": ranks,
@@ -230,7 +225,7 @@ def fault_row(name: str, pool, ckpt=None, log=None) -> dict:
     """Inject one fault on its smallest configuration and report what the checks found."""
     log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     ckpt = _resolver(ckpt)
-    fault = F.get_fault(name)
+    fault = get_fault(name)
     config = smallest_config(fault, ckpt)
     t0 = time.monotonic()
     r = _diff(pool, ckpt, config, [name], log)
@@ -302,7 +297,7 @@ def run_matrix(faults: list[str] | None = None, pool=None, log=None, ckpt=None, 
     expected origin and step; a clean run without alarm)."""
     log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     from tpcheck.pool import EnginePool
-    names = list(F.FAULTS) if faults is None else [F.get_fault(n).name for n in faults]
+    names = list(FAULTS) if faults is None else [get_fault(n).name for n in faults]
     ckpt = _resolver(ckpt)
     own = pool is None
     pool = pool or EnginePool(max_num_seqs=16)
@@ -359,7 +354,7 @@ def run(args, pool=None, ckpt=None) -> int:
     """``tpcheck faults matrix``: print the table; 0 when every fault is detected at its expected origin and
     no clean run alarms, 1 otherwise. (``pool`` / ``ckpt``: engines and checkpoints to reuse, for tests.)"""
     for n in args.faults or []:
-        F.get_fault(n)  # ValueError (exit 2) before any engine starts
+        get_fault(n)  # ValueError (exit 2) before any engine starts
     df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
     print(format_table(df))
     print("config: preset, TP size, dtype, prefill only or decode steps and KV block size, prompt lengths; "
@@ -372,7 +367,7 @@ def run(args, pool=None, ckpt=None) -> int:
     for _, r in df[~df["ok"].astype(bool) | (df["check"] == "memory")].iterrows():
         print(f"  {r.fault} ({r.config}): {r.note}")
     if args.json:
-        from tpcheck.result import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
+        from tpcheck.documents import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
         write_json(args.json, "fault_matrix", {"passed": ok, "rows": df.to_dict(orient="records")},
                    meta={"args": {k: v for k, v in vars(args).items()
                                   if k not in ("cmd", "action", "json", "debug")}})

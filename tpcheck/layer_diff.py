@@ -208,7 +208,8 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
           file=log, flush=True)
     silent = {}
     for name in inject:
-        why = get_fault(name).silent_because(cfg, tp, dtype, decode_steps, exact_ops)
+        why = get_fault(name).silent_because(cfg, tp, dtype, decode_steps, exact_ops,
+                                             prompt_lens=[len(p) for p in prompts], block_size=block_size)
         if why:
             silent[name] = why
             print(f"tpcheck diff: note: {name} {why}; expect this run to pass", file=log, flush=True)

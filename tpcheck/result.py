@@ -1,74 +1,58 @@
-"""``DiffResult``: the per-point table of a diff, its verdict, where the divergence began, and how it grew;
-and the JSON documents tpcheck writes (``write_json``), their schema (``load_schema``) and run metadata
-(``run_meta``).
-
-JSON documents (``tpcheck diff/check/sweep --json``, ``tpcheck faults matrix --json``) are strict JSON (RFC
-8259): jq, JavaScript's ``JSON.parse`` and any other conforming parser read them. Each is one object::
-
-    {"schema_version": 1, "kind": "diff" | "check" | "sweep" | "fault_matrix", "passed": ..., "meta": {...},
-     ... "rows": [...]}
-
-* ``schema_version`` (``SCHEMA_VERSION``): an integer, raised when a document changes in a way an older
-  reader would misread. Readers (``tpcheck gate`` / ``report``: ``tpcheck.report.load_result``) refuse a
-  newer version than they know, naming the file and both versions. A file without ``schema_version`` (written
-  before it existed) is read as version 0 when it otherwise has a diff result's shape.
-* ``kind`` says which document it is; ``load_schema()`` returns the JSON Schema (draft 2020-12, shipped as
-  ``tpcheck/result.schema.json``; ``tpcheck schema`` prints it) with one definition per kind.
-* ``meta`` has at least ``run_meta()``'s keys: ``versions`` (tpcheck, python, torch, transformers),
-  ``machine`` (platform, cpu_count, gpu), ``command`` and ``created_utc`` (ISO 8601, UTC); a diff's meta adds
-  the run's own keys (model, dtype, tp, ...).
-
-**The null rule.** A non-finite float (NaN, +inf, -inf), anywhere in a document, is written as ``null``;
-``null`` in a number field never means anything else. Nothing is written as ``NaN`` or ``Infinity``: the
-writer sanitizes recursively (``strict_json``) and then calls ``json.dumps(..., allow_nan=False)``, so a value
-the sanitizer missed raises instead of producing invalid JSON. How a reader tells *why* a number is null:
-
-* a diff row: ``nan`` / ``inf`` > 0 -- the engine's tensor held that many NaN / Inf elements, so its
-  ``rel_err``, ``cosine``, ``max_abs``, ``excess``, ... are not finite (a NaN-producing engine); else ``note``
-  non-empty -- the comparison could not be made (``shape [...] != golden [...]``: the error statistics are
-  infinite); else ``excess`` null with a finite ``rel_err`` -- a zero threshold (a tolerance file's floor 0);
-  else the column does not apply to the row: ``ref_rel_err_tp`` at tp 1, ``op_mismatch`` without
-  ``--exact-ops`` or at a point exact ops do not check, ``ref_rel_err`` / ``ref_rel_err_hf`` where no
-  reference measured an error (the threshold is then the floor), ``cosine`` where the engine's or the
-  golden tensor is all zero;
-* ``first_divergence`` is the first failing row: the same rule, with that row's counts in ``rows``;
-* a sweep row's ``excess``: its worst point's excess was not finite (NaN in the engine, or a shape mismatch:
-  ``origin`` / ``failing_example`` / ``error`` say which); a fault-matrix row's: its ``by`` / ``note``.
-
-Reading back, ``tpcheck.report.load_result`` maps ``null`` to NaN in every float column, so a loaded result is
-re-judged (``tpcheck gate``) to the same verdict and origin: the gate treats NaN and inf alike (neither is
-within a threshold; a non-finite reference error leaves the floor as the threshold)."""
+"""``DiffResult``: the per-point table of a diff (one ``Row`` per comparison: the only list of columns), its
+verdict, where the divergence began and how it grew; saved as a JSON document (``to_json``, the format in
+``tpcheck.documents``) and read back (``load_result``)."""
 from __future__ import annotations
 
-import datetime
-import functools
 import json
 import math
-import os
-import platform
-import shlex
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path, PurePath
+from dataclasses import dataclass, fields
+from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
-from tpcheck.metrics import FLOOR, K_FACTOR
+from tpcheck.documents import SCHEMA_VERSION, document, run_meta, write_document
+from tpcheck.metrics import K_FACTOR
+from tpcheck.points import split_point
 
-SCHEMA_VERSION = 1
-KINDS = ("diff", "check", "sweep", "fault_matrix")
-SCHEMA_FILE = "result.schema.json"  # package data of ``tpcheck``
-RUN_META_KEYS = ("versions", "machine", "command", "created_utc")
+NAN = math.nan
 
 
-# ref_rel_err: the reference error the threshold uses: the worst row (token) of the references at this point
-# over this and earlier steps, or a reference's whole-tensor error if larger; ref_by names the reference and
-# step ("hf-tp@0"). The references' whole-tensor errors at this step: ref_rel_err_hf (HF at the dtype, one
-# device) and ref_rel_err_tp (HF at the dtype rounding as the engine's TP all-reduces do; NaN at tp 1).
-COLUMNS = ["point", "layer", "step", "mode", "kind", "rel_err", "ref_rel_err", "ref_rel_err_hf", "ref_rel_err_tp",
-           "ref_by", "threshold", "excess", "cosine",
-           "max_abs", "max_abs_index", "mean_abs", "p99_abs", "ref_norm", "nan", "inf", "op_mismatch", "passed", "note", "order"]
+@dataclass
+class Row:
+    """One comparison of one point at one step: the table's columns, in order. The diff run fills the
+    measurements and structural findings; ``tpcheck.judge`` fills ``threshold``, ``excess`` and ``passed``."""
+
+    point: str
+    layer: int | None
+    step: int
+    mode: str                      # "propagated" or "isolated" (teacher-forced)
+    kind: str                      # the point's kind, the key of per-kind tolerances ("attn.q", "logits", ...)
+    rel_err: float                 # ||engine - golden|| / ||golden||
+    # the reference error the threshold uses: the worst row (token) of the references at this point over this
+    # and earlier steps, or a reference's whole-tensor error if larger; ref_by names reference and step
+    ref_rel_err: float
+    ref_rel_err_hf: float = NAN    # HF at the dtype on one device, whole tensor, this step
+    ref_rel_err_tp: float = NAN    # HF at the dtype rounding as the engine's TP all-reduces do (NaN at tp 1)
+    ref_by: str = ""               # "hf-tp@0": the reference and step that set ref_rel_err
+    threshold: float = NAN
+    excess: float = NAN            # rel_err / threshold (or max_abs / abs_max if larger)
+    cosine: float = NAN
+    max_abs: float = NAN
+    max_abs_index: list | None = None  # (batch, token, feature) of max_abs
+    mean_abs: float = NAN
+    p99_abs: float = NAN
+    ref_norm: float = NAN
+    nan: int = 0                   # NaN / Inf elements in the engine's tensor
+    inf: int = 0
+    op_mismatch: float = NAN       # --exact-ops: fraction of elements that differ from HF's op
+    passed: bool = False
+    note: str = ""                 # a structural finding (shape, ranks disagreeing, exact ops): always fails
+    order: int = 0                 # execution order within (mode, step); not saved
+
+
+COLUMNS = [f.name for f in fields(Row)]
+FLOAT_COLUMNS = [f.name for f in fields(Row) if f.type == "float"]
+INT_COLUMNS = ("layer", "step", "nan", "inf")
 
 
 @dataclass
@@ -185,9 +169,7 @@ class DiffResult:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DiffResult":
-        """Read what ``to_json`` wrote; ``tpcheck.report.ResultFormatError`` (a ValueError) names the file and
-        what is wrong."""
-        from tpcheck.report import load_result  # lazy: tpcheck.report imports this module
+        """Read what ``to_json`` wrote (``load_result``)."""
         return load_result(path)
 
     def to_document(self) -> dict:
@@ -195,7 +177,7 @@ class DiffResult:
         ``meta`` lacks (a result built without ``from_rows``) are those of this process, now."""
         rows = self.table.drop(columns=["order"]).to_dict(orient="records")
         for r in rows:  # integer columns that pandas holds as floats beside NaN (layer: NaN outside the layers)
-            for c in _INT_COLUMNS:
+            for c in INT_COLUMNS:
                 v = r.get(c)
                 if isinstance(v, float) and v.is_integer():
                     r[c] = int(v)
@@ -204,130 +186,95 @@ class DiffResult:
 
     def to_json(self, path: str | Path) -> None:
         """Write ``to_document()``: full float64 precision, non-finite values as null, ``allow_nan=False``."""
-        _write(path, self.to_document())
+        write_document(path, self.to_document())
 
     def to_csv(self, path: str | Path) -> None:
         self.table.drop(columns=["order"]).to_csv(path, index=False)
 
 
-_INT_COLUMNS = ("layer", "step", "nan", "inf")
+# ---------------------------------------------------------------------------------------- reading back
+
+class ResultFormatError(ValueError):
+    """A saved result that is unreadable or malformed."""
 
 
-# ------------------------------------------------------------------------------------------ JSON documents
+_REQUIRED = ("point", "step", "mode", "rel_err", "ref_rel_err")
+_DEFAULTS = {f.name: f.default for f in fields(Row) if f.name not in _REQUIRED}
+_DEFAULTS["passed"] = True  # a version-0 row without a verdict: the judge decides again
 
-def _version(dist: str) -> str | None:
-    from importlib import metadata
+
+def _num(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def result_from_dict(data, source: str = "<result>") -> DiffResult:
+    """A ``DiffResult`` from the parsed JSON of ``DiffResult.to_json``; ``source`` names it in errors."""
+    if not isinstance(data, dict):
+        raise ResultFormatError(f"{source}: expected a JSON object with 'meta' and 'rows', got {type(data).__name__}")
+    version = data.get("schema_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ResultFormatError(f"{source}: schema_version must be an integer >= 0, got {version!r}")
+    if version > SCHEMA_VERSION:
+        raise ResultFormatError(f"{source}: schema_version {version} is newer than this tpcheck "
+                                f"({_tpcheck_version()}) reads: schema_version {SCHEMA_VERSION} and older; "
+                                f"read it with a newer tpcheck")
+    kind = data.get("kind", "diff" if version == 0 else None)
+    if kind != "diff":
+        if "kind" not in data:
+            raise ResultFormatError(f"{source}: no 'kind' key (a schema_version {version} document must have one)")
+        what = f"a tpcheck {kind} result" if isinstance(kind, str) else f"kind {kind!r}"
+        raise ResultFormatError(f"{source}: {what}, not a diff result (the --json output of tpcheck diff)")
+    for key in ("meta", "rows"):
+        if key not in data:
+            raise ResultFormatError(f"{source}: no '{key}' key (is this the --json output of tpcheck diff?)")
+    meta, rows = data["meta"], data["rows"]
+    if not isinstance(meta, dict):
+        raise ResultFormatError(f"{source}: 'meta' must be an object")
+    if meta.get("dtype") not in K_FACTOR:
+        raise ResultFormatError(f"{source}: meta.dtype is {meta.get('dtype')!r}, expected one of {', '.join(K_FACTOR)}")
+    if not isinstance(rows, list) or not (rows or (meta.get("coverage") or {}).get("problem")):
+        raise ResultFormatError(f"{source}: 'rows' must be a non-empty list (empty only with meta.coverage.problem)")
+    out = []
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ResultFormatError(f"{source}: rows[{i}] is not an object")
+        missing = [c for c in _REQUIRED if c not in r]
+        if missing:
+            raise ResultFormatError(f"{source}: rows[{i}] has no {', '.join(repr(m) for m in missing)}")
+        if not isinstance(r["point"], str) or r.get("mode") not in ("propagated", "isolated"):
+            raise ResultFormatError(f"{source}: rows[{i}]: bad point {r['point']!r} or mode {r.get('mode')!r}")
+        if isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0:
+            raise ResultFormatError(f"{source}: rows[{i}].step must be an integer >= 0, got {r['step']!r}")
+        for c in FLOAT_COLUMNS:
+            if c in r and not _num(r[c]):
+                raise ResultFormatError(f"{source}: rows[{i}].{c} must be a number or null, got {r[c]!r}")
+        if "passed" in r and not isinstance(r["passed"], bool):
+            raise ResultFormatError(f"{source}: rows[{i}].passed must be true or false, got {r['passed']!r}")
+        layer, kind = split_point(r["point"])
+        row = {**_DEFAULTS, "layer": layer, "kind": kind, **{k: v for k, v in r.items() if k in COLUMNS}}
+        for c in FLOAT_COLUMNS:  # JSON null: NaN or inf that pandas wrote as null
+            if row[c] is None:
+                row[c] = math.nan
+        row["note"] = row["note"] or ""
+        row["order"] = i  # rows are saved in execution order within each (mode, step)
+        out.append(row)
+    return DiffResult.from_rows(out, meta, stamp=False)  # meta says where and when the result was made
+
+
+def _tpcheck_version() -> str:
+    return run_meta()["versions"]["tpcheck"]
+
+
+def load_result(path: str | Path) -> DiffResult:
+    """Read a result written by ``DiffResult.to_json`` (``tpcheck diff --json``)."""
     try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def _static_meta() -> dict:
-    import torch  # imported already (tpcheck.metrics)
-    gpu = None
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ResultFormatError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ResultFormatError(f"{path}: not UTF-8 text: {e}") from None
     try:
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001 - a broken driver must not stop a result from being written
-        gpu = None
-    return {"versions": {"tpcheck": _version("tpcheck") or "unknown", "python": platform.python_version(),
-                         "torch": str(torch.__version__), "transformers": _version("transformers")},
-            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "gpu": gpu}}
-
-
-def _process_command() -> str:
-    """This process's command line, as a shell would take it (``tpcheck ...`` for the console script)."""
-    argv = list(sys.argv) or [""]
-    head = Path(argv[0]).name or "python"
-    if head == "__main__.py":  # python -m tpcheck
-        head = f"python -m {Path(argv[0]).parent.name}"
-    return " ".join([head, shlex.join(argv[1:])]).strip()
-
-
-def run_meta(command: str | None = None) -> dict:
-    """What made a result: ``versions`` (tpcheck, python, torch, transformers: strings; transformers None when
-    not installed), ``machine`` (``platform.platform()``, CPU count, the name of GPU 0 when
-    ``torch.cuda.is_available()``, else None), ``command`` (default: this process's command line) and
-    ``created_utc`` (now, ISO 8601 in UTC, e.g. ``2025-01-31T12:00:00+00:00``)."""
-    static = _static_meta()
-    return {"versions": dict(static["versions"]), "machine": dict(static["machine"]),
-            "command": command if command is not None else _process_command(),
-            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
-def strict_json(obj):
-    """``obj`` as plain JSON data under the null rule: non-finite floats (Python, numpy) become None; numpy
-    scalars and arrays, tuples and sets become Python numbers and lists; paths and other objects their
-    ``str()`` (as ``json.dumps(default=str)`` did); dict keys strings."""
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, float):  # np.float64 too
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, dict):
-        return {str(k): strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    if isinstance(obj, (set, frozenset)):
-        return [strict_json(v) for v in sorted(obj, key=repr)]
-    if isinstance(obj, np.generic):
-        return strict_json(obj.item())
-    if isinstance(obj, np.ndarray):
-        return strict_json(obj.tolist())
-    if obj is pd.NA or obj is pd.NaT:
-        return None
-    if isinstance(obj, (datetime.datetime, datetime.date)):
-        return obj.isoformat()
-    if isinstance(obj, PurePath):
-        return str(obj)
-    if hasattr(obj, "tolist"):  # a torch tensor
-        return strict_json(obj.tolist())
-    return str(obj)
-
-
-def dumps(doc) -> str:
-    """Strict JSON text of ``doc``: ``strict_json`` then ``json.dumps(allow_nan=False)`` (a non-finite float
-    that got past the sanitizer raises ValueError rather than writing ``NaN``)."""
-    return json.dumps(strict_json(doc), indent=1, allow_nan=False)
-
-
-def document(kind: str, body: dict, meta: dict | None = None, command: str | None = None) -> dict:
-    """The JSON document of ``kind`` (``KINDS``): ``schema_version``, ``kind``, ``body``'s keys, and ``meta``:
-    ``run_meta(command)`` under ``meta`` (``meta``'s own keys, e.g. a diff's command, win), with ``rows``
-    last. Not yet sanitized: ``dumps`` / ``write_json`` do that."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown document kind {kind!r}; kinds: {', '.join(KINDS)}")
-    clash = {"schema_version", "kind"} & set(body)
-    if clash:
-        raise ValueError(f"body must not set {', '.join(sorted(clash))}")
-    meta = {**run_meta(command), **(body.get("meta") or {}), **(meta or {})}
-    doc = {"schema_version": SCHEMA_VERSION, "kind": kind}
-    doc.update((k, v) for k, v in body.items() if k not in ("meta", "rows"))
-    doc["meta"] = meta
-    if "rows" in body:
-        doc["rows"] = body["rows"]
-    return doc
-
-
-def _write(path: str | Path, doc: dict) -> Path:
-    path = Path(path)
-    text = dumps(doc) + "\n"  # before touching the file: a failure leaves no half-written document
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-def write_json(path: str | Path, kind: str, body: dict, meta: dict | None = None,
-               command: str | None = None) -> Path:
-    """Write ``document(kind, body, meta, command)`` to ``path`` as strict JSON (parent directories created);
-    returns the path. E.g. ``write_json(p, "check", {"passed": ok, "model": str(model), "rows": rows})``."""
-    return _write(path, document(kind, body, meta, command))
-
-
-def load_schema() -> dict:
-    """The JSON Schema (draft 2020-12) of every document kind, shipped in the package (``result.schema.json``)."""
-    from importlib import resources
-    return json.loads(resources.files("tpcheck").joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ResultFormatError(f"{path}: not valid JSON: {e}") from None
+    return result_from_dict(data, str(path))

@@ -286,7 +286,7 @@ def run(a, pool=None) -> int:
           f"{', a fresh engine per example' if getattr(a, 'no_pool', False) else ', pooled engines'})"
           + (f"; {len(rows) - len(ran)} skipped" if len(rows) > len(ran) else ""))
     if a.json:
-        from tpcheck.result import write_json  # strict JSON, schema_version, kind "sweep", run meta
+        from tpcheck.documents import write_json  # strict JSON, schema_version, kind "sweep", run meta
         write_json(a.json, "sweep", {"passed": not failed, "rows": rows},
                    meta={"args": {k: v for k, v in vars(a).items() if k not in ("cmd", "json", "debug")}})
         print(f"wrote {a.json}")
