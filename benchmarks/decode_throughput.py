@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
+from common import add_checkpoint_args, add_json_arg, check_json_arg, make_log, print_table, proc_cpu_s  # noqa: E402
+from common import resolve_checkpoint  # noqa: E402
 
 AIMS = {1: 1.0, 16: 2.0}  # the project's throughput aims, impl / HF end to end, by batch size
-
-
-def log(msg: str) -> None:
-    print(f"[decode_throughput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("decode_throughput")
 
 
 # runs inside the impl worker through ``LLM.call("decode_throughput:set_threads", n)``
@@ -42,21 +42,15 @@ def set_threads(runner, n: int) -> int:
     return torch.get_num_threads()
 
 
-def resolve_checkpoint(args) -> Path:
-    from tpcheck.checkpoints import resolve_checkpoint as resolve
-    log(f"checkpoint {args.ckpt_dir or args.preset} (written once on first use, ~15 s for qwen2.5-0.5b) ...")
-    return resolve(args.preset, seed=args.seed, ckpt_dir=args.ckpt_dir, root=args.cache_root)
-
-
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int, repeat: int = 0) -> list[list[int]]:
-    """``n`` prompts, lengths uniform in ``[lo, hi]`` from ``seed``; each ``repeat`` has the same lengths but fresh
-    token ids, so a repeated run cannot hit impl's prefix cache with the blocks of an earlier one."""
+    """``n`` prompts, lengths uniform in ``[lo, hi]`` from ``seed``, token ids ``tpcheck.check.random_prompts``;
+    each ``repeat`` has the same lengths but fresh token ids, so a repeated run cannot hit impl's prefix cache
+    with the blocks of an earlier one."""
     import torch
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    if repeat:
-        g.manual_seed(seed * 7919 + repeat)
-    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
+
+    from tpcheck.check import random_prompts
+    lens = torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [p[:k] for p, k in zip(random_prompts(vocab, n, hi, seed * 7919 + repeat), lens)]
 
 
 class StepTimes:
@@ -70,13 +64,6 @@ class StepTimes:
 
     def end(self):
         pass
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads) from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_impl(llm, prompts, n_new: int) -> dict:
@@ -142,17 +129,11 @@ def first_mismatch_gap(model, llm, prompt, hf_tok, impl_tok) -> dict:
                 max_abs_logit_diff=float(diff.max()))
 
 
-
-
-def main(argv=None) -> int:
-    from tpcheck.cli import positive_ints
-    from tpcheck.checkpoints import preset_names
+def parse_args(argv):
+    from tpcheck.arg_types import positive_ints
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="qwen2.5-0.5b", choices=preset_names(), help="checkpoint preset")
-    ap.add_argument("--ckpt-dir", help="checkpoint directory to reuse (written there once if missing/empty)")
-    ap.add_argument("--cache-root", help="cache root for the preset checkpoint")
-    ap.add_argument("--seed", type=int, default=0, help="checkpoint and prompt seed")
+    add_checkpoint_args(ap, seed_help="checkpoint and prompt seed")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     ap.add_argument("--batch", type=positive_ints, default=[1, 16], help="batch sizes (default 1,16)")
     ap.add_argument("--min-len", type=int, default=16, help="shortest prompt (default 16)")
@@ -161,7 +142,7 @@ def main(argv=None) -> int:
                     help="torch threads on both sides (default: all cores)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="timed runs per side and batch (fresh prompts of the same lengths each); the fastest counts")
-    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    add_json_arg(ap)
     args = ap.parse_args(argv)
     if args.new_tokens < 1:
         ap.error("--new-tokens must be >= 1")
@@ -171,90 +152,96 @@ def main(argv=None) -> int:
         ap.error("--threads must be >= 1")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        ap.error(f"--json: directory {Path(args.json).resolve().parent} does not exist")
+    check_json_arg(ap, args)
+    return ap, args
 
+
+def cross_check(check: dict, res: dict, prompts, model, llm) -> bool:
+    """Greedy tokens of one repeat, impl vs HF, into ``check``; True for a batch-1 mismatch beyond float noise."""
+    it, ht = res["impl"]["tokens"], res["hf"]["tokens"]
+    b = len(prompts)
+    check["rows_equal"] += sum(it[i] == ht[i] for i in range(b))
+    check["rows"] += b
+    if b == 1 and it[0] != ht[0] and "first" not in check:
+        mism = [j for j, (x, y) in enumerate(zip(it[0], ht[0])) if x != y]
+        info = first_mismatch_gap(model, llm, prompts[0], ht[0], it[0])
+        tiny = (info["hf_top2_gap"] <= 1e-3 * max(1.0, info["max_abs_logit"])
+                and info["max_abs_logit_diff"] <= 1e-3 * max(1.0, info["max_abs_logit"]))
+        check.update(mismatch_positions=mism, first=info, within_noise=tiny)
+        return not tiny
+    return False
+
+
+def side_row(b: int, side: str, r: dict, n_new: int) -> dict:
+    """The reported figures of one side's best run at batch ``b``."""
+    dec_s = r["total_s"] - r["first_s"]
+    return dict(
+        batch=b, side=side, prompt_tokens=r["prompt_tokens"], new_tokens=n_new,
+        total_s=r["total_s"], first_token_s=r["first_s"], decode_s=dec_s, steps=r["steps"],
+        cpu_s=r["cpu_s"], driver_cpu_s=r["driver_cpu_s"], tok_per_cpu_s=b * n_new / r["cpu_s"],
+        tok_per_s=b * n_new / r["total_s"],
+        decode_tok_per_s=(b * (n_new - 1) / dec_s) if n_new > 1 and dec_s > 0 else None,
+        loadavg_1m_before=r["loadavg_1m_before"], loadavg_1m_after=r["loadavg_1m_after"])
+
+
+def timed_batch(llm, model, args, b: int, prompts_by_repeat: list) -> tuple[list[dict], dict, bool]:
+    """``--repeats`` timed runs per side at batch ``b``, alternating impl / HF: the rows of each side's fastest
+    run, the correctness cross-check, and whether it failed."""
+    best, check, failed = {}, dict(batch=b, rows_equal=0, rows=0), False
+    for rep, prompts in enumerate(prompts_by_repeat):
+        res = {}
+        for side, fn in (("impl", lambda: run_impl(llm, prompts, args.new_tokens)),
+                         ("hf", lambda: run_hf(model, prompts, args.new_tokens, args.threads))):
+            la = os.getloadavg()[0]
+            r = res[side] = fn()
+            r["loadavg_1m_before"], r["loadavg_1m_after"] = la, os.getloadavg()[0]
+            r["prompt_tokens"] = sum(len(p) for p in prompts)
+            log(f"batch {b} {side} run {rep + 1}/{args.repeats}: {r['total_s']:.2f}s "
+                f"(first token {r['first_s']:.2f}s); load avg {la:.2f} -> {r['loadavg_1m_after']:.2f}")
+            if side not in best or r["total_s"] < best[side]["total_s"]:
+                best[side] = r
+        failed |= cross_check(check, res, prompts, model, llm)  # on every repeat
+    return [side_row(b, side, best[side], args.new_tokens) for side in ("impl", "hf")], check, failed
+
+
+def measure(args, model_dir: Path, vocab: int) -> dict:
+    """Both sides loaded, warmed up and timed at every batch size: rows, checks, failed, impl_threads."""
     import torch
-    from tpcheck.capture_hf import load_hf_model
 
     from impl import LLM
-    from impl.config import load_config
-
-    t_start = time.perf_counter()
-    try:
-        model_dir = resolve_checkpoint(args)
-    except (FileExistsError, NotADirectoryError, ValueError) as e:
-        ap.error(f"--ckpt-dir: {e}")
-    cfg = load_config(model_dir)
-    if args.max_len + args.new_tokens > cfg.max_position:
-        ap.error(f"--max-len {args.max_len} + --new-tokens {args.new_tokens} exceeds the model's "
-                 f"{cfg.max_position} positions")
-    torch.set_num_threads(args.threads)
-    timed = {(b, rep): make_prompts(b, args.min_len, args.max_len, cfg.vocab_size, args.seed * 1000 + b, rep)
-             for b in args.batch for rep in range(args.repeats)}
-    warm = {b: make_prompts(b, 8, 16, cfg.vocab_size, args.seed * 1000 + 500 + b) for b in args.batch}
+    from tpcheck.capture_hf import load_hf_model
+    timed = {b: [make_prompts(b, args.min_len, args.max_len, vocab, args.seed * 1000 + b, rep)
+                 for rep in range(args.repeats)] for b in args.batch}
+    warm = {b: make_prompts(b, 8, 16, vocab, args.seed * 1000 + 500 + b) for b in args.batch}
     warm_tokens = min(args.new_tokens, 4)
-
     t0 = time.perf_counter()
     log(f"loading impl (tp 1, worker process) from {model_dir} ...")
     llm = LLM(model_dir, tp_size=1, dtype="float32")
-    rows, checks, failed = [], {}, False
+    out = dict(rows=[], checks={}, failed=False)
     try:
-        impl_threads = llm.call(f"{Path(__file__).stem}:set_threads", args.threads)[0]
-        log(f"impl loaded in {time.perf_counter() - t0:.1f}s; worker threads {impl_threads}")
+        out["impl_threads"] = llm.call(f"{Path(__file__).stem}:set_threads", args.threads)[0]
+        log(f"impl loaded in {time.perf_counter() - t0:.1f}s; worker threads {out['impl_threads']}")
         t0 = time.perf_counter()
         log("loading HF Qwen2ForCausalLM ...")
         model = load_hf_model(model_dir, "float32")
         log(f"HF loaded in {time.perf_counter() - t0:.1f}s; driver threads {torch.get_num_threads()}")
-
         t0 = time.perf_counter()
         for b in args.batch:
             run_impl(llm, warm[b], warm_tokens)
             run_hf(model, warm[b], warm_tokens, args.threads)
         log(f"warm-up (both sides, batches {args.batch}, {warm_tokens} tokens) {time.perf_counter() - t0:.1f}s")
-
         for b in args.batch:
-            best, check = {}, dict(batch=b, rows_equal=0, rows=0)
-            for rep in range(args.repeats):
-                prompts = timed[b, rep]
-                res = {}
-                for side, fn in (("impl", lambda: run_impl(llm, prompts, args.new_tokens)),
-                                 ("hf", lambda: run_hf(model, prompts, args.new_tokens, args.threads))):
-                    la = os.getloadavg()[0]
-                    r = res[side] = fn()
-                    r["loadavg_1m_before"], r["loadavg_1m_after"] = la, os.getloadavg()[0]
-                    r["prompt_tokens"] = sum(len(p) for p in prompts)
-                    log(f"batch {b} {side} run {rep + 1}/{args.repeats}: {r['total_s']:.2f}s "
-                        f"(first token {r['first_s']:.2f}s); load avg {la:.2f} -> {r['loadavg_1m_after']:.2f}")
-                    if side not in best or r["total_s"] < best[side]["total_s"]:
-                        best[side] = r
-                # ---- correctness cross-check, on every repeat ----
-                it, ht = res["impl"]["tokens"], res["hf"]["tokens"]
-                check["rows_equal"] += sum(it[i] == ht[i] for i in range(b))
-                check["rows"] += b
-                if b == 1 and it[0] != ht[0] and "first" not in check:
-                    mism = [j for j, (x, y) in enumerate(zip(it[0], ht[0])) if x != y]
-                    info = first_mismatch_gap(model, llm, prompts[0], ht[0], it[0])
-                    tiny = (info["hf_top2_gap"] <= 1e-3 * max(1.0, info["max_abs_logit"])
-                            and info["max_abs_logit_diff"] <= 1e-3 * max(1.0, info["max_abs_logit"]))
-                    check.update(mismatch_positions=mism, first=info, within_noise=tiny)
-                    failed |= not tiny
-            checks[b] = check
-            for side in ("impl", "hf"):
-                r = best[side]
-                dec_s = r["total_s"] - r["first_s"]
-                rows.append(dict(
-                    batch=b, side=side, prompt_tokens=r["prompt_tokens"], new_tokens=args.new_tokens,
-                    total_s=r["total_s"], first_token_s=r["first_s"], decode_s=dec_s, steps=r["steps"],
-                    cpu_s=r["cpu_s"], driver_cpu_s=r["driver_cpu_s"], tok_per_cpu_s=b * args.new_tokens / r["cpu_s"],
-                    tok_per_s=b * args.new_tokens / r["total_s"],
-                    decode_tok_per_s=(b * (args.new_tokens - 1) / dec_s) if args.new_tokens > 1 and dec_s > 0 else None,
-                    loadavg_1m_before=r["loadavg_1m_before"], loadavg_1m_after=r["loadavg_1m_after"]))
+            rows, out["checks"][b], failed = timed_batch(llm, model, args, b, timed[b])
+            out["rows"] += rows
+            out["failed"] |= failed
     finally:
         llm.close()
-    total_s = time.perf_counter() - t_start
+    return out
 
-    # ---- report ---------------------------------------------------------------------------------------
+
+# ---- report ---------------------------------------------------------------------------------------------
+def print_rows(args, rows: list[dict], impl_threads: int) -> None:
+    import torch
     print(f"# decode_throughput: preset {args.preset}, float32, CPU, impl tp 1 vs HF generate; greedy, "
           f"{args.new_tokens} new tokens/prompt; prompt lengths uniform [{args.min_len}, {args.max_len}] (seeded)")
     print(f"# threads: impl worker {impl_threads}, HF (driver) {torch.get_num_threads()}, cores {os.cpu_count()}; "
@@ -266,19 +253,19 @@ def main(argv=None) -> int:
     print()
     hdr = ["batch", "side", "prompt tok", "total s", "first s", "decode s", "tok/s", "decode tok/s", "cpu s",
            "tok/cpu-s", "loadavg"]
-    table = [[str(r["batch"]), r["side"], str(r["prompt_tokens"]), f"{r['total_s']:.2f}", f"{r['first_token_s']:.2f}",
-              f"{r['decode_s']:.2f}", f"{r['tok_per_s']:.2f}",
-              "-" if r["decode_tok_per_s"] is None else f"{r['decode_tok_per_s']:.2f}",
-              f"{r['cpu_s']:.1f}", f"{r['tok_per_cpu_s']:.2f}",
-              f"{r['loadavg_1m_before']:.1f}->{r['loadavg_1m_after']:.1f}"] for r in rows]
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
-    print("  ".join(h.rjust(w) for h, w in zip(hdr, widths)))
-    for t in table:
-        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
+    print_table(hdr, [[str(r["batch"]), r["side"], str(r["prompt_tokens"]), f"{r['total_s']:.2f}",
+                       f"{r['first_token_s']:.2f}", f"{r['decode_s']:.2f}", f"{r['tok_per_s']:.2f}",
+                       "-" if r["decode_tok_per_s"] is None else f"{r['decode_tok_per_s']:.2f}",
+                       f"{r['cpu_s']:.1f}", f"{r['tok_per_cpu_s']:.2f}",
+                       f"{r['loadavg_1m_before']:.1f}->{r['loadavg_1m_after']:.1f}"] for r in rows])
     print()
+
+
+def print_ratios(batches: list[int], rows: list[dict]) -> dict:
+    """impl / HF per batch size, against the aims; returns them."""
     print("# ratios impl / HF (> 1: impl faster)")
     ratios = {}
-    for b in args.batch:
+    for b in batches:
         i = next(r for r in rows if r["batch"] == b and r["side"] == "impl")
         h = next(r for r in rows if r["batch"] == b and r["side"] == "hf")
         rr = dict(tok_per_s=i["tok_per_s"] / h["tok_per_s"], prefill_speed=h["first_token_s"] / i["first_token_s"],
@@ -292,6 +279,10 @@ def main(argv=None) -> int:
               f"per CPU-second {rr['tok_per_cpu_s']:.2f}x"
               + ("" if aim is None else f"   (aim >= {aim:g}x end-to-end: {'met' if rr['tok_per_s'] >= aim else 'NOT met'})"))
     print()
+    return ratios
+
+
+def print_checks(checks: dict) -> None:
     print("# correctness (greedy tokens impl vs HF)")
     for b, c in checks.items():
         line = f"batch {b:>3}: {c['rows_equal']}/{c['rows']} sequences identical (all repeats)"
@@ -304,20 +295,48 @@ def main(argv=None) -> int:
         elif b > 1 and c["rows_equal"] < c["rows"]:
             line += " (informational: HF's padded batch differs numerically from its unpadded runs)"
         print(line)
+
+
+def warn_if_busy(rows: list[dict]) -> float:
+    """The highest load average seen; a warning when other processes competed for the cores."""
     busy = max(max(r["loadavg_1m_before"], r["loadavg_1m_after"]) for r in rows)
     if busy > (os.cpu_count() or 1) + 0.5:
         print(f"# WARNING: load average reached {busy:.1f} on {os.cpu_count()} cores: other processes competed for "
               f"the CPU, so wall times are inflated and noisy (OpenMP threads stall when descheduled); compare the "
               f"per-CPU-second ratios, rerun on an idle machine, or try --threads 1 --repeats 3")
+    return busy
+
+
+def main(argv=None) -> int:
+    ap, args = parse_args(argv)
+    import torch
+
+    from impl.config import load_config
+    t_start = time.perf_counter()
+    model_dir = resolve_checkpoint(ap, args, log)
+    cfg = load_config(model_dir)
+    if args.max_len + args.new_tokens > cfg.max_position:
+        ap.error(f"--max-len {args.max_len} + --new-tokens {args.new_tokens} exceeds the model's "
+                 f"{cfg.max_position} positions")
+    torch.set_num_threads(args.threads)
+    m = measure(args, model_dir, cfg.vocab_size)
+    total_s = time.perf_counter() - t_start
+
+    rows, checks = m["rows"], m["checks"]
+    print_rows(args, rows, m["impl_threads"])
+    ratios = print_ratios(args.batch, rows)
+    print_checks(checks)
+    busy = warn_if_busy(rows)
     print(f"# total {total_s:.1f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            preset=args.preset, loadavg_max=busy, checkpoint=str(model_dir), new_tokens=args.new_tokens, batches=args.batch,
-            min_len=args.min_len, max_len=args.max_len, threads=dict(impl=impl_threads, hf=torch.get_num_threads()),
-            repeats=args.repeats, rows=rows, ratios={str(k): v for k, v in ratios.items()},
-            checks={str(k): v for k, v in checks.items()}, total_s=total_s), indent=2) + "\n")
+            preset=args.preset, loadavg_max=busy, checkpoint=str(model_dir), new_tokens=args.new_tokens,
+            batches=args.batch, min_len=args.min_len, max_len=args.max_len,
+            threads=dict(impl=m["impl_threads"], hf=torch.get_num_threads()), repeats=args.repeats, rows=rows,
+            ratios={str(k): v for k, v in ratios.items()}, checks={str(k): v for k, v in checks.items()},
+            total_s=total_s), indent=2) + "\n")
         log(f"wrote {args.json}")
-    if failed:
+    if m["failed"]:
         print("FAIL: impl's greedy tokens differ from HF's at batch 1 beyond float noise", file=sys.stderr)
         return 1
     return 0

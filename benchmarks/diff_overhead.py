@@ -13,45 +13,12 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 
 import torch
 
-
-def tree_rss_bytes(pid: int) -> int:
-    """RSS of ``pid`` plus all its descendants."""
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                stack += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, StopIteration, ProcessLookupError):
-            pass
-    return total
-
-
-class PeakRSS:
-    def __init__(self, interval: float = 0.02):
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
-
-    def __enter__(self):
-        self.peak = tree_rss_bytes(os.getpid())
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss_bytes(os.getpid()))
-            time.sleep(self.interval)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
+from common import QUIET, PeakRSS  # noqa: E402
 
 
 def main() -> int:
@@ -88,7 +55,7 @@ def main() -> int:
 
         def diff():
             return tpcheck.diff(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], pool=pool,
-                                exact_ops=a.exact_ops, log=open(os.devnull, "w"))
+                                exact_ops=a.exact_ops, log=QUIET)
 
         print("warm-up...", file=log, flush=True)
         bare()

@@ -19,35 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import struct
 import sys
-import threading
 import time
 from pathlib import Path
 
-MiB = 1 << 20
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
+from common import MiB, Poller, add_checkpoint_args, add_json_arg, check_json_arg, make_log, print_table  # noqa: E402
+from common import read_status, resolve_checkpoint  # noqa: E402
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def log(msg: str) -> None:
-    print(f"[load_memory {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("load_memory")
 
 
 # ---- /proc sampling -------------------------------------------------------------------------------------
-def read_status(pid: int) -> dict[str, int]:
-    """The memory lines of ``/proc/<pid>/status`` in bytes (missing keys are absent)."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in STATUS_KEYS:
-                out[key] = int(rest.split()[0]) * 1024  # kB
-    return out
-
-
 def reset_hwm(pid: int) -> bool:
     """Reset VmHWM to the current RSS (``echo 5 > /proc/pid/clear_refs``); False where not allowed."""
     try:
@@ -58,15 +46,14 @@ def reset_hwm(pid: int) -> bool:
         return False
 
 
-class Sampler(threading.Thread):
+class Sampler(Poller):
     """Polls the status of some pids; keeps the per-pid maximum of each key."""
 
     def __init__(self, pids: list[int], interval_s: float):
-        super().__init__(daemon=True)
-        self.pids, self.interval_s = pids, interval_s
+        super().__init__(interval_s)
+        self.pids = pids
         self.peak = {p: {} for p in pids}
         self.samples = 0
-        self._stop_evt = threading.Event()
 
     def sample(self) -> None:
         for p in self.pids:
@@ -79,27 +66,8 @@ class Sampler(threading.Thread):
                 pk[k] = max(pk.get(k, 0), v)
         self.samples += 1
 
-    def run(self) -> None:
-        while not self._stop_evt.is_set():
-            self.sample()
-            self._stop_evt.wait(self.interval_s)
 
-    def stop(self) -> None:
-        self._stop_evt.set()
-        self.join()
-        self.sample()
-
-
-# ---- checkpoint ------------------------------------------------------------------------------------------
-def resolve_checkpoint(args) -> Path:
-    from tpcheck.checkpoints import resolve_checkpoint as resolve
-    t0 = time.perf_counter()
-    log(f"checkpoint {args.ckpt_dir or args.preset} (written once on first use, ~15 s for qwen2.5-0.5b) ...")
-    d = resolve(args.preset, seed=args.seed, dtype=args.dtype, ckpt_dir=args.ckpt_dir, root=args.cache_root)
-    log(f"checkpoint at {d} ({time.perf_counter() - t0:.1f}s)")
-    return d
-
-
+# ---- what a rank should hold (impl.shard_plan) -------------------------------------------------------------
 def safetensors_headers(model_dir: Path) -> list[tuple[Path, int, dict]]:
     """(file, byte offset of the data section, header) of every safetensors file."""
     out = []
@@ -112,73 +80,63 @@ def safetensors_headers(model_dir: Path) -> list[tuple[Path, int, dict]]:
     return out
 
 
-def _pad_vocab(v: int, tp: int) -> int:  # vLLM: round up to 64, then to a multiple of tp
-    vp = -(-v // 64) * 64
-    return -(-vp // tp) * tp
-
-
-def rank_plan(name: str, shape: list[int], tp: int, rank: int, cfg: dict):
-    """How rank ``rank`` reads tensor ``name``: (kind, dim, start, length, local_bytes_factor) or None.
-
-    kind: 'shard' (split over tp), 'replicate' (every rank reads all), 'kv' (KV heads: split or replicated)."""
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        rows = _pad_vocab(shape[0], tp) // tp
-        start = rank * rows
-        return "shard", 0, start, max(0, min(start + rows, shape[0]) - start), rows
+def rank_slice(name: str, shape: list[int], plan, rank: int) -> tuple[str, int, int, int]:
+    """The slice of tensor ``name`` rank ``rank`` reads, from its ``impl.shard_plan.ShardPlan``: (kind, dim,
+    start, length). kind: 'shard' (split over tp), 'replicate' (every rank reads all), 'kv' (KV heads:
+    split or replicated)."""
+    tp = plan.tp
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # padded vocab rows; the last rank's are short
+        start = rank * plan.vocab_rows
+        return "shard", 0, start, max(0, min(start + plan.vocab_rows, shape[0]) - start)
     if name.endswith(("o_proj.weight", "down_proj.weight")):
-        cols = shape[1] // tp
-        return "shard", 1, rank * cols, cols, shape[0]
+        return "shard", 1, rank * (shape[1] // tp), shape[1] // tp
     if name.endswith(("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight")):
-        rows = shape[0] // tp
-        return "shard", 0, rank * rows, rows, rows
+        return "shard", 0, rank * (shape[0] // tp), shape[0] // tp
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-        k = cfg["num_key_value_heads"]
-        if tp <= k:
-            rows = shape[0] // tp
-            return "kv", 0, rank * rows, rows, rows
-        rows = shape[0] // k
-        return "kv", 0, (rank // (tp // k)) * rows, rows, rows
-    return "replicate", 0, 0, shape[0], shape[0]
+        per_head = shape[0] // plan.total_kv_heads
+        return "kv", 0, plan.kv_head_of(rank) * per_head, plan.kv_heads * per_head
+    return "replicate", 0, 0, shape[0]
 
 
-def expected_share(model_dir: Path, tp: int, rank: int) -> dict:
-    """Bytes rank ``rank`` should hold, and the file pages its slice reads touch, from the headers alone."""
+def _pages(lo: int, shape: list[int], item: int, dim: int, start: int, length: int):
+    """The file pages (``PAGE``) a slice of the tensor whose data starts at byte ``lo`` touches."""
     import numpy as np
-    cfg = json.loads((model_dir / "config.json").read_text())
-    tied = cfg.get("tie_word_embeddings", False)
-    total = sharded = replicated = held = 0
-    pages_touched = 0
-    rowpar_full = 0
+    row_bytes = item * math.prod(shape[1:]) if len(shape) > 1 else item
+    if dim == 0 or len(shape) == 1:
+        a, b = lo + start * row_bytes, lo + (start + length) * row_bytes
+        return np.arange(a // PAGE, (b - 1) // PAGE + 1) if b > a else None
+    # a column slice: `length` items out of every row
+    rowstarts = lo + np.arange(shape[0], dtype=np.int64) * row_bytes + start * item
+    first, last = rowstarts // PAGE, (rowstarts + length * item - 1) // PAGE
+    span = int((last - first).max()) + 1
+    pages = (first[:, None] + np.arange(span)[None, :])
+    return pages[pages <= last[:, None]]
+
+
+def expected_share(model_dir: Path, plan, rank: int, tied: bool) -> dict:
+    """Bytes rank ``rank`` should hold (``ShardPlan.tensor_elements``), and the file pages its slice reads
+    touch, from the headers alone."""
+    import numpy as np
+    total = sharded = replicated = held = pages_touched = rowpar_full = 0
     for f, base, header in safetensors_headers(model_dir):
         touched = []
         for name, meta in header.items():
-            item = ITEMSIZE[meta["dtype"]]
-            shape = meta["shape"]
-            nbytes = item * int(np.prod(shape)) if shape else item
+            item, shape = ITEMSIZE[meta["dtype"]], meta["shape"]
+            nbytes = item * math.prod(shape)
             total += nbytes
             if (tied and name == "lm_head.weight") or name.endswith(".rotary_emb.inv_freq"):
                 continue
-            kind, dim, start, length, local_rows = rank_plan(name, shape, tp, rank, cfg)
-            row_bytes = item * int(np.prod(shape[1:])) if len(shape) > 1 else item
+            kind, dim, start, length = rank_slice(name, shape, plan, rank)
+            held += plan.tensor_elements(name, shape, tied) * item
             if kind == "replicate":
                 replicated += nbytes
-                held += nbytes
             else:
                 sharded += nbytes
-                # bytes of the rank's parameter: dim 0 splits hold local_rows rows; dim 1 splits hold all rows
-                held += local_rows * row_bytes if dim == 0 else shape[0] * length * item
-            lo = base + meta["data_offsets"][0]
-            if dim == 0 or len(shape) == 1:
-                a, b = lo + start * row_bytes, lo + (start + length) * row_bytes
-                if b > a:
-                    touched.append(np.arange(a // PAGE, (b - 1) // PAGE + 1))
-            else:  # a column slice: `length` items out of every row
-                rowstarts = lo + np.arange(shape[0], dtype=np.int64) * row_bytes + start * item
-                first, last = rowstarts // PAGE, (rowstarts + length * item - 1) // PAGE
-                span = int((last - first).max()) + 1
-                pages = (first[:, None] + np.arange(span)[None, :])
-                touched.append(pages[pages <= last[:, None]])
+            if dim == 1 and len(shape) > 1:
                 rowpar_full += nbytes
+            pages = _pages(base + meta["data_offsets"][0], shape, item, dim, start, length)
+            if pages is not None:
+                touched.append(pages)
         if touched:
             pages_touched += len(np.unique(np.concatenate(touched)))
     return dict(checkpoint_bytes=total, sharded_bytes=sharded, replicated_bytes=replicated,
@@ -210,13 +168,9 @@ def measure(model_dir: Path, tp: int, dtype: str, interval_s: float, kv_blocks: 
         hwm_reset = all(reset_hwm(p) for p in pids)
         log(f"tp={tp}: workers up in {time.perf_counter() - t0:.1f}s (pids {pids}); "
             f"baseline RSS {', '.join(format(base[p]['VmRSS'] / MiB, '.0f') for p in pids)} MiB; loading ...")
-        sampler = Sampler(pids, interval_s)
-        sampler.start()
         t1 = time.perf_counter()
-        try:
+        with Sampler(pids, interval_s) as sampler:
             ex.call("_load", str(model_dir), dtype, "cpu")
-        finally:
-            sampler.stop()
         load_s = time.perf_counter() - t1
         after = {p: read_status(p) for p in pids}
         if kv_blocks:
@@ -243,25 +197,18 @@ def measure(model_dir: Path, tp: int, dtype: str, interval_s: float, kv_blocks: 
     return rows
 
 
-
-
-def main(argv=None) -> int:
-    from tpcheck.cli import positive_ints
-    from tpcheck.checkpoints import preset_names
+def parse_args(argv):
+    from tpcheck.arg_types import positive_ints
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="qwen2.5-0.5b", choices=preset_names(), help="checkpoint preset")
+    add_checkpoint_args(ap)
     ap.add_argument("--tp", type=positive_ints, default=[1, 2], help="TP sizes, comma-separated (default 1,2)")
-    ap.add_argument("--ckpt-dir", help="checkpoint directory to reuse (written there once if missing/empty)")
-    ap.add_argument("--cache-root", help="cache root for the preset checkpoint (default $TPCHECK_CACHE or "
-                                         "~/.cache/tpcheck/checkpoints)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="checkpoint dtype, also the load dtype")
     ap.add_argument("--interval-ms", type=float, default=20.0, help="/proc polling interval (default 20)")
     ap.add_argument("--kv-blocks", type=int, default=1,
                     help="KV blocks allocated after the load, as LLM(num_kv_blocks=...) would (default 1; 0: none)")
-    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    add_json_arg(ap)
     args = ap.parse_args(argv)
     if args.interval_ms <= 0:
         ap.error("--interval-ms must be > 0")
@@ -269,33 +216,35 @@ def main(argv=None) -> int:
         ap.error("--kv-blocks must be >= 0")
     if not Path("/proc/self/status").is_file():
         ap.error("needs Linux /proc")
-    if args.json:
-        jp = Path(args.json)
-        if jp.parent and not jp.parent.exists():
-            ap.error(f"--json: directory {jp.parent} does not exist")
+    check_json_arg(ap, args)
+    return ap, args
 
-    try:
-        model_dir = resolve_checkpoint(args)
-    except (FileExistsError, NotADirectoryError, ValueError) as e:
-        ap.error(f"--ckpt-dir: {e}")
-    from impl.config import load_config
+
+def shard_plans(ap, model_dir: Path, tps: list[int]) -> tuple[dict, bool]:
+    """``impl.shard_plan`` of the checkpoint at every TP size (``ap.error`` for one it cannot split), and
+    whether its embeddings are tied."""
+    from impl.config import ConfigError, load_config
+    from impl.shard_plan import shard_plan
     cfg = load_config(model_dir)
-    for tp in args.tp:
+    plans = {}
+    for tp in tps:
         try:
-            cfg.check_tp(tp)
-        except ValueError as e:
+            plans[tp] = shard_plan(cfg, tp)
+        except ConfigError as e:
             ap.error(f"--tp {tp}: {e}")
-    ckpt_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return plans, cfg.tie_word_embeddings
 
-    t_all = time.perf_counter()
-    rows = []
-    for tp in args.tp:
-        for r in measure(model_dir, tp, args.dtype, args.interval_ms / 1000, args.kv_blocks, 16):
-            r.update(expected_share(model_dir, tp, r["rank"]))
-            rows.append(r)
-    total_s = time.perf_counter() - t_all
 
-    # ---- report -------------------------------------------------------------------------------------
+def add_ratios(rows: list[dict], ckpt_bytes: int) -> None:
+    """Growth figures of every row, in place (also what the JSON gets)."""
+    for r in rows:
+        growth, anon_growth = r["peak_rss"] - r["base_rss"], r["peak_anon"] - r["base_anon"]
+        r.update(growth=growth, growth_over_ckpt=growth / ckpt_bytes, final_growth=r["final_rss"] - r["base_rss"],
+                 anon_growth=anon_growth, anon_growth_over_ckpt=anon_growth / ckpt_bytes,
+                 file_growth=r["peak_file"] - r["base_file"], ckpt_file_bytes=ckpt_bytes)
+
+
+def print_rows(args, model_dir: Path, rows: list[dict], ckpt_bytes: int) -> None:
     m = lambda x: "-" if x is None else f"{x / MiB:,.0f}"  # noqa: E731
     print(f"# load_memory: preset {args.preset}, {args.dtype}, checkpoint {model_dir}")
     print(f"# checkpoint on disk: {ckpt_bytes / MiB:,.0f} MiB in "
@@ -307,29 +256,16 @@ def main(argv=None) -> int:
     hdr = ["tp", "rank", "base RSS", "peak RSS", "growth", "growth/ckpt", "final RSS", "final growth",
            "expected share", "params held", "peak anon", "anon growth", "anon growth/ckpt",
            "peak file", "file growth", "predicted file pages", "load s"]
-    table = []
-    for r in rows:
-        growth = r["peak_rss"] - r["base_rss"]
-        anon_growth = r["peak_anon"] - r["base_anon"]
-        r.update(growth=growth, growth_over_ckpt=growth / ckpt_bytes, final_growth=r["final_rss"] - r["base_rss"],
-                 anon_growth=anon_growth, anon_growth_over_ckpt=anon_growth / ckpt_bytes,
-                 file_growth=r["peak_file"] - r["base_file"], ckpt_file_bytes=ckpt_bytes)
-        table.append([str(r["tp"]), str(r["rank"]), m(r["base_rss"]), m(r["peak_rss"]), m(growth),
-                      f"{growth / ckpt_bytes:.3f}", m(r["final_rss"]), m(r["final_growth"]),
-                      m(r["expected_param_bytes"]), m(r["param_bytes"]), m(r["peak_anon"]), m(anon_growth),
-                      f"{anon_growth / ckpt_bytes:.3f}", m(r["peak_file"]), m(r["file_growth"]),
-                      m(r["predicted_file_pages_bytes"]), f"{r['load_s']:.1f}"])
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
-    print("  ".join(h.rjust(w) for h, w in zip(hdr, widths)))
-    for t in table:
-        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
+    print_table(hdr, [[str(r["tp"]), str(r["rank"]), m(r["base_rss"]), m(r["peak_rss"]), m(r["growth"]),
+                       f"{r['growth_over_ckpt']:.3f}", m(r["final_rss"]), m(r["final_growth"]),
+                       m(r["expected_param_bytes"]), m(r["param_bytes"]), m(r["peak_anon"]), m(r["anon_growth"]),
+                       f"{r['anon_growth_over_ckpt']:.3f}", m(r["peak_file"]), m(r["file_growth"]),
+                       m(r["predicted_file_pages_bytes"]), f"{r['load_s']:.1f}"] for r in rows])
     print()
 
-    # ---- ratios and verdict ---------------------------------------------------------------------------
+
+def print_ratios(by_tp: dict[int, list[dict]], ckpt_bytes: int) -> None:
     print("# ratios")
-    by_tp = {}
-    for r in rows:
-        by_tp.setdefault(r["tp"], []).append(r)
     for tp, rs in by_tp.items():
         g = max(r["growth"] for r in rs)
         a = max(r["anon_growth"] for r in rs)
@@ -345,29 +281,54 @@ def main(argv=None) -> int:
                 print(f"tp={tp} vs tp=1: per-rank growth ratio {max(r['growth'] for r in rs) / g1:.3f}, "
                       f"anon growth ratio {max(r['anon_growth'] for r in rs) / a1:.3f} (ideal ~{1 / tp:.3f})")
     print()
+
+
+def verdict_line(r: dict) -> str:
+    """Whether rank ``r`` stays within its expected share by peak RSS and by RssAnon, and why not."""
+    tp, exp = r["tp"], r["expected_param_bytes"]
+    ok_anon = r["anon_growth"] <= 1.15 * exp + 64 * MiB
+    ok_rss = r["growth"] <= 1.15 * exp + 64 * MiB
+    file_pred = r["predicted_file_pages_bytes"]
+    line = (f"tp={tp} rank {r['rank']}: growth {r['growth'] / MiB:,.0f} MiB vs expected share "
+            f"{exp / MiB:,.0f} MiB -> {'OK' if ok_rss else 'ABOVE the share'} by peak RSS; "
+            f"anon growth {r['anon_growth'] / MiB:,.0f} MiB -> {'OK' if ok_anon else 'ABOVE the share'} "
+            f"by RssAnon")
+    if not ok_rss:
+        line += (f". The excess is RssFile: {r['file_growth'] / MiB:,.0f} MiB of mmapped checkpoint pages "
+                 f"mapped while the file is open (predicted from the slices this rank reads: "
+                 f"{file_pred / MiB:,.0f} MiB = {file_pred / r['checkpoint_bytes']:.3f} of the file")
+        if tp > 1 and r["rowparallel_tensor_bytes"]:
+            line += (f"; the column slices of the row-parallel o_proj/down_proj weights "
+                     f"({r['rowparallel_tensor_bytes'] / MiB:,.0f} MiB) touch every page of those tensors, "
+                     f"since a row's slice is shorter than a page or straddles them")
+        line += f"); after the load the file is unmapped: final RssFile {r['final_file'] / MiB:,.0f} MiB"
+    return line
+
+
+def main(argv=None) -> int:
+    ap, args = parse_args(argv)
+    model_dir = resolve_checkpoint(ap, args, log, args.dtype)
+    plans, tied = shard_plans(ap, model_dir, args.tp)
+    ckpt_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+    t_all = time.perf_counter()
+    rows = []
+    for tp in args.tp:
+        for r in measure(model_dir, tp, args.dtype, args.interval_ms / 1000, args.kv_blocks, 16):
+            r.update(expected_share(model_dir, plans[tp], r["rank"], tied))
+            rows.append(r)
+    total_s = time.perf_counter() - t_all
+
+    add_ratios(rows, ckpt_bytes)
+    print_rows(args, model_dir, rows, ckpt_bytes)
+    by_tp: dict[int, list[dict]] = {}
+    for r in rows:
+        by_tp.setdefault(r["tp"], []).append(r)
+    print_ratios(by_tp, ckpt_bytes)
     print("# verdict")
-    verdict = []
-    for tp, rs in by_tp.items():
-        for r in rs:
-            exp = r["expected_param_bytes"]
-            ok_anon = r["anon_growth"] <= 1.15 * exp + 64 * MiB
-            ok_rss = r["growth"] <= 1.15 * exp + 64 * MiB
-            file_pred = r["predicted_file_pages_bytes"]
-            line = (f"tp={tp} rank {r['rank']}: growth {r['growth'] / MiB:,.0f} MiB vs expected share "
-                    f"{exp / MiB:,.0f} MiB -> {'OK' if ok_rss else 'ABOVE the share'} by peak RSS; "
-                    f"anon growth {r['anon_growth'] / MiB:,.0f} MiB -> {'OK' if ok_anon else 'ABOVE the share'} "
-                    f"by RssAnon")
-            if not ok_rss:
-                line += (f". The excess is RssFile: {r['file_growth'] / MiB:,.0f} MiB of mmapped checkpoint pages "
-                         f"mapped while the file is open (predicted from the slices this rank reads: "
-                         f"{file_pred / MiB:,.0f} MiB = {file_pred / r['checkpoint_bytes']:.3f} of the file")
-                if tp > 1 and r["rowparallel_tensor_bytes"]:
-                    line += (f"; the column slices of the row-parallel o_proj/down_proj weights "
-                             f"({r['rowparallel_tensor_bytes'] / MiB:,.0f} MiB) touch every page of those tensors, "
-                             f"since a row's slice is shorter than a page or straddles them")
-                line += f"); after the load the file is unmapped: final RssFile {r['final_file'] / MiB:,.0f} MiB"
-            print(line)
-            verdict.append(line)
+    verdict = [verdict_line(r) for rs in by_tp.values() for r in rs]
+    for line in verdict:
+        print(line)
     print(f"# total {total_s:.1f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(

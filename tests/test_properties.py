@@ -24,7 +24,10 @@ from hypothesis import strategies as st
 
 from impl import SamplingParams
 from tpcheck import strategies as tst
+from tpcheck.config_checkpoints import config_checkpoint, recreate_command
 from tpcheck.hypothesis_profiles import PROFILE, PROFILES, examples, record_examples, recorded
+from tpcheck.property_runner import Case
+from tpcheck.tp_layout import kv_layout
 
 QUIET = open(os.devnull, "w")
 
@@ -137,7 +140,7 @@ def greedy_cases(draw):
     bs = draw(tst.block_sizes())
     ps = draw(tst.prompts(config["vocab_size"], bs, max_batch=8, max_len=300, shared_prefix=True))
     n = draw(st.integers(1, 12))
-    case = tst.Case(config, tp, "float32", ps, n, bs, bias_std=draw(tst.bias_stds()))
+    case = Case(config, tp, "float32", ps, n, bs, bias_std=draw(tst.bias_stds()))
     # a cache just big enough for the longest request, sometimes: recompute preemption
     need = max(-(-(len(p) + n - 1) // bs) for p in ps)
     blocks = need + draw(st.integers(0, 2)) if draw(st.booleans()) else None
@@ -154,7 +157,7 @@ def test_greedy_decode_matches_hf_generate(engines, root):
         seen.append((case.tp, case.layout, case.decode_steps))
         d = case.checkpoint(root)
         note(f"case: {case.describe()}, num_kv_blocks {blocks}\ncheckpoint: {d}\nrecreate: "
-             + tst.recreate_command(case.config, root, case.weight_seed, case.bias_std))
+             + recreate_command(case.config, root, case.weight_seed, case.bias_std))
         llm = engines.get(d, case.tp, "float32", block_size=case.block_size, num_kv_blocks=blocks)
         got = llm.generate(case.prompts, SamplingParams(max_tokens=case.decode_steps, ignore_eos=True))
         hf = _hf(d)
@@ -183,8 +186,8 @@ def test_kv_cache_holds_unrepeated_heads(engines, root):
     @given(pair=tst.config_and_tp(), bs=tst.block_sizes(), blocks=st.integers(4, 64), dtype=tst.dtypes())
     def prop(pair, bs, blocks, dtype):
         config, tp = pair
-        seen.append((tp, tst.kv_layout(config["num_key_value_heads"], tp), 1))
-        d = tst.config_checkpoint(config, root)
+        seen.append((tp, kv_layout(config["num_key_value_heads"], tp), 1))
+        d = config_checkpoint(config, root)
         llm = engines.get(d, tp, dtype, block_size=bs, num_kv_blocks=blocks)
         kv = config["num_key_value_heads"]
         local = kv // tp if tp <= kv else 1

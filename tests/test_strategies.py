@@ -1,5 +1,6 @@
-"""tpcheck.strategies draws only valid cases, covers the layouts it promises, and its checkpoints and
-reproduction commands are deterministic; tpcheck.hypothesis_profiles selects profiles from the environment."""
+"""tpcheck.strategies draws only valid cases and covers the layouts it promises; the drawn configs' checkpoints
+(tpcheck.config_checkpoints) and a case's reproduction command (tpcheck.property_runner) are deterministic;
+tpcheck.hypothesis_profiles selects profiles from the environment."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,12 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
+from tpcheck import config_checkpoints, property_runner, tp_layout
 from tpcheck import hypothesis_profiles as hp
 from tpcheck import strategies as tst
+from tpcheck.config_checkpoints import checkpoint_key, config_checkpoint, recreate_command
+from tpcheck.property_runner import Case
+from tpcheck.tp_layout import kv_layout, tp_compatible
 
 FAST = settings(max_examples=200, deadline=None, database=None)
 
@@ -24,7 +29,7 @@ def _assert_valid(c: dict, tp: int) -> None:
     h, kv = c["num_attention_heads"], c["num_key_value_heads"]
     assert h % tp == 0 and h % kv == 0 and c["intermediate_size"] % tp == 0
     assert (kv % tp == 0) if tp <= kv else (tp % kv == 0)
-    assert tst.tp_compatible(c, tp)
+    assert tp_compatible(c, tp)
     assert _head_dim(c) % 2 == 0 and c["hidden_size"] <= 128 and 1 <= c["num_hidden_layers"] <= 3
     assert 32 <= c["vocab_size"] <= 600 and c["vocab_size"] > max(c["bos_token_id"], c["eos_token_id"])
     if "head_dim" not in c:
@@ -66,7 +71,7 @@ def test_layouts_are_drawn_often():
     @settings(max_examples=150, database=None, derandomize=True)
     @given(tst.config_and_tp())
     def draw(pair):
-        seen.append((pair[1], tst.kv_layout(pair[0]["num_key_value_heads"], pair[1])))
+        seen.append((pair[1], kv_layout(pair[0]["num_key_value_heads"], pair[1])))
 
     draw()
     assert {tp for tp, _ in seen} == {1, 2, 4}
@@ -113,7 +118,7 @@ def test_cases_are_consistent(case):
     _assert_valid(case.config, case.tp)
     assert case.dtype in ("float32", "bfloat16") and 0 <= case.decode_steps <= 8
     assert all(0 <= t < case.config["vocab_size"] for p in case.prompts for t in p)
-    assert case.layout == tst.kv_layout(case.config["num_key_value_heads"], case.tp)
+    assert case.layout == kv_layout(case.config["num_key_value_heads"], case.tp)
 
 
 def test_drawn_checkpoints_load_in_hf_and_impl(tmp_path):
@@ -132,23 +137,23 @@ def test_drawn_checkpoints_load_in_hf_and_impl(tmp_path):
     draw()
     pairs.append((dict(find(tst.configs(), lambda c: "head_dim" in c, settings=settings(database=None))), 2))
     for config, tp in pairs:
-        d = tst.config_checkpoint(config, tmp_path)
-        assert tst.config_checkpoint(dict(config), tmp_path) == d  # cached: same content, same path
+        d = config_checkpoint(config, tmp_path)
+        assert config_checkpoint(dict(config), tmp_path) == d  # cached: same content, same path
         model, info = Qwen2ForCausalLM.from_pretrained(d, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
         cfg = load_config(d)
         cfg.check_tp(tp)
         assert cfg.head_dim == _head_dim(config)
-    assert tst.config_checkpoint(pairs[0][0], tmp_path, seed=1) != tst.config_checkpoint(pairs[0][0], tmp_path)
+    assert config_checkpoint(pairs[0][0], tmp_path, seed=1) != config_checkpoint(pairs[0][0], tmp_path)
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 def test_repro_recreates_the_checkpoint(tmp_path):
     """The recreate command of a failure report rebuilds the same checkpoint bit for bit."""
     config = find(tst.configs(), lambda c: c["num_hidden_layers"] == 2, settings=settings(database=None))
-    case = tst.Case(config, 2, "bfloat16", [[1, 2, 3]], 2, 4, bias_std=4.0)
+    case = Case(config, 2, "bfloat16", [[1, 2, 3]], 2, 4, bias_std=4.0)
     original = case.checkpoint(tmp_path / "a")
-    cmd = tst.recreate_command(config, tmp_path / "b", case.weight_seed, case.bias_std)
+    cmd = recreate_command(config, tmp_path / "b", case.weight_seed, case.bias_std)
     out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True).stdout.strip()
     assert out.startswith(str(tmp_path / "b"))
     for f in ("config.json", "model.safetensors"):
@@ -158,6 +163,50 @@ def test_repro_recreates_the_checkpoint(tmp_path):
     assert "--tp 2 --dtype bfloat16 --prompt-ids 1,2,3 --decode-steps 2 --block-size 4" in line
     assert "--exact-ops" not in line
     assert "--block-size 4 --exact-ops" in dataclasses.replace(case, exact_ops=True).repro(tmp_path / "a")
+
+
+def test_checkpoint_key_is_stable(monkeypatch):
+    """The cache key of a drawn config's checkpoint is its directory name: a changed key orphans every cached
+    checkpoint and every printed reproduction path. It changes with the recipe version, and only then."""
+    import tpcheck.checkpoints
+    config = dict(tst._FIXED, hidden_size=16, num_attention_heads=2, num_key_value_heads=2, intermediate_size=16,
+                  num_hidden_layers=1, vocab_size=32, tie_word_embeddings=False, rope_theta=10000.0,
+                  rms_norm_eps=1e-6)
+    monkeypatch.setattr(tpcheck.checkpoints, "RECIPE_VERSION", 1)
+    assert checkpoint_key(config) == "cd16df317ea62b3d"
+    assert checkpoint_key(config, outliers=0.0) == checkpoint_key(config)  # no outliers: the key of before them
+    assert len({checkpoint_key(config, seed=1), checkpoint_key(config, bias_std=4.0), checkpoint_key(config),
+                checkpoint_key(config, dtype="bfloat16"), checkpoint_key(config, outliers=1.0)}) == 5
+    monkeypatch.setattr(tpcheck.checkpoints, "RECIPE_VERSION", 2)
+    assert checkpoint_key(config) != "cd16df317ea62b3d"
+
+
+def test_tp_rules_are_impls(tmp_path):
+    """tp_compatible / kv_layout say what impl's ModelConfig.check_tp and shard_plan say, on a loaded config."""
+    from impl.config import ConfigError, load_config
+    from impl.shard_plan import shard_plan
+    config = dict(tst._FIXED, hidden_size=96, num_attention_heads=12, num_key_value_heads=3, intermediate_size=48,
+                  num_hidden_layers=1, vocab_size=40, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6)
+    cfg = load_config(config_checkpoint(config, tmp_path))
+    for tp in range(0, 14):
+        try:
+            plan = shard_plan(cfg, tp)
+        except ConfigError:
+            assert not tp_compatible(config, tp), tp
+            continue
+        assert tp_compatible(config, tp), tp
+        assert kv_layout(3, tp) == ("replication" if plan.kv_replicas > 1 else "partition")
+    assert [tp for tp in range(1, 14) if tp_compatible(config, tp)] == [1, 3, 6, 12]
+
+
+def test_strategies_reexports():
+    """``tpcheck.strategies`` still names what moved out of it (sweep, user tests, printed repro lines)."""
+    assert tst.Case is property_runner.Case
+    assert tst.config_checkpoint is config_checkpoints.config_checkpoint
+    assert tst.recreate_command is config_checkpoints.recreate_command
+    assert tst.checkpoint_key is config_checkpoints.checkpoint_key
+    assert tst.default_root is config_checkpoints.default_root
+    assert tst.tp_compatible is tp_layout.tp_compatible and tst.kv_layout is tp_layout.kv_layout
 
 
 def test_profiles(monkeypatch):

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from tpcheck import faults, impl_worker
+from tpcheck import capture_impl, faults
 from tpcheck.reductions import Reductions
 
 Points = dict[str, tuple[object, list[torch.Tensor | None]]]
@@ -36,7 +36,7 @@ class EngineAdapter(Protocol):
 
 
 class ImplAdapter:
-    """impl through ``impl.LLM.call``: hooks live in ``tpcheck.impl_worker`` inside each rank. Faults
+    """impl through ``impl.LLM.call``: hooks live in ``tpcheck.capture_impl`` inside each rank. Faults
     (``tpcheck.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights."""
 
     def __init__(self, llm, inject: list[str] = (), inject_layer: int | None = None, block_size: int = 16):
@@ -55,12 +55,12 @@ class ImplAdapter:
             self.tables.append(list(range(nxt, nxt + n)))
             nxt += n
         self.lens = [0] * len(prompts)
-        self.llm.call(impl_worker.setup, nxt, bs)
+        self.llm.call(capture_impl.setup, nxt, bs)
 
     def step(self, new_tokens, teacher, capture_kv) -> Points:
         batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]
         self.lens = [n + len(t) for n, t in zip(self.lens, new_tokens)]
-        per_rank = self.llm.call(impl_worker.step, batch, teacher, self.lens if capture_kv else None)
+        per_rank = self.llm.call(capture_impl.step, batch, teacher, self.lens if capture_kv else None)
         points: Points = {}
         for rank, pts in enumerate(per_rank):
             for name, (placement, t) in pts.items():

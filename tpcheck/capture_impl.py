@@ -1,4 +1,4 @@
-"""The impl side of the adapter, run inside each TP rank through ``LLM.call("tpcheck.impl_worker:...")``.
+"""The impl side of the adapter, run inside each TP rank through ``LLM.call(capture_impl.step, ...)``.
 
 Hooks read each module's declared ``output_placement``; points captured from a module's *input* take
 the placement of the module that produced it (o_proj's input is the attention's ``Shard(-1)``, down_proj's

@@ -31,25 +31,25 @@ Use in your own tests::
     def test_my_engine(case):
         case.check(pool=POOL, root="/tmp/my-ckpts")   # AssertionError: report + `tpcheck diff` line
 
-Drawn checkpoints are written by ``config_checkpoint`` into ``root`` under a hash of what defines them
-(config, weight seed, bias scale, dtype): cached, and written atomically (safe under pytest-xdist).
+``Case`` and how it runs are in ``tpcheck.property_runner``; drawn checkpoints are written by
+``tpcheck.config_checkpoints.config_checkpoint`` into ``root`` under a hash of what defines them (config,
+weight seed, bias scale, dtype, outliers): cached, and written atomically (safe under pytest-xdist). Which TP
+sizes split a config and how its KV heads do is impl's rule (``tpcheck.tp_layout``: ``ModelConfig.check_tp``,
+``impl.shard_plan.kv_split``). All of these names are also importable from here.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import pathlib
 import random
-import shlex
-import shutil
-import sys
-import tempfile
-from dataclasses import asdict, dataclass
 from functools import reduce
 
 from hypothesis import strategies as st
+
+# re-exported: the drawn case and its checkpoints live in their own modules (``from tpcheck import strategies as
+# tst; tst.Case``, ``tst.config_checkpoint``, ``tst.tp_compatible`` keep working)
+from tpcheck.config_checkpoints import checkpoint_key, config_checkpoint, default_root, recreate_command  # noqa: F401
+from tpcheck.property_runner import Case
+from tpcheck.tp_layout import kv_layout, splits, tp_compatible
 
 DEFAULT_TPS = (1, 2, 4)
 DEFAULT_DTYPES = ("float32", "bfloat16")
@@ -60,27 +60,10 @@ ROPE_THETAS = (10000.0, 1000000.0, 500000.0, 100.0)
 BIAS_STDS = (0.5, 0.0, 4.0)                  # q/k/v bias scale: the presets' recipe, no bias, large (real Qwen2 k)
 OUTLIER_STRENGTHS = (0.0, 1.0, 2.0)          # massive-activation recipe: off, small-outliers' strength, stronger
 MAX_POSITION = 1024
-_DEVNULL = open(os.devnull, "w")
 _FIXED = dict(max_position_embeddings=MAX_POSITION, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
 
 
-# ---- configuration arithmetic ---------------------------------------------------------------------------
-
-def kv_layout(num_kv_heads: int, tp: int) -> str:
-    """``"partition"`` (each rank holds ``num_kv_heads / tp`` KV heads) or ``"replication"`` (each KV head
-    is copied to ``tp / num_kv_heads`` ranks)."""
-    return "partition" if tp <= num_kv_heads else "replication"
-
-
-def tp_compatible(config: dict, tp: int) -> bool:
-    """Whether impl can split ``config`` over ``tp`` ranks: query heads divisible by tp, KV heads divisible
-    by tp (partition) or tp divisible by KV heads (replication), intermediate size divisible by tp.
-    (impl's ``ModelConfig.check_tp`` checks the heads; the MLP split needs the last one.)"""
-    h, kv, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
-    if tp < 1 or h % tp or inter % tp:
-        return False
-    return kv % tp == 0 if tp <= kv else tp % kv == 0
-
+# ---- configurations ------------------------------------------------------------------------------------
 
 def _lcm(values) -> int:
     return reduce(lambda a, b: a * b // math.gcd(a, b), values, 1)
@@ -94,12 +77,9 @@ def _check_tps(tps) -> tuple[int, ...]:
 
 
 def _kv_candidates(tps: tuple[int, ...], max_kv: int = 8) -> list[int]:
-    """KV-head counts that every TP size in ``tps`` can partition or replicate."""
-    out = []
-    for kv in range(1, max_kv + 1):
-        if all((kv % t == 0) if t <= kv else (t % kv == 0) for t in tps):
-            out.append(kv)
-    return out
+    """KV-head counts that every TP size in ``tps`` can partition or replicate (impl's ``check_tp``, with
+    query heads and MLP width that split: only the KV rule decides)."""
+    return [kv for kv in range(1, max_kv + 1) if all(splits(t, _lcm([kv, t]), kv, t) for t in tps)]
 
 
 @st.composite
@@ -131,6 +111,11 @@ def _shape(draw, heads: int, kv: int, tp_multiple: int, max_hidden: int, max_lay
     if explicit:
         cfg["head_dim"] = head_dim
     return cfg
+
+
+def _lays_out(kv: int, tp: int) -> str | None:
+    """``kv_layout`` of ``kv`` KV heads at ``tp``, None where tp cannot split them."""
+    return kv_layout(kv, tp) if splits(tp, _lcm([kv, tp]), kv, tp) else None
 
 
 def _pick(draw, options, ok):
@@ -185,12 +170,12 @@ def config_and_tp(tps=DEFAULT_TPS, layouts=("partition", "replication"), max_hid
         # fixed option lists (see _shape): the shrinker compares like with like
         tp = draw(st.sampled_from(usable))
         layout = _pick(draw, layouts, lambda lay: lay == "partition" or tp > 1)
+        # KV heads in that layout (impl.shard_plan.kv_split), then query heads tp splits (check_tp)
         if layout == "partition":
             kv = tp * _pick(draw, (1, 2, 4), lambda a: tp * a <= 8 or a == 1)
-            fits = lambda g: kv * g <= max_heads  # noqa: E731
         else:
-            kv = _pick(draw, (1, 2, 4, 8, 16), lambda d: (d < tp and tp % d == 0) or d == 1)
-            fits = lambda g: (kv * g) % tp == 0 and kv * g <= max_heads  # noqa: E731
+            kv = _pick(draw, (1, 2, 4, 8, 16), lambda d: _lays_out(d, tp) == "replication" or d == 1)
+        fits = lambda g: kv * g <= max_heads and splits(tp, kv * g, kv, tp)  # noqa: E731
         g = _pick(draw, GROUPS + (tp // kv if layout == "replication" else 1,), fits)
         return draw(_shape(kv * g, kv, tp, max_hidden, max_layers, max_vocab)), tp
 
@@ -263,153 +248,7 @@ def prompts(draw, vocab_size: int, block_size: int = 16, max_batch: int = 8, max
     return out
 
 
-# ---- checkpoints of drawn configs -----------------------------------------------------------------------
-
-def default_root() -> pathlib.Path:
-    """``$TPCHECK_CACHE/configs`` or ``<tmp>/tpcheck-configs``: content-addressed, so sharing it is safe."""
-    env = os.environ.get("TPCHECK_CACHE")
-    return pathlib.Path(env) / "configs" if env else pathlib.Path(tempfile.gettempdir()) / "tpcheck-configs"
-
-
-def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: str = "float32",
-                   outliers: float = 0.0) -> str:
-    from tpcheck.checkpoints import RECIPE_VERSION
-    what = {"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype, "recipe": RECIPE_VERSION}
-    if outliers:
-        what["outliers"] = outliers
-    blob = json.dumps(what, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def config_checkpoint(config: dict, root: str | os.PathLike | None = None, seed: int = 0, bias_std: float = 0.5,
-                      dtype: str = "float32", outliers: float = 0.0) -> pathlib.Path:
-    """Path of the random-weight checkpoint of ``config`` (a ``Qwen2Config`` kwargs dict) under ``root``,
-    written once (``tpcheck.checkpoints.make_config_checkpoint``: the presets' value recipe, atomic rename)
-    and cached by a hash of (config, seed, bias_std, dtype, outliers). Deterministic: the same arguments recreate the
-    same weights bit for bit, so a path printed by a failing test can be rebuilt after its temp dir is gone."""
-    from tpcheck.checkpoints import make_config_checkpoint
-    path = pathlib.Path(root) if root is not None else default_root()
-    path = path / f"cfg-{checkpoint_key(config, seed, bias_std, dtype, outliers)}"
-    if (path / "config.json").is_file():
-        return path
-    try:
-        return make_config_checkpoint(dict(config), path, seed=seed, dtype=dtype, bias_std=bias_std,
-                                      outliers=outliers)
-    except FileExistsError:
-        if (path / "config.json").is_file():  # another process (xdist worker) finished first
-            return path
-        raise
-
-
-def recreate_command(config: dict, root: str | os.PathLike, seed: int = 0, bias_std: float = 0.5,
-                     outliers: float = 0.0) -> str:
-    """A shell command that writes (or finds) the checkpoint of ``config`` and prints its path."""
-    code = ("import json,sys; from tpcheck.strategies import config_checkpoint as c; "
-            "print(c(json.loads(sys.argv[1]), sys.argv[2], seed=int(sys.argv[3]), bias_std=float(sys.argv[4]), "
-            "outliers=float(sys.argv[5])))")
-    python = "python" if shutil.which("python") == sys.executable else sys.executable
-    return shlex.join([python, "-c", code, json.dumps(config, sort_keys=True), str(root), str(seed),
-                       repr(float(bias_std)), repr(float(outliers))])
-
-
 # ---- a whole drawn case -----------------------------------------------------------------------------------
-
-@dataclass
-class Case:
-    """One drawn example: a model (config + weight seed + bias scale), a TP size, a dtype, prompts, decode
-    steps and a KV block size."""
-
-    config: dict
-    tp: int
-    dtype: str
-    prompts: list[list[int]]
-    decode_steps: int = 0
-    block_size: int = 16
-    weight_seed: int = 0
-    bias_std: float = 0.5
-    preset: str | None = None  # a named preset (``tpcheck.checkpoints.PRESETS``): its cached checkpoint
-    exact_ops: bool = False  # also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``)
-    outliers: float = 0.0  # strength of the massive-activation recipe (0: off)
-
-    @property
-    def layout(self) -> str:
-        return kv_layout(self.config["num_key_value_heads"], self.tp)
-
-    def describe(self) -> str:
-        c = self.config
-        hd = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-        return (f"tp={self.tp} {self.dtype} heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv "
-                f"({self.layout}) head_dim {hd} hidden {c['hidden_size']} inter {c['intermediate_size']} "
-                f"layers {c['num_hidden_layers']} vocab {c['vocab_size']} "
-                f"{'tied' if c['tie_word_embeddings'] else 'untied'}"
-                f"{f', outliers {self.outliers:g}' if self.outliers else ''}; prompts {[len(p) for p in self.prompts]}, "
-                f"decode {self.decode_steps}, block {self.block_size}")
-
-    def checkpoint(self, root: str | os.PathLike | None = None) -> pathlib.Path:
-        """Write (once) and return the checkpoint directory of this case's model under ``root``."""
-        if self.preset is not None:
-            from tpcheck.checkpoints import cached_checkpoint
-            return cached_checkpoint(self.preset, seed=self.weight_seed, root=root)
-        return config_checkpoint(self.config, root, self.weight_seed, self.bias_std, outliers=self.outliers)
-
-    def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
-        """The ``tpcheck diff`` command line of this case (block size included)."""
-        from tpcheck.layer_diff import diff_command
-        by_name = self.preset is not None and self.weight_seed == 0
-        return diff_command(["--preset", self.preset] if by_name else ["--model", model_dir], self.tp, self.dtype,
-                            self.prompts, self.decode_steps, self.block_size, exact_ops=self.exact_ops, inject=inject,
-                            inject_layer=inject_layer)
-
-    def repro(self, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None) -> str:
-        """One shell line that recreates the checkpoint if needed and runs ``tpcheck diff`` on this case."""
-        if self.preset is not None and self.weight_seed == 0:
-            return self.diff_command(None, inject, inject_layer)  # tpcheck diff --preset writes its own
-        root = pathlib.Path(root) if root is not None else default_root()
-        model = f'"$({recreate_command(self.config, root, self.weight_seed, self.bias_std, self.outliers)})"'
-        cmd = self.diff_command("MODEL_DIR", inject, inject_layer)
-        return cmd.replace("MODEL_DIR", model, 1)
-
-    def diff(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
-             log=None, **kw):
-        """``tpcheck.diff`` of this case (``pool``: a ``tpcheck.pool.EnginePool`` to reuse engines)."""
-        import tpcheck
-        model = self.checkpoint(root)
-        return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
-                            decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,
-                            pool=pool, block_size=self.block_size, exact_ops=self.exact_ops, log=log or _DEVNULL,
-                            command=self.diff_command(model, inject, inject_layer), **kw)
-
-    def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
-              log=None):
-        """The properties of one case, as assertions: ranks agree on every replicated point (the
-        residual stream, replicated KV heads, ...) and every point of every step is within the noise
-        floor (with ``exact_ops``: and the elementwise ops match HF bit for bit). Raises AssertionError with ``failure_report``; returns the ``DiffResult``."""
-        r = self.diff(pool, root, inject, inject_layer, log)
-        t = r.table
-        split = t[t["note"].astype(str).str.startswith("ranks")]
-        if len(split):
-            w = split.iloc[0]
-            raise AssertionError(f"ranks disagree on replicated point {w.point} (step {w.step}): {w.note}\n"
-                                 + self.failure_report(r, root, inject))
-        if not r.passed:
-            raise AssertionError(self.failure_report(r, root, inject))
-        return r
-
-    def failure_report(self, result, root: str | os.PathLike | None = None, inject=(), limit: int = 8) -> str:
-        """The verdict, the first failing points and how to reproduce: for a failing assertion."""
-        lines = [result.summary(), f"case: {self.describe()}"]
-        if "passed" in result.table:
-            bad = result.table[~result.table["passed"]]
-            if len(bad):
-                cols = ["step", "point", "rel_err", "ref_rel_err", "excess", "note"]
-                lines.append(bad[cols].head(limit).to_string(index=False))
-        lines += [f"checkpoint: {self.checkpoint(root)}",
-                  f"reproduce (recreates the checkpoint if its temp dir is gone):\n  {self.repro(root, inject)}"]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @st.composite
 def cases(draw, tps=DEFAULT_TPS, dtypes=DEFAULT_DTYPES, max_decode: int = 8, layouts=("partition", "replication"),
