@@ -14,7 +14,6 @@ from pathlib import Path
 
 MiB = 1 << 20
 STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
-QUIET = open(os.devnull, "w")  # the log of a tpcheck.diff whose progress nobody reads
 
 
 def make_log(name: str):

@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
-from common import QUIET, PeakRSS  # noqa: E402
+from common import PeakRSS  # noqa: E402
 
 
 def main() -> int:
@@ -55,7 +55,7 @@ def main() -> int:
 
         def diff():
             return tpcheck.diff(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], pool=pool,
-                                exact_ops=a.exact_ops, log=QUIET)
+                                exact_ops=a.exact_ops)
 
         print("warm-up...", file=log, flush=True)
         bare()

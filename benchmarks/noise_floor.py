@@ -32,7 +32,6 @@ from tpcheck.metrics import FLOOR, K_FACTOR
 from tpcheck.pool import EnginePool
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
-from common import QUIET  # noqa: E402
 
 OUTLIER_CASE = dict(preset="small-outliers", tp=2, dtype="bfloat16", decode_steps=4, prompt_lens=(24, 29),
                     block_size=8)
@@ -77,7 +76,7 @@ def clean_runs(presets, seeds, decodes, pool) -> pd.DataFrame:
             for dtype in ("bfloat16", "float16"):
                 for seed in range(seeds):
                     for steps in decodes:
-                        r = tpcheck.diff(model=str(d), tp=tp, dtype=dtype, decode_steps=steps, pool=pool, log=QUIET,
+                        r = tpcheck.diff(model=str(d), tp=tp, dtype=dtype, decode_steps=steps, pool=pool,
                                          prompts=random_prompts(vocab, 2, 24 + 5 * seed, seed))
                         v = verdicts(r)
                         rows.append(dict(preset=preset, tp=tp, dtype=dtype, seed=seed, decode=steps,
@@ -95,7 +94,7 @@ def _fault_run(name: str, config: dict, pool) -> dict:
     d = cached_checkpoint(config["preset"])
     r = tpcheck.diff(model=str(d), tp=config["tp"], dtype=config["dtype"], decode_steps=config["decode_steps"],
                      prompts=prompts_for(config, load_config(d).vocab_size), inject=[name], pool=pool,
-                     block_size=config["block_size"], exact_ops=True, log=QUIET)
+                     block_size=config["block_size"], exact_ops=True)
     v = verdicts(r)
     want = (fault.origin(None), expected_step(fault, config))
     at = lambda rule: (v[rule]["point"], v[rule]["step"]) == want  # noqa: E731

@@ -6,7 +6,6 @@ import random
 
 import tpcheck
 
-QUIET = open("/dev/null", "w")
 VOCAB = {"tiny": 250, "small": 1000, "tiny-mqa": 203, "tiny-untied": 301}
 LAYERS = {"tiny": 2, "small": 4, "tiny-mqa": 2, "tiny-untied": 3}
 
@@ -19,4 +18,4 @@ def run_diff(ckpt, engines, preset, tp, dtype="float32", steps=0, isolate=False,
     lens = [seq_len + 5 * i for i in range(batch)]  # ragged
     prompts = [[rng.randrange(VOCAB[preset]) for _ in range(n)] for n in lens]
     return tpcheck.diff(model=ckpt(preset), tp=tp, dtype=dtype, prompts=prompts, decode_steps=steps, isolate=isolate,
-                        inject=list(inject), inject_layer=layer, pool=engines, log=QUIET, **kw)
+                        inject=list(inject), inject_layer=layer, pool=engines, **kw)

@@ -11,7 +11,6 @@ from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
 from tpcheck.layer_diff import compare_engine
 from tpcheck.points import split_point
 
-QUIET = open("/dev/null", "w")
 
 
 class TwoRankHF:
@@ -49,7 +48,7 @@ PROMPTS = [[5, 17, 42, 99, 7, 3, 1, 64], [200, 11, 9]]
 @pytest.mark.parametrize("dtype,isolate", [("bfloat16", True), ("float32", False)])
 def test_hf_as_the_engine_sits_exactly_on_the_noise_floor(dtype, isolate, ckpt):
     d = str(ckpt("tiny"))
-    r = compare_engine(TwoRankHF(d, dtype), d, PROMPTS, dtype, decode_steps=2, isolate=isolate, log=QUIET,
+    r = compare_engine(TwoRankHF(d, dtype), d, PROMPTS, dtype, decode_steps=2, isolate=isolate,
                        exact_ops=True)
     assert r.passed, r.summary()
     t = r.table
@@ -61,7 +60,7 @@ def test_hf_as_the_engine_sits_exactly_on_the_noise_floor(dtype, isolate, ckpt):
 
 def test_swapped_rank_order_fails_at_that_point(ckpt):
     d = str(ckpt("tiny"))
-    r = compare_engine(TwoRankHF(d, "float32", swap="layers.1.mlp.up"), d, PROMPTS, "float32", log=QUIET)
+    r = compare_engine(TwoRankHF(d, "float32", swap="layers.1.mlp.up"), d, PROMPTS, "float32")
     fd = r.first_divergence
     assert (fd["point"], fd["step"]) == ("layers.1.mlp.up", 0), r.summary()
     assert fd["excess"] > 1e3

@@ -11,7 +11,6 @@ import pytest
 from tpcheck import fault_matrix as M
 from tpcheck.faults import FAULTS, get_fault
 
-QUIET = open("/dev/null", "w")
 
 # the smallest configuration of each fault: (preset, tp, dtype, decode layout?)
 SMALLEST = {
@@ -59,7 +58,7 @@ def test_every_fault_has_a_smallest_config(ckpt):
 
 @pytest.mark.parametrize("name", DIFF_FAULTS)
 def test_fault_detected_at_expected_origin(name, ckpt, engines):
-    row = M.fault_row(name, engines, ckpt, log=QUIET)
+    row = M.fault_row(name, engines, ckpt)
     assert row["expected_point"] == get_fault(name).origin(0)
     assert row["expected_step"] == STEP.get(name, 0)
     assert row["detected"], f"{name}: tpcheck diff passed ({row['note']})"
@@ -69,7 +68,7 @@ def test_fault_detected_at_expected_origin(name, ckpt, engines):
 
 
 def test_memory_fault_flagged_by_memory_check_not_by_diff(ckpt, engines):
-    row = M.fault_row("full_state_dict_every_rank", engines, ckpt, log=QUIET)
+    row = M.fault_row("full_state_dict_every_rank", engines, ckpt)
     assert row["check"] == "memory" and row["detected"] and row["ok"], row["note"]
     assert "diff passes" in row["note"]  # the numerics are untouched
     llm = engines.get(ckpt("tiny"), 2)
@@ -89,7 +88,7 @@ CLEAN = M.clean_configs([dict(preset=p, tp=tp, dtype=d, **(M.DECODE if dec else 
 @pytest.mark.parametrize("config", CLEAN, ids=[f"{c['preset']}-tp{c['tp']}-{c['dtype']}-{c['decode_steps']}steps"
                                                for c in CLEAN])
 def test_clean_config_no_false_alarm(config, ckpt, engines):
-    row = M.clean_row(config, engines, ckpt, log=QUIET)
+    row = M.clean_row(config, engines, ckpt)
     assert not row["detected"] and row["ok"], row["note"]
 
 

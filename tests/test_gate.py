@@ -12,7 +12,6 @@ from tpcheck.report.sample import sample_result
 from tpcheck.judge import judge
 from tpcheck.tolerances import Tolerances, ToleranceError, load_tolerances, parse_tolerances
 
-QUIET = open("/dev/null", "w")
 
 
 def cli(*argv) -> int:
@@ -59,8 +58,7 @@ def test_gate_on_real_diff_results(ckpt, engines, tmp_path):
     rng = random.Random(6)
     prompts = [[rng.randrange(250) for _ in range(n)] for n in (9, 13)]
     for inject, want in (([], 0), (["rope_skipped"], 1)):
-        r = tpcheck.diff(model=ckpt("tiny"), tp=1, prompts=prompts, decode_steps=1, inject=inject, pool=engines,
-                         log=QUIET)
+        r = tpcheck.diff(model=ckpt("tiny"), tp=1, prompts=prompts, decode_steps=1, inject=inject, pool=engines)
         path = tmp_path / f"r{len(inject)}.json"
         r.to_json(path)
         code, msg = gate.regate(path)

@@ -23,7 +23,6 @@ from tpcheck.cli import main  # noqa: E402
 from tpcheck.report import ResultFormatError, load_result  # noqa: E402
 from tpcheck.report.sample import sample_result  # noqa: E402
 
-QUIET = open(os.devnull, "w")
 
 
 def _no_constant(name):
@@ -135,7 +134,7 @@ def test_nan_result_round_trips_to_the_same_verdict(validator, ckpt, engines, tm
     """A real NaN-bearing result: saved (null), read back (NaN), re-judged: the same verdict, origin and rows."""
     rng = random.Random(3)
     prompts = [[rng.randrange(250) for _ in range(n)] for n in (5, 7)]
-    r = tpcheck.diff(model=ckpt("tiny"), tp=2, prompts=prompts, inject=["nan_causal_mask"], pool=engines, log=QUIET)
+    r = tpcheck.diff(model=ckpt("tiny"), tp=2, prompts=prompts, inject=["nan_causal_mask"], pool=engines)
     assert not np.isfinite(r.table["rel_err"].astype(float)).all()
     path = tmp_path / "r.json"
     r.to_json(path)
@@ -194,7 +193,7 @@ def test_sweep_json_is_strict_and_valid(validator, engines, tmp_path, capsys):
 def test_check_json_is_strict_and_valid(validator, ckpt, engines, tmp_path):
     from tpcheck.check import check_logits, random_prompts
     model = ckpt("tiny")
-    df = check_logits(model, [1, 2], "float32", random_prompts(250, 1, 6, 0), pool=engines, log=QUIET)
+    df = check_logits(model, [1, 2], "float32", random_prompts(250, 1, 6, 0), pool=engines)
     ok = bool(df["passed"].all())
     out = tmp_path / "sub" / "check.json"
     # what cli.py's `check --json` writes

@@ -3,7 +3,6 @@ as a second reference, the references' worst earlier row at decode steps, and th
 on which a one-device floor fails a correct engine."""
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from tpcheck.checkpoints import outlier_channels
 from tpcheck.metrics import FLOOR, K_FACTOR, max_row_rel_err, rel_err
 from tpcheck.reductions import Reductions, row_parallel_linear
 
-QUIET = open("/dev/null", "w")
 
 
 def _outlier_linear(dtype=torch.bfloat16):
@@ -105,7 +103,7 @@ def test_small_outliers_has_massive_activations_growing_with_depth(ckpt, hf_mode
 def test_clean_tp2_bfloat16_passes_where_a_one_device_floor_fails(ckpt, engines):
     """The issue's run: a clean engine on massive activations, tp 2, bfloat16, 4 decode steps."""
     r = tpcheck.diff(model=ckpt("small-outliers"), tp=2, dtype="bfloat16", seq_len=40, batch=2, decode_steps=4,
-                     pool=engines, log=QUIET)
+                     pool=engines)
     assert r.passed, r.summary()
     t = r.table
     assert r.meta["reductions"] == {"tp": 2, "dtype": "bfloat16"}
@@ -122,19 +120,17 @@ def test_clean_tp2_bfloat16_passes_where_a_one_device_floor_fails(ckpt, engines)
 
 
 def test_tp1_has_no_tp_reference(ckpt, engines):
-    r = tpcheck.diff(model=ckpt("small-outliers"), tp=1, dtype="bfloat16", seq_len=8, batch=1, pool=engines,
-                     log=QUIET)
+    r = tpcheck.diff(model=ckpt("small-outliers"), tp=1, dtype="bfloat16", seq_len=8, batch=1, pool=engines)
     assert r.passed, r.summary()
     assert r.table["ref_rel_err_tp"].isna().all() and r.table["ref_by"].str.startswith("hf@0").all()
     assert (r.table["rel_err"] == r.table["ref_rel_err_hf"]).all()  # tp 1, one prompt: HF's bits
 
 
-def test_adapter_without_reductions_is_told(ckpt):
+def test_adapter_without_reductions_is_told(ckpt, caplog):
     from test_adapter import PROMPTS, TwoRankHF
 
     from tpcheck.layer_diff import compare_engine
     d = str(ckpt("tiny"))
-    log = io.StringIO()
-    r = compare_engine(TwoRankHF(d, "float32"), d, PROMPTS, "float32", log=log)
-    assert "declares no `reductions`" in log.getvalue()
+    r = compare_engine(TwoRankHF(d, "float32"), d, PROMPTS, "float32")
+    assert "declares no `reductions`" in caplog.text
     assert r.table["ref_rel_err_tp"].isna().all()

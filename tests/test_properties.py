@@ -15,7 +15,6 @@ command that reproduces it (recreating the drawn checkpoint if its temp dir is g
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ from tpcheck.hypothesis_profiles import PROFILE, PROFILES, examples, record_exam
 from tpcheck.property_runner import Case
 from tpcheck.tp_layout import kv_layout
 
-QUIET = open(os.devnull, "w")
 
 # share of the profile's max_examples each property runs; ci: 50 -> 70 + 70 + 2 x 25 + 50 + 30 = 270
 WEIGHTS = {"diff[float32]": 1.4, "diff[bfloat16]": 1.4, "diff[outliers,bfloat16]": 0.5,
@@ -79,7 +77,7 @@ def test_diff_within_noise_floor_and_ranks_agree(dtype, engines, root):
     def prop(case):
         seen.append((case.tp, case.layout, case.decode_steps))
         note(f"case: {case.describe()}")
-        dataclasses.replace(case, exact_ops=True).check(pool=engines, root=root, log=QUIET)
+        dataclasses.replace(case, exact_ops=True).check(pool=engines, root=root)
 
     prop()
     record_examples(name, len(seen))
@@ -100,7 +98,7 @@ def test_outliers_within_tp_aware_noise_floor(dtype, engines, root):
     def prop(case):
         seen.append((case.tp, case.layout, case.decode_steps))
         note(f"case: {case.describe()}")
-        case.check(pool=engines, root=root, log=QUIET)
+        case.check(pool=engines, root=root)
 
     prop()
     record_examples(name, len(seen))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from tpcheck import strategies as tst
 from tpcheck import sweep
 
-QUIET = open(os.devnull, "w")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,7 +82,7 @@ def test_property_finds_and_shrinks_kv_replication_fault(engines, tmp_path):
             if len(outcome) >= budget:
                 return
             try:
-                case.check(pool=engines, root=root, inject=fault, log=QUIET)
+                case.check(pool=engines, root=root, inject=fault)
                 outcome[key] = True
             except AssertionError:
                 outcome[key] = False
@@ -109,4 +107,4 @@ def test_property_finds_and_shrinks_kv_replication_fault(engines, tmp_path):
     assert shrunk == expected, f"shrunk to {shrunk.describe()}: {shrunk!r}"
     assert shrunk.layout == "replication"
     # the same example without the fault passes: the fault, not the example, is what fails
-    shrunk.check(pool=engines, root=root, log=QUIET)
+    shrunk.check(pool=engines, root=root)

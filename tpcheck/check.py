@@ -12,14 +12,17 @@ what ``rel_err`` measures against the floor. (It is an aggregate over positions:
 positions is localised by ``tpcheck diff``.)"""
 from __future__ import annotations
 
+import logging
+
 import random
-import sys
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from tpcheck.metrics import compare, gate
+
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
 
 def random_prompts(vocab: int, batch: int, seq_len: int, seed: int) -> list[list[int]]:
@@ -35,12 +38,11 @@ def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]]) -> li
 
 
 def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: list[list[int]],
-                 pool=None, log=None) -> pd.DataFrame:
+                 pool=None) -> pd.DataFrame:
     """One row per (tp, prompt): engine and HF-at-dtype errors against the fp64 golden, and the verdict
     (``passed``: the noise-floor gate and no NaN; ``argmax_agree`` is informational, see the module docstring)."""
     from tpcheck.pool import EnginePool
-    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
-    print(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s)...", file=log)
+    logger.info(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s)...")
     golden = hf_logits(model_dir, "float64", prompts)
     ref = hf_logits(model_dir, dtype, prompts) if dtype != "float64" else golden
     own = pool is None
@@ -48,7 +50,7 @@ def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: lis
     rows = []
     try:
         for tp in tps:
-            print(f"impl tp={tp} {dtype}...", file=log)
+            logger.info(f"impl tp={tp} {dtype}...")
             llm = pool.get(model_dir, tp, dtype)
             for i, p in enumerate(prompts):
                 got = llm.logits(p)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import sys
@@ -27,6 +28,7 @@ from tpcheck.coverage import DEFAULT_REQUIRE, CoverageError
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
     sub = ap.add_subparsers(dest="cmd")
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic Hugging Face Qwen2 checkpoint")
@@ -227,9 +229,15 @@ def _exit_code(e: BaseException) -> tuple[int, str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("TPCHECK_DEBUG", "") not in ("", "0")
-    argv = [x for x in argv if x != "--debug"]  # accepted anywhere on the line
+    quiet = "--quiet" in argv
+    argv = [x for x in argv if x not in ("--debug", "--quiet")]  # accepted anywhere on the line
     argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
     a = _parser().parse_args(argv)
+    progress = logging.StreamHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck"
+    progress.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("tpcheck")
+    logger.addHandler(progress)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
     try:
         return _run(a, argv)
     except KeyboardInterrupt:
@@ -244,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpcheck: error: {message}" + ("" if debug else " (--debug for the traceback)"
                                                if code == EXIT_FAILED else ""), file=sys.stderr)
         return code
+    finally:
+        logger.removeHandler(progress)
 
 
 def _run(a, argv: list[str]) -> int:

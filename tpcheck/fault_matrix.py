@@ -14,10 +14,11 @@ or the memory check is a false alarm.
 """
 from __future__ import annotations
 
+import logging
+
 import argparse
 import math
 import random
-import sys
 import time
 import types
 from pathlib import Path
@@ -28,6 +29,8 @@ import torch
 from impl.config import load_config
 from impl.shard_plan import shard_plan
 from tpcheck.faults import FAULTS, Fault, get_fault, injected
+
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
 # candidate configurations, smallest first: a fault runs on the first one where it can show
 PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small")
@@ -188,13 +191,13 @@ def _memory_note(m: dict) -> str:
 
 # ---- the matrix -------------------------------------------------------------------------------------------
 
-def _diff(pool, ckpt, config: dict, inject: list[str], log):
+def _diff(pool, ckpt, config: dict, inject: list[str]):
     import tpcheck
     d = ckpt(config["preset"])
     prompts = prompts_for(config, load_config(d).vocab_size)
     return tpcheck.diff(model=str(d), tp=config["tp"], dtype=config["dtype"], prompts=prompts,
                         decode_steps=config["decode_steps"], inject=list(inject), pool=pool,
-                        block_size=config["block_size"], exact_ops=EXACT_OPS, log=log)
+                        block_size=config["block_size"], exact_ops=EXACT_OPS)
 
 
 def _row(name: str, config: dict, check: str, **kw) -> dict:
@@ -221,14 +224,13 @@ def flagged_by(fd: dict | None) -> str:
     return "NaN" if math.isnan(fd["rel_err"]) else "noise floor"
 
 
-def fault_row(name: str, pool, ckpt=None, log=None) -> dict:
+def fault_row(name: str, pool, ckpt=None) -> dict:
     """Inject one fault on its smallest configuration and report what the checks found."""
-    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     ckpt = _resolver(ckpt)
     fault = get_fault(name)
     config = smallest_config(fault, ckpt)
     t0 = time.monotonic()
-    r = _diff(pool, ckpt, config, [name], log)
+    r = _diff(pool, ckpt, config, [name])
     fd = r.first_divergence
     if fault.check == "memory":
         llm = pool.get(ckpt(config["preset"]), config["tp"], config["dtype"])
@@ -256,12 +258,11 @@ def fault_row(name: str, pool, ckpt=None, log=None) -> dict:
                 expected_point=exp_point, expected_step=exp_step, seconds=time.monotonic() - t0)
 
 
-def clean_row(config: dict, pool, ckpt=None, log=None) -> dict:
+def clean_row(config: dict, pool, ckpt=None) -> dict:
     """A clean run of ``config``: the diff and the memory check must both stay quiet."""
-    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     ckpt = _resolver(ckpt)
     t0 = time.monotonic()
-    r = _diff(pool, ckpt, config, [], log)
+    r = _diff(pool, ckpt, config, [])
     m = memory_check(pool.get(ckpt(config["preset"]), config["tp"], config["dtype"]))
     fd = r.first_divergence
     alarms = []
@@ -290,12 +291,11 @@ def clean_configs(configs: list[dict], dtypes=CLEAN_DTYPES) -> list[dict]:
     return out
 
 
-def run_matrix(faults: list[str] | None = None, pool=None, log=None, ckpt=None, clean: bool = True,
+def run_matrix(faults: list[str] | None = None, pool=None, ckpt=None, clean: bool = True,
                clean_dtypes=CLEAN_DTYPES) -> pd.DataFrame:
     """One row per fault (on its smallest configuration), then one clean row per distinct configuration
     used and dtype. Columns: ``COLUMNS``; ``ok`` is the verdict of each row (a fault detected at its
     expected origin and step; a clean run without alarm)."""
-    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     from tpcheck.pool import EnginePool
     names = list(FAULTS) if faults is None else [get_fault(n).name for n in faults]
     ckpt = _resolver(ckpt)
@@ -304,12 +304,12 @@ def run_matrix(faults: list[str] | None = None, pool=None, log=None, ckpt=None, 
     rows = []
     try:
         for n in names:
-            print(f"fault-matrix: {n} ...", file=log, flush=True)
-            rows.append(fault_row(n, pool, ckpt, log))
+            logger.info(f"fault-matrix: {n} ...")
+            rows.append(fault_row(n, pool, ckpt))
         if clean:
             for c in clean_configs([smallest_config(n, ckpt) for n in names], clean_dtypes):
-                print(f"fault-matrix: clean {describe_config(c)} ...", file=log, flush=True)
-                rows.append(clean_row(c, pool, ckpt, log))
+                logger.info(f"fault-matrix: clean {describe_config(c)} ...")
+                rows.append(clean_row(c, pool, ckpt))
     finally:
         if own:
             pool.close()

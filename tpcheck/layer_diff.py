@@ -9,9 +9,10 @@ golden input of that layer, so each row shows the layer's local error apart from
 engine's own inputs (``tpcheck.exact_ops``)."""
 from __future__ import annotations
 
+import logging
+
 import math
 import shlex
-import sys
 import time
 
 import torch
@@ -27,6 +28,8 @@ from tpcheck.judge import judge
 from tpcheck.result import DiffResult
 from tpcheck.tolerances import Tolerances
 from tpcheck.unshard import unshard
+
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
 _HF: dict = {}
 
@@ -53,11 +56,11 @@ class _Run:
     """One mode (propagated or isolated) over prefill + decode steps."""
 
     def __init__(self, golden: HFCapture, ref: HFCapture, engine, prompts, decode_steps, num_layers, dtype,
-                 isolated: bool, log, exact_ops: bool = False, reductions: Reductions = Reductions()):
+                 isolated: bool, exact_ops: bool = False, reductions: Reductions = Reductions()):
         self.golden, self.ref, self.engine, self.prompts, self.exact_ops = golden, ref, engine, prompts, exact_ops
         # the noise floor's references: HF at the dtype, and (tp > 1) HF at the dtype rounding like the engine
         self.refs = [("hf", None)] + ([("hf-tp", reductions)] if reductions.emulated else [])
-        self.steps, self.L, self.dtype, self.isolated, self.log = decode_steps, num_layers, dtype, isolated, log
+        self.steps, self.L, self.dtype, self.isolated = decode_steps, num_layers, dtype, isolated
         self.with_kv = decode_steps > 0
         self.order = {n: i for i, n in enumerate(point_names(num_layers, self.with_kv))}
         self.canonical = set(point_names(num_layers, with_kv=True))
@@ -131,7 +134,7 @@ class _Run:
             tokens = [[t] for t in nxt]
             del gold, points
             what = "prefill" if step == 0 else f"decode {step}/{self.steps}"
-            print(f"  [{mode}] {what}: {time.monotonic() - t0:.1f}s", file=self.log, flush=True)
+            logger.info(f"  [{mode}] {what}: {time.monotonic() - t0:.1f}s")
         self.engine.close()
         return rows
 
@@ -175,14 +178,13 @@ class _Run:
 def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts: list[list[int]] | None = None,
          decode_steps: int = 0, isolate: bool = False, *, preset: str = "small", inject: list[str] = (),
          inject_layer: int | None = None, tolerances: Tolerances | None = None, pool=None, block_size: int = 16,
-         seq_len: int = 32, batch: int = 2, seed: int = 0, exact_ops: bool = False, log=None,
+         seq_len: int = 32, batch: int = 2, seed: int = 0, exact_ops: bool = False,
          command: str | None = None, require_points: str = DEFAULT_REQUIRE) -> DiffResult:
     """Compare impl at ``tp``/``dtype`` with Hugging Face, every point, every step (``exact_ops``:
     ``tpcheck.exact_ops``).
 
     ``model`` is a checkpoint directory (default: the synthetic ``preset``); ``prompts`` token ids
     (default: ``batch`` random prompts of ``seq_len`` tokens from ``seed``)."""
-    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     from tpcheck.adapter import ImplAdapter
     from tpcheck.check import random_prompts
     from tpcheck.checkpoints import cached_checkpoint
@@ -203,16 +205,15 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
         if len(p) + decode_steps > cfg.max_position:
             raise ValueError(f"prompt {i}: {len(p)} tokens + {decode_steps} decode steps exceed "
                              f"max_position_embeddings={cfg.max_position}")
-    print(f"tpcheck diff: {model_dir} tp={tp} {dtype}, {len(prompts)} prompt(s), {decode_steps} decode step(s)"
-          f"{', isolate' if isolate else ''}{', exact-ops' if exact_ops else ''}{', inject ' + ','.join(inject) if inject else ''}",
-          file=log, flush=True)
+    logger.info(f"tpcheck diff: {model_dir} tp={tp} {dtype}, {len(prompts)} prompt(s), {decode_steps} decode step(s)"
+          f"{', isolate' if isolate else ''}{', exact-ops' if exact_ops else ''}{', inject ' + ','.join(inject) if inject else ''}")
     silent = {}
     for name in inject:
         why = get_fault(name).silent_because(cfg, tp, dtype, decode_steps, exact_ops,
                                              prompt_lens=[len(p) for p in prompts], block_size=block_size)
         if why:
             silent[name] = why
-            print(f"tpcheck diff: note: {name} {why}; expect this run to pass", file=log, flush=True)
+            logger.warning(f"tpcheck diff: note: {name} {why}; expect this run to pass")
     own = pool is None
     pool = pool or EnginePool()
     try:
@@ -220,7 +221,7 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
         meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer, "inject_silent": silent,
                 "command": command or diff_command(["--model", model_dir], tp, dtype, prompts, decode_steps, block_size,
                                                    isolate, exact_ops, inject, inject_layer)}
-        return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, log, meta,
+        return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, meta,
                               exact_ops, require_points)
     finally:
         if own:
@@ -228,7 +229,7 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
 
 
 def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str, decode_steps: int = 0,
-                   isolate: bool = False, tolerances: Tolerances | None = None, log=None,
+                   isolate: bool = False, tolerances: Tolerances | None = None,
                    meta: dict | None = None, exact_ops: bool = False,
                    require_points: str = DEFAULT_REQUIRE) -> DiffResult:
     """Run any ``tpcheck.adapter.EngineAdapter`` against HF float64 (golden) and HF at ``dtype`` (noise
@@ -237,19 +238,17 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
     ``exact_ops``: also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``). ``require_points``: the
     canonical points (a regex) the engine must report (``tpcheck.coverage``); ``meta["coverage"]`` says what
     it did not."""
-    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     cfg = load_config(model_dir)
     coverage = Coverage(point_names(cfg.num_layers, decode_steps > 0), require=require_points)
     reductions = getattr(engine, "reductions", None)
     if reductions is None:
         reductions = Reductions()
-        print("tpcheck diff: note: the engine adapter declares no `reductions` (tpcheck.reductions.Reductions): "
-              "the noise floor is HF on one device only and does not admit the rounding of TP all-reduces",
-              file=log, flush=True)
+        logger.warning("tpcheck diff: note: the engine adapter declares no `reductions` (tpcheck.reductions.Reductions): "
+              "the noise floor is HF on one device only and does not admit the rounding of TP all-reduces")
     golden, ref = hf_capture(model_dir, "float64"), hf_capture(model_dir, dtype)
     rows: list[dict] = []
     for isolated in [False] + ([True] if isolate else []):
-        run = _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), isolated, log,
+        run = _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), isolated,
                    exact_ops, reductions)
         try:
             rows += run.run()

@@ -5,6 +5,8 @@ agree on replicated points, every point within the noise floor), the failure rep
 reproduction (``Case.repro``) that recreates the drawn checkpoint if it is gone."""
 from __future__ import annotations
 
+import logging
+
 import os
 import pathlib
 from dataclasses import asdict, dataclass
@@ -12,7 +14,8 @@ from dataclasses import asdict, dataclass
 from tpcheck.config_checkpoints import config_checkpoint, default_root, recreate_command
 from tpcheck.tp_layout import kv_layout
 
-_DEVNULL = open(os.devnull, "w")
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
+
 
 
 @dataclass
@@ -71,21 +74,20 @@ class Case:
         return cmd.replace("MODEL_DIR", model, 1)
 
     def diff(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
-             log=None, **kw):
+             **kw):
         """``tpcheck.diff`` of this case (``pool``: a ``tpcheck.pool.EnginePool`` to reuse engines)."""
         import tpcheck
         model = self.checkpoint(root)
         return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
                             decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,
-                            pool=pool, block_size=self.block_size, exact_ops=self.exact_ops, log=log or _DEVNULL,
+                            pool=pool, block_size=self.block_size, exact_ops=self.exact_ops,
                             command=self.diff_command(model, inject, inject_layer), **kw)
 
-    def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
-              log=None):
+    def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None):
         """The properties of one case, as assertions: ranks agree on every replicated point (the
         residual stream, replicated KV heads, ...) and every point of every step is within the noise
         floor (with ``exact_ops``: and the elementwise ops match HF bit for bit). Raises AssertionError with ``failure_report``; returns the ``DiffResult``."""
-        r = self.diff(pool, root, inject, inject_layer, log)
+        r = self.diff(pool, root, inject, inject_layer)
         t = r.table
         split = t[t["note"].astype(str).str.startswith("ranks")]
         if len(split):

@@ -149,15 +149,13 @@ def tpcheck_engines():
 @pytest.fixture
 def tpcheck_diff(tpcheck_checkpoint, tpcheck_engines):
     """``tpcheck_diff(preset="tiny", tp=2, **kwargs) -> DiffResult``: ``tpcheck.diff`` on a synthetic checkpoint
-    (or ``model=``) with the session's engines; progress goes nowhere."""
-    import io
+    (or ``model=``) with the session's engines; progress is logged to ``tpcheck`` at INFO (pytest's caplog)."""
 
     def run(preset: str = "tiny", tp: int = 2, **kwargs):
         from tpcheck.layer_diff import diff
         kwargs.setdefault("model", None)
         if kwargs["model"] is None:
             kwargs["model"] = tpcheck_checkpoint(preset)
-        kwargs.setdefault("log", io.StringIO())
         return diff(tp=tp, pool=tpcheck_engines, **kwargs)
 
     return run

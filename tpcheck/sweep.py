@@ -13,6 +13,8 @@ the noise-floor threshold: ``rel_err / (k * ref_rel_err + floor)``, above 1 fail
 diverged, 2 bad input, 3 configurations crashed and none diverged."""
 from __future__ import annotations
 
+import logging
+
 import argparse
 import hashlib
 import math
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 from tpcheck.arg_types import int_list, name_list
+
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
 TINY_PRESETS = ("tiny", "tiny-untied", "tiny-mha", "tiny-mqa")
 
@@ -127,7 +131,7 @@ def _case_strategy(source: str, tp: int, dtype: str, steps: int, a):
     return draw_case()
 
 
-def run_configuration(source: str, tp: int, dtype: str, steps: int, a, pool, root: Path, log) -> dict:
+def run_configuration(source: str, tp: int, dtype: str, steps: int, a, pool, root: Path) -> dict:
     """Run ``a.examples`` drawn examples of one configuration; returns its row."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
@@ -211,10 +215,9 @@ def _fmt_table(rows: list[dict]) -> str:
     return "\n".join([line(head)] + [line(b) for b in body])
 
 
-def sweep(a, log=None, pool=None) -> list[dict]:
+def sweep(a, pool=None) -> list[dict]:
     """Run every configuration of the parsed arguments ``a``; returns the rows. ``pool``: an
     ``EnginePool`` to use (and leave open); default a new one, closed at the end."""
-    log = log or sys.stderr  # at call time: an import-time default outlives a test's capture
     import torch
     from impl.config import load_config
     from tpcheck.checkpoints import PRESETS, cached_checkpoint
@@ -242,15 +245,14 @@ def sweep(a, log=None, pool=None) -> list[dict]:
                     rows.append({"config": source, "tp": tp, "dtype": dtype, "decode_steps": steps, "examples": 0,
                                  "passed": True, "skipped": reason, "worst_point": None, "worst_step": None,
                                  "excess": 0.0})
-                    print(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: skipped ({reason})",
-                          file=log, flush=True)
+                    logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: skipped ({reason})")
                     continue
                 load_config(cached_checkpoint(source, root=root))  # written once, before any example
-            row = run_configuration(source, tp, dtype, steps, a, pool, root, log)
+            row = run_configuration(source, tp, dtype, steps, a, pool, root)
             rows.append(row)
             verdict = "pass" if row["passed"] else f"FAIL ({row.get('origin') or row.get('error')})"
-            print(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: {row['examples']} example(s), "
-                  f"{verdict} ({time.monotonic() - t0:.1f}s)", file=log, flush=True)
+            logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: {row['examples']} example(s), "
+                  f"{verdict} ({time.monotonic() - t0:.1f}s)")
     finally:
         torch.set_num_threads(threads)
         if own:
