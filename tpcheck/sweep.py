@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpcheck.arg_types import int_list, name_list
@@ -28,6 +30,34 @@ from tpcheck.arg_types import int_list, name_list
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
 TINY_PRESETS = ("tiny", "tiny-untied", "tiny-mha", "tiny-mqa")
+
+
+@dataclass
+class SweepOptions:
+    """What a sweep runs (the ``tpcheck sweep`` flags, same names and defaults)."""
+
+    tp: list[int] = field(default_factory=lambda: [1, 2, 4])
+    dtype: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    decode_steps: list[int] = field(default_factory=lambda: [0, 8])
+    examples: int = 5
+    preset: list[str] | None = None  # default TINY_PRESETS (unless random_configs)
+    random_configs: bool = False
+    outliers: list[float] = field(default_factory=lambda: [0.0])
+    block_size: int | None = None
+    max_len: int = 64
+    max_batch: int = 4
+    inject: list[str] = field(default_factory=list)
+    exact_ops: bool = False
+    seed: int = 0
+    no_shrink: bool = False
+    no_pool: bool = False
+    checkpoints: Path | None = None
+    json: Path | None = None
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "SweepOptions":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -70,34 +100,34 @@ def register(subparsers) -> argparse.ArgumentParser:
     return sw
 
 
-def _validate(a) -> list[str]:
+def _validate(opts: SweepOptions) -> list[str]:
     from tpcheck.checkpoints import PRESETS
     from tpcheck.faults import FAULTS
     errors = []
-    if not a.tp or any(t < 1 for t in a.tp):
-        errors.append(f"--tp needs TP sizes >= 1, got {a.tp}")
-    bad = [d for d in a.dtype if d not in ("float32", "bfloat16", "float16")]
-    if not a.dtype or bad:
+    if not opts.tp or any(t < 1 for t in opts.tp):
+        errors.append(f"--tp needs TP sizes >= 1, got {opts.tp}")
+    bad = [d for d in opts.dtype if d not in ("float32", "bfloat16", "float16")]
+    if not opts.dtype or bad:
         errors.append(f"--dtype: {bad or 'none given'}; expected float32, bfloat16 or float16")
-    if not a.decode_steps or any(s < 0 for s in a.decode_steps):
-        errors.append(f"--decode-steps needs values >= 0, got {a.decode_steps}")
-    if a.examples < 1:
-        errors.append(f"--examples must be >= 1, got {a.examples}")
-    for name in a.preset or []:
+    if not opts.decode_steps or any(s < 0 for s in opts.decode_steps):
+        errors.append(f"--decode-steps needs values >= 0, got {opts.decode_steps}")
+    if opts.examples < 1:
+        errors.append(f"--examples must be >= 1, got {opts.examples}")
+    for name in opts.preset or []:
         if name not in PRESETS:
             errors.append(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
-    if a.block_size is not None and a.block_size < 1:
-        errors.append(f"--block-size must be >= 1, got {a.block_size}")
-    if not 1 <= a.max_len <= 1000:
-        errors.append(f"--max-len must be in [1, 1000], got {a.max_len}")
-    if not 1 <= a.max_batch <= 8:
-        errors.append(f"--max-batch must be in [1, 8], got {a.max_batch}")
-    outliers = getattr(a, "outliers", [0.0])
+    if opts.block_size is not None and opts.block_size < 1:
+        errors.append(f"--block-size must be >= 1, got {opts.block_size}")
+    if not 1 <= opts.max_len <= 1000:
+        errors.append(f"--max-len must be in [1, 1000], got {opts.max_len}")
+    if not 1 <= opts.max_batch <= 8:
+        errors.append(f"--max-batch must be in [1, 8], got {opts.max_batch}")
+    outliers = opts.outliers
     if not outliers or any(not 0 <= x <= 10 for x in outliers):
         errors.append(f"--outliers needs strengths in [0, 10], got {outliers}")
-    elif any(outliers) and not a.random_configs:
+    elif any(outliers) and not opts.random_configs:
         errors.append("--outliers applies to --random-configs (presets carry their own recipe: small-outliers)")
-    for f in a.inject:
+    for f in opts.inject:
         if f not in FAULTS:
             errors.append(f"unknown fault {f!r}; known faults: {', '.join(FAULTS)}")
     return errors
@@ -107,12 +137,12 @@ def _row_seed(seed: int, *key) -> int:
     return int(hashlib.sha256(repr((seed, *key)).encode()).hexdigest()[:8], 16)
 
 
-def _case_strategy(source: str, tp: int, dtype: str, steps: int, a):
+def _case_strategy(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions):
     from hypothesis import strategies as st
 
     from tpcheck import strategies as tst
     from tpcheck.checkpoints import PRESETS
-    bss = (a.block_size,) if a.block_size else tst.DEFAULT_BLOCK_SIZES
+    bss = (opts.block_size,) if opts.block_size else tst.DEFAULT_BLOCK_SIZES
 
     @st.composite
     def draw_case(draw):
@@ -120,19 +150,19 @@ def _case_strategy(source: str, tp: int, dtype: str, steps: int, a):
         if source == "random":
             config, _ = draw(tst.config_and_tp(tps=(tp,)))
             preset = None
-            outliers = draw(tst.outlier_strengths(getattr(a, "outliers", [0.0])))
+            outliers = draw(tst.outlier_strengths(opts.outliers))
         else:
             config, preset = dict(PRESETS[source]), source
         bs = draw(st.sampled_from(bss))
-        ps = draw(tst.prompts(config["vocab_size"], bs, a.max_batch, a.max_len, min(4, a.max_batch)))
-        return tst.Case(config, tp, dtype, ps, steps, bs, preset=preset, exact_ops=getattr(a, "exact_ops", False),
+        ps = draw(tst.prompts(config["vocab_size"], bs, opts.max_batch, opts.max_len, min(4, opts.max_batch)))
+        return tst.Case(config, tp, dtype, ps, steps, bs, preset=preset, exact_ops=opts.exact_ops,
                         outliers=outliers)
 
     return draw_case()
 
 
-def run_configuration(source: str, tp: int, dtype: str, steps: int, a, pool, root: Path) -> dict:
-    """Run ``a.examples`` drawn examples of one configuration; returns its row."""
+def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions, pool, root: Path) -> dict:
+    """Run ``opts.examples`` drawn examples of one configuration; returns its row."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
     row = {"config": source, "tp": tp, "dtype": dtype, "decode_steps": steps, "examples": 0, "passed": True,
@@ -150,24 +180,24 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, a, pool, roo
             row.update(worst_point=w.point, worst_step=int(w.step), excess=float(ex.max()),
                        worst_example=case.describe())
 
-    phases = [Phase.explicit, Phase.generate] + ([] if a.no_shrink else [Phase.shrink])
+    phases = [Phase.explicit, Phase.generate] + ([] if opts.no_shrink else [Phase.shrink])
 
-    @seed(_row_seed(a.seed, source, tp, dtype, steps))
-    @settings(max_examples=a.examples, deadline=None, database=None, phases=phases, verbosity=Verbosity.quiet,
+    @seed(_row_seed(opts.seed, source, tp, dtype, steps))
+    @settings(max_examples=opts.examples, deadline=None, database=None, phases=phases, verbosity=Verbosity.quiet,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False)
-    @given(_case_strategy(source, tp, dtype, steps, a))
+    @given(_case_strategy(source, tp, dtype, steps, opts))
     def prop(case):
         row["examples"] += 1
         try:
-            if getattr(a, "no_pool", False):
+            if opts.no_pool:
                 from tpcheck.pool import EnginePool
                 fresh = EnginePool()
                 try:
-                    r = case.diff(pool=fresh, root=root, inject=a.inject)
+                    r = case.diff(pool=fresh, root=root, inject=opts.inject)
                 finally:
                     fresh.close()
             else:
-                r = case.diff(pool=pool, root=root, inject=a.inject)
+                r = case.diff(pool=pool, root=root, inject=opts.inject)
         except Exception:
             state["crash"] = case  # the last crashing example Hypothesis ran: the shrunk one
             raise
@@ -187,7 +217,7 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, a, pool, roo
         row["passed"] = False
         crash = state.get("crash")
         if crash is not None and state["fail"] is None:
-            row.update(failing_example=crash.describe(), repro=crash.repro(root, a.inject),
+            row.update(failing_example=crash.describe(), repro=crash.repro(root, opts.inject),
                        failing_case=crash.to_dict())
     if state["fail"] is not None:
         case, r = state["fail"]  # the last failure Hypothesis ran: the shrunk example
@@ -196,7 +226,7 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, a, pool, roo
         w = r.table.loc[ex.idxmax()]
         row.update(passed=False, worst_point=w.point, worst_step=int(w.step), excess=float(ex.max()),
                    worst_example=case.describe(), origin=fd.get("point"), failing_example=case.describe(),
-                   repro=case.repro(root, a.inject))
+                   repro=case.repro(root, opts.inject))
         row["failing_case"] = case.to_dict()
     return row
 
@@ -215,8 +245,8 @@ def _fmt_table(rows: list[dict]) -> str:
     return "\n".join([line(head)] + [line(b) for b in body])
 
 
-def sweep(a, pool=None) -> list[dict]:
-    """Run every configuration of the parsed arguments ``a``; returns the rows. ``pool``: an
+def sweep(opts: SweepOptions, pool=None) -> list[dict]:
+    """Run every configuration of ``opts``; returns the rows. ``pool``: an
     ``EnginePool`` to use (and leave open); default a new one, closed at the end."""
     import torch
     from impl.config import load_config
@@ -224,9 +254,9 @@ def sweep(a, pool=None) -> list[dict]:
     from tpcheck.pool import EnginePool
     from tpcheck.strategies import tp_compatible
 
-    sources = ["random"] if a.random_configs else list(a.preset or TINY_PRESETS)
-    root = Path(a.checkpoints) if a.checkpoints else Path(tempfile.mkdtemp(prefix="tpcheck-sweep-"))
-    plan = [(s, tp, d, n) for s in sources for d in a.dtype for tp in a.tp for n in a.decode_steps]
+    sources = ["random"] if opts.random_configs else list(opts.preset or TINY_PRESETS)
+    root = Path(opts.checkpoints) if opts.checkpoints else Path(tempfile.mkdtemp(prefix="tpcheck-sweep-"))
+    plan = [(s, tp, d, n) for s in sources for d in opts.dtype for tp in opts.tp for n in opts.decode_steps]
     rows: list[dict] = []
     own = pool is None
     pool = pool or EnginePool()
@@ -239,8 +269,8 @@ def sweep(a, pool=None) -> list[dict]:
                 reason = None
                 if not tp_compatible(PRESETS[source], tp):
                     reason = f"tp {tp} cannot split {source}"
-                elif a.max_len + steps > PRESETS[source]["max_position_embeddings"]:
-                    reason = f"--max-len {a.max_len} + {steps} decode steps exceed the model's positions"
+                elif opts.max_len + steps > PRESETS[source]["max_position_embeddings"]:
+                    reason = f"--max-len {opts.max_len} + {steps} decode steps exceed the model's positions"
                 if reason:
                     rows.append({"config": source, "tp": tp, "dtype": dtype, "decode_steps": steps, "examples": 0,
                                  "passed": True, "skipped": reason, "worst_point": None, "worst_step": None,
@@ -248,7 +278,7 @@ def sweep(a, pool=None) -> list[dict]:
                     logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: skipped ({reason})")
                     continue
                 load_config(cached_checkpoint(source, root=root))  # written once, before any example
-            row = run_configuration(source, tp, dtype, steps, a, pool, root)
+            row = run_configuration(source, tp, dtype, steps, opts, pool, root)
             rows.append(row)
             verdict = "pass" if row["passed"] else f"FAIL ({row.get('origin') or row.get('error')})"
             logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: {row['examples']} example(s), "
@@ -260,16 +290,17 @@ def sweep(a, pool=None) -> list[dict]:
     return rows
 
 
-def run(a, pool=None) -> int:
+def run(a: "SweepOptions | argparse.Namespace", pool=None) -> int:
     """The ``sweep`` sub-command: 0 every configuration passed, 1 one diverged, 2 bad input, 3 a configuration
-    crashed (a dead rank, an engine error) and none diverged."""
-    errors = _validate(a)
+    crashed (a dead rank, an engine error) and none diverged. ``a``: the options, or the parsed command line."""
+    opts = a if isinstance(a, SweepOptions) else SweepOptions.from_namespace(a)
+    errors = _validate(opts)
     if errors:
         for e in errors:
             print(f"tpcheck sweep: error: {e}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    rows = sweep(a, pool=pool)
+    rows = sweep(opts, pool=pool)
     ran = [r for r in rows if not r.get("skipped")]
     if not ran:
         print("tpcheck sweep: error: no configuration can run (every one was skipped)", file=sys.stderr)
@@ -285,13 +316,13 @@ def run(a, pool=None) -> int:
     n, secs = sum(r["examples"] for r in ran), time.monotonic() - t0
     print(f"\n{'PASS' if not failed else 'FAIL'}: {len(ran) - len(failed)}/{len(ran)} configuration(s) passed, "
           f"{n} example(s) in {secs:.0f}s ({60 * n / max(secs, 1e-9):.0f} examples/min"
-          f"{', a fresh engine per example' if getattr(a, 'no_pool', False) else ', pooled engines'})"
+          f"{', a fresh engine per example' if opts.no_pool else ', pooled engines'})"
           + (f"; {len(rows) - len(ran)} skipped" if len(rows) > len(ran) else ""))
-    if a.json:
+    if opts.json:
         from tpcheck.documents import write_json  # strict JSON, schema_version, kind "sweep", run meta
-        write_json(a.json, "sweep", {"passed": not failed, "rows": rows},
-                   meta={"args": {k: v for k, v in vars(a).items() if k not in ("cmd", "json", "debug")}})
-        print(f"wrote {a.json}")
+        write_json(opts.json, "sweep", {"passed": not failed, "rows": rows},
+                   meta={"args": {k: v for k, v in dataclasses.asdict(opts).items() if k != "json"}})
+        print(f"wrote {opts.json}")
     if any(r.get("origin") or not r.get("error") for r in failed):
         return 1
     return 3 if failed else 0
