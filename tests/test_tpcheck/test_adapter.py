@@ -6,43 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from impl.placements import Partial, Replicate, Shard
-from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
+from hf_engine import PROMPTS, TwoRankHF
 from tpcheck.layer_diff import compare_engine
-from tpcheck.points import split_point
 
 
 
-class TwoRankHF:
-    """An ``EngineAdapter`` over HF ``Qwen2ForCausalLM``; ``swap``: a sharded point whose ranks it reports in
-    the wrong order."""
 
-    def __init__(self, model_dir, dtype: str, swap: str | None = None):
-        self.cap, self.swap = HFCapture(load_hf_model(model_dir, dtype)), swap
-
-    def begin(self, prompts, decode_steps):
-        self.caches, self.starts = [new_cache(self.cap.model) for _ in prompts], [0] * len(prompts)
-
-    def step(self, new_tokens, teacher, capture_kv):
-        points = self.cap.step(new_tokens, self.caches, self.starts, teacher, capture_kv)
-        self.starts = [s + len(t) for s, t in zip(self.starts, new_tokens)]
-        out = {}
-        for name, t in points.items():
-            kind = split_point(name)[1]
-            if kind in ("attn.q", "mlp.gate", "mlp.up"):
-                ranks = list(t.chunk(2, dim=-1))
-                out[name] = (Shard(-1), ranks[::-1] if name == self.swap else ranks)
-            elif kind == "mlp.out":
-                out[name] = (Partial(), [t / 2, t / 2])  # halves of a float sum back exactly
-            else:  # replicated points and the KV cache contents
-                out[name] = (Replicate(), [t, t])
-        return out
-
-    def close(self):
-        self.caches = []
-
-
-PROMPTS = [[5, 17, 42, 99, 7, 3, 1, 64], [200, 11, 9]]
 
 
 @pytest.mark.parametrize("dtype,isolate", [("bfloat16", True), ("float32", False)])

@@ -113,7 +113,7 @@ def _fixtures_by_source(output: str) -> dict[str, set[str]]:
 def test_fixture_names_do_not_clash_with_the_repo_conftest(pytester):
     """The fixtures pytest registers from the plugin and from this repository's ``conftest.py`` (both load in
     every session here) share no name: a clash would silently override one of them."""
-    pytester.makeconftest((Path(__file__).resolve().parents[1] / "conftest.py").read_text())
+    pytester.makeconftest((Path(__file__).resolve().parents[2] / "conftest.py").read_text())
     res = pytester.runpytest(*_plugin_args(), "-p", "no:cacheprovider", "--fixtures", "-v")
     found = _fixtures_by_source(res.stdout.str())
     plugin, repo = found.get("tpcheck.pytest_plugin", set()), found.get("conftest", set())

@@ -127,7 +127,7 @@ def test_tp1_has_no_tp_reference(ckpt, engines):
 
 
 def test_adapter_without_reductions_is_told(ckpt, caplog):
-    from test_adapter import PROMPTS, TwoRankHF
+    from hf_engine import PROMPTS, TwoRankHF
 
     from tpcheck.layer_diff import compare_engine
     d = str(ckpt("tiny"))

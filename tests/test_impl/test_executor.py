@@ -98,7 +98,7 @@ def test_workers_die_with_killed_driver(ckpt, tmp_path):
             print(*llm.call("worker_fns:pid"), flush=True)
             time.sleep(600)
     """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), *sys.path]))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
