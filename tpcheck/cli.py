@@ -25,6 +25,19 @@ from tpcheck.arg_types import int_list, regex
 from tpcheck.coverage import DEFAULT_REQUIRE, CoverageError
 
 
+def _add_outputs(p: argparse.ArgumentParser) -> None:
+    """The verdict's outputs and gate options, shared by diff and compare."""
+    p.add_argument("--require-points", type=regex, default=DEFAULT_REQUIRE, metavar="REGEX",
+                   help="canonical points the engine must report, else exit 3 (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
+    p.add_argument("--csv", type=Path, help="write every row as CSV")
+    p.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
+    p.add_argument("--parquet", type=Path, help="write every row as Parquet (needs pyarrow)")
+    p.add_argument("--html", type=Path, help="write the self-contained HTML report")
+    p.add_argument("--tolerances", type=Path, metavar="FILE.toml",
+                   help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
@@ -82,15 +95,20 @@ def _parser() -> argparse.ArgumentParser:
                     help="faults to inject into impl (tpcheck faults list)")
     df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
     df.add_argument("--block-size", type=int, default=16)
-    df.add_argument("--require-points", type=regex, default=DEFAULT_REQUIRE, metavar="REGEX",
-                    help="canonical points the engine must report, else exit 3 (default: %(default)s)")
-    df.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
-    df.add_argument("--csv", type=Path, help="write every row as CSV")
-    df.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
-    df.add_argument("--parquet", type=Path, help="write every row as Parquet (needs pyarrow)")
-    df.add_argument("--html", type=Path, help="write the self-contained HTML report")
-    df.add_argument("--tolerances", type=Path, metavar="FILE.toml",
-                    help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
+    df.add_argument("--dump", type=Path, metavar="DIR",
+                    help="also write every rank's points per step to DIR (tpcheck compare DIR judges it offline)")
+    df.add_argument("--dump-points", type=regex, metavar="REGEX", help="with --dump: only these points")
+    df.add_argument("--dump-budget-mb", type=float, metavar="MB",
+                    help="with --dump: refuse a step that would take the dump past this size")
+    _add_outputs(df)
+    cp = sub.add_parser("compare", help="judge a dump (tpcheck diff --dump, tpcheck.capture in any engine) "
+                                        "against the golden, like tpcheck diff")
+    cp.add_argument("dump_dir", type=Path, metavar="DUMP_DIR")
+    cp.add_argument("--model", type=Path, required=True, help="the Hugging Face checkpoint the engine ran")
+    cp.add_argument("--reduce-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="the dtype of the engine's all-reduces (default: the dump's dtype)")
+    cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
+    _add_outputs(cp)
     from tpcheck import gate, sweep
     gate.register(sub)
     sweep.register(sub)
@@ -103,7 +121,6 @@ def _fmt(df) -> str:
 
 def _cmd_diff(a, argv: list[str]) -> int:
     from tpcheck.layer_diff import diff
-    from tpcheck.report.html import write_html
     from tpcheck.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
     prompts = a.prompt_ids
@@ -116,7 +133,32 @@ def _cmd_diff(a, argv: list[str]) -> int:
     r = diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
                      decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
                      block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
-                     command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points)
+                     command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points,
+                     dump=a.dump, dump_points=a.dump_points, dump_budget_mb=a.dump_budget_mb)
+    if a.dump:
+        print(f"dumped to {a.dump} (tpcheck compare {a.dump} --model ...)")
+    return _show(r, a)
+
+
+def _cmd_compare(a, argv: list[str]) -> int:
+    from tpcheck.dump import DumpAdapter, read_dump
+    from tpcheck.layer_diff import compare_engine
+    from tpcheck.reductions import Reductions
+    from tpcheck.tolerances import load_tolerances
+    tol = load_tolerances(a.tolerances)
+    dump = read_dump(a.dump_dir)
+    engine = DumpAdapter(dump, Reductions(dump.tp, a.reduce_dtype))
+    r = compare_engine(engine, str(a.model), engine.prompts, dump.dtype, engine.decode_steps, tolerances=tol,
+                       meta={"tp": dump.tp, "dump": str(a.dump_dir), "engine": dump.engine,
+                             "command": shlex.join(["tpcheck", *argv])}, exact_ops=a.exact_ops,
+                       require_points=a.require_points)
+    a.isolate = False
+    return _show(r, a)
+
+
+def _show(r, a) -> int:
+    """Print the tables and the verdict, write the requested outputs, return the exit code."""
+    from tpcheck.report.html import write_html
     for mode in ["propagated"] + (["isolated"] if a.isolate else []):
         t = r.table[r.table["mode"] == mode]
         shown = t.drop(columns=["order", "mode", "kind"]) if a.all_rows else r.layer_table(mode)
@@ -205,6 +247,13 @@ def check_output_paths(*paths: Path | None, allow_dir: bool = False) -> None:
             raise ValueError(f"output {path}: directory {folder} is not writable")
 
 
+def check_dump_dir(path: Path) -> None:
+    """A dump goes into a new or empty directory: steps of an older run must not mix into it."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"--dump {path}: exists and is not an empty directory")
+    check_output_paths(path / "x")
+
+
 def _exit_code(e: BaseException) -> tuple[int, str]:
     """(exit code, one-line message) for an error that ended a command."""
     from impl.config import ConfigError
@@ -281,7 +330,12 @@ def _run(a, argv: list[str]) -> int:
         return _cmd_check(a, argv)
     if a.cmd == "diff":
         check_output_paths(a.json, a.csv, a.parquet, a.html)
+        if a.dump is not None:
+            check_dump_dir(a.dump)
         return _cmd_diff(a, argv)
+    if a.cmd == "compare":
+        check_output_paths(a.json, a.csv, a.parquet, a.html)
+        return _cmd_compare(a, argv)
     if a.cmd == "sweep":
         from tpcheck import sweep
         check_output_paths(a.json)

@@ -21,6 +21,7 @@ from impl.config import load_config, parse_dtype
 from tpcheck import exact_ops
 from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
 from tpcheck.coverage import DEFAULT_REQUIRE, Coverage, check_known
+from tpcheck.dump import DumpingAdapter
 from tpcheck.metrics import compare, max_row_rel_err, mismatch, rel_err
 from tpcheck.points import point_names, split_point
 from tpcheck.reductions import Reductions
@@ -127,11 +128,12 @@ class _Run:
                     rows.append(self._row(u, gold[u.name], ref_now.get(u.name, {}), level.get(u.name), step, mode,
                                           kv_lens if is_kv else row_lens, [0] * len(tokens) if is_kv else starts,
                                           want))
-            # the next inputs: golden greedy tokens at each prompt's last row
+            # the next inputs: golden greedy tokens at each prompt's last row, or what a recorded run consumed
             last = torch.tensor(row_lens).cumsum(0) - 1
             nxt = gold["logits"][last].argmax(-1).tolist()
             starts = kv_lens
-            tokens = [[t] for t in nxt]
+            recorded = getattr(self.engine, "recorded_tokens", None)  # tpcheck.dump.DumpAdapter
+            tokens = recorded(step + 1) if recorded is not None and step < self.steps else [[t] for t in nxt]
             del gold, points
             what = "prefill" if step == 0 else f"decode {step}/{self.steps}"
             logger.info(f"  [{mode}] {what}: {time.monotonic() - t0:.1f}s")
@@ -179,12 +181,14 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
          decode_steps: int = 0, isolate: bool = False, *, preset: str = "small", inject: list[str] = (),
          inject_layer: int | None = None, tolerances: Tolerances | None = None, pool=None, block_size: int = 16,
          seq_len: int = 32, batch: int = 2, seed: int = 0, exact_ops: bool = False,
-         command: str | None = None, require_points: str = DEFAULT_REQUIRE) -> DiffResult:
+         command: str | None = None, require_points: str = DEFAULT_REQUIRE, dump: str | None = None,
+         dump_points: str | None = None, dump_budget_mb: float | None = None) -> DiffResult:
     """Compare impl at ``tp``/``dtype`` with Hugging Face, every point, every step (``exact_ops``:
     ``tpcheck.exact_ops``).
 
     ``model`` is a checkpoint directory (default: the synthetic ``preset``); ``prompts`` token ids
-    (default: ``batch`` random prompts of ``seq_len`` tokens from ``seed``)."""
+    (default: ``batch`` random prompts of ``seq_len`` tokens from ``seed``). ``dump``: also write the engine's
+    points per rank and step there (``tpcheck.dump``; ``dump_points`` a regex, ``dump_budget_mb`` a bound)."""
     from tpcheck.adapter import ImplAdapter
     from tpcheck.check import random_prompts
     from tpcheck.checkpoints import cached_checkpoint
@@ -218,6 +222,9 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
     pool = pool or EnginePool()
     try:
         engine = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size)
+        if dump is not None:  # every rank's points of every step also go to DIR (tpcheck compare reads it)
+            budget = None if dump_budget_mb is None else int(dump_budget_mb * 2**20)
+            engine = DumpingAdapter(engine, dump, dtype, "impl", dump_points, budget)
         meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer, "inject_silent": silent,
                 "command": command or diff_command(["--model", model_dir], tp, dtype, prompts, decode_steps, block_size,
                                                    isolate, exact_ops, inject, inject_layer)}

@@ -1,0 +1,93 @@
+"""Dumps: a live ``tpcheck diff --dump`` and ``tpcheck compare`` of its dump give the same rows, faults
+included; a dump that is incomplete, inconsistent or over budget is refused naming what is wrong."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import tpcheck
+from tpcheck.cli import main
+from tpcheck.dump import DumpAdapter, DumpError, read_dump
+from tpcheck.fault_matrix import prompts_for, smallest_config
+from tpcheck.layer_diff import compare_engine
+from tpcheck.reductions import Reductions
+
+COLS = ["point", "step", "mode", "rel_err", "ref_rel_err", "threshold", "passed", "note"]
+
+
+def _rows(r):
+    return r.table[COLS].fillna(-1).values.tolist()
+
+
+def _live_and_offline(ckpt, engines, tmp_path, preset="tiny", tp=2, dtype="float32", steps=2, inject=(),
+                      block_size=16, prompts=None):
+    from impl.config import load_config
+    d = ckpt(preset)
+    prompts = prompts or [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
+    live = tpcheck.diff(model=d, tp=tp, dtype=dtype, prompts=prompts, decode_steps=steps, inject=list(inject),
+                        pool=engines, dump=str(tmp_path / "dump"), block_size=block_size)
+    dump = read_dump(tmp_path / "dump")
+    assert dump.tp == tp and dump.tokens[0] == prompts and len(dump.tokens) == steps + 1
+    offline = compare_engine(DumpAdapter(dump, Reductions(tp)), str(d), dump.tokens[0], dtype, steps)
+    assert load_config(d).num_layers
+    return live, offline
+
+
+def test_live_and_dump_give_the_same_rows(ckpt, engines, tmp_path):
+    live, offline = _live_and_offline(ckpt, engines, tmp_path)
+    assert live.passed and _rows(live) == _rows(offline)
+
+
+@pytest.mark.parametrize("fault", ["nan_causal_mask", "skip_o_proj_allreduce", "kv_replica_index",
+                                   "slot_mapping_off_by_one_at_block_boundary", "vocab_ids_not_masked"])
+def test_faults_through_dumps_keep_verdict_and_origin(ckpt, engines, tmp_path, fault):
+    from impl.config import load_config
+    config = smallest_config(tpcheck.faults.get_fault(fault), ckpt)
+    prompts = prompts_for(config, load_config(ckpt(config["preset"])).vocab_size)
+    live, offline = _live_and_offline(ckpt, engines, tmp_path, config["preset"], config["tp"], config["dtype"],
+                                      config["decode_steps"], [fault], config["block_size"], prompts)
+    assert not live.passed and not offline.passed
+    assert live.first_divergence["point"] == offline.first_divergence["point"]
+    assert _rows(live) == _rows(offline)
+
+
+@pytest.fixture
+def dumped(ckpt, engines, tmp_path):
+    tpcheck.diff(model=ckpt("tiny"), tp=2, prompts=[[1, 2, 3, 4]], decode_steps=1, pool=engines,
+                 dump=str(tmp_path / "d"))
+    return tmp_path / "d"
+
+
+def test_incomplete_or_inconsistent_dumps_are_named(dumped, ckpt, capsys):
+    model = str(ckpt("tiny"))
+    assert main(["compare", str(dumped), "--model", model]) == 0
+    meta = dumped / "rank1" / "step1.json"
+    m = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**m, "tokens": [[7]]}))
+    with pytest.raises(DumpError, match=r"rank1/step1.json: tokens \[\[7\]\] differs from rank 0's"):
+        read_dump(dumped)
+    meta.unlink()
+    assert main(["compare", str(dumped), "--model", model]) == 2
+    assert "rank1: steps [0] differ from rank 0's [0, 1]" in capsys.readouterr().err
+    shutil.rmtree(dumped / "rank1")
+    assert main(["compare", str(dumped), "--model", model]) == 2
+    assert "missing ranks [1]" in capsys.readouterr().err
+
+
+def test_dump_budget_and_dir_are_checked_before_filling_a_disk(ckpt, tmp_path, capsys):
+    model = str(ckpt("tiny"))
+    assert main(["diff", "--model", model, "--tp", "2", "--dump", str(tmp_path / "d"), "--dump-budget-mb", "0.01"]) == 2
+    assert "past the budget" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main(["diff", "--model", model, "--tp", "2", "--dump", str(tmp_path / "full")]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+
+
+def test_dump_points_selects(ckpt, engines, tmp_path):
+    tpcheck.diff(model=ckpt("tiny"), tp=2, prompts=[[1, 2, 3]], pool=engines, dump=str(tmp_path / "d"),
+                 dump_points=r"logits|layers\.\d+\.out")
+    names = set(json.loads((tmp_path / "d" / "rank0" / "step0.json").read_text())["placements"])
+    assert names == {"logits", "layers.0.out", "layers.1.out"}
