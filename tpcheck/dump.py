@@ -75,8 +75,16 @@ class DumpWriter:
 
     def write(self, step: int, tokens: list[list[int]], starts: list[int], points: dict) -> None:
         """``points``: ``{name: (placement, this rank's tensor or None)}``."""
-        kept = {n: (p, t) for n, (p, t) in points.items()
-                if t is not None and (self.keep is None or self.keep.fullmatch(n))}
+        kept = {}
+        for n, (p, t) in points.items():
+            if t is None:
+                continue
+            if isinstance(p, Fused) and self.keep is not None:  # a selection may keep some parts of it
+                pieces = t.split([w for _, w, _ in p.parts], dim=-1)
+                kept.update({n + part: (sub, x) for (part, _, sub), x in zip(p.parts, pieces)
+                             if self.keep.fullmatch(n + part)})
+            elif self.keep is None or self.keep.fullmatch(n):
+                kept[n] = (p, t)
         size = sum(t.numel() * t.element_size() for _, t in kept.values())
         if self.budget is not None and self.written + size > self.budget:
             raise DumpError(f"dump {self.dir}: step {step} needs {size / 2**20:.1f} MiB more, past the budget of "

@@ -91,3 +91,10 @@ def test_dump_points_selects(ckpt, engines, tmp_path):
                  dump_points=r"logits|layers\.\d+\.out")
     names = set(json.loads((tmp_path / "d" / "rank0" / "step0.json").read_text())["placements"])
     assert names == {"logits", "layers.0.out", "layers.1.out"}
+
+
+def test_dump_points_keeps_parts_of_a_fused_point(ckpt, engines, tmp_path):
+    tpcheck.diff(model=ckpt("tiny"), tp=2, prompts=[[1, 2, 3]], pool=engines, dump=str(tmp_path / "d"),
+                 dump_points=r"layers\.0\.attn\.q|logits")
+    names = set(json.loads((tmp_path / "d" / "rank0" / "step0.json").read_text())["placements"])
+    assert names == {"layers.0.attn.q", "logits"}
