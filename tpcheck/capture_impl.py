@@ -1,16 +1,17 @@
 """The impl side of the adapter, run inside each TP rank through ``LLM.call(capture_impl.step, ...)``.
 
-Hooks read each module's declared ``output_placement``; points captured from a module's *input* take
-the placement of the module that produced it (o_proj's input is the attention's ``Shard(-1)``, down_proj's
-input the activation's ``Shard(-1)``, norms' inputs the replicated residual stream). A fused output
-(``qkv``, ``gate_up``) is returned whole with its ``Fused`` placement, named with a trailing dot
-(``layers.0.attn.``): the harness splits it into ``layers.0.attn.q`` etc. Returned tensors are
-``[rows, features]`` on CPU, in the engine's dtype."""
+The hooks are ``tpcheck.capture`` with ``IMPL_MAP`` (see ``tpcheck/capture_maps.py`` for which module gives
+which point and placement; a fused output such as ``layers.0.attn.`` comes whole with its ``Fused``
+placement and the harness splits it). This module adds what only a live engine offers: the teacher inputs
+of ``--isolate`` and the KV cache read back from its paged blocks. Tensors are ``[rows, features]`` on CPU,
+in the engine's dtype."""
 from __future__ import annotations
 
 import torch
 
-from impl.placements import Replicate, Shard
+from impl.placements import Shard
+from tpcheck.capture import install
+from tpcheck.capture_maps import IMPL_MAP
 
 _STATE = "_tpcheck"
 
@@ -20,23 +21,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def setup(runner, num_blocks: int, block_size: int) -> None:
-    """Allocate a KV cache of the given layout and install the capture hooks (once per loaded model)."""
+    """Allocate a KV cache of the given layout and install the capture hooks (once per loaded model): the
+    points of ``tpcheck.capture.IMPL_MAP`` (the same hooks an engine installs for dumps), plus the teacher
+    pre-hooks that ``--isolate`` uses."""
     runner.allocate_kv_cache(num_blocks, block_size)
     if getattr(runner.model, _STATE, None) is not None:
         return
-    st = {"points": None, "teacher": None}
+    st = {"capture": install(runner.model, IMPL_MAP), "teacher": None}
     setattr(runner.model, _STATE, st)
     m = runner.model.model
-
-    def put(name, placement, t):
-        if st["points"] is not None and t is not None:
-            st["points"][name] = (placement, _flat(t))
-
-    def out(name, placement=None):
-        return lambda mod, args, o: put(name, placement or mod.output_placement, o)
-
-    def pre(name, placement):
-        return lambda mod, args: put(name, placement, args[0])
 
     def teach(i):
         def hook(mod, args):
@@ -46,44 +39,24 @@ def setup(runner, num_blocks: int, block_size: int) -> None:
             return (args[0], x) if len(args) == 2 else (x,)
         return hook
 
-    def rope(p, kv):  # Attention's inputs: q and k after RoPE
-        def hook(mod, args):
-            put(p + "attn.q_rope", Shard(-1), args[0])
-            put(p + "attn.k_rope", kv, args[1])
-        return hook
-
-    m.embed_tokens.register_forward_hook(out("embed"))
     for i, layer in enumerate(m.layers):
-        p, a, mlp = f"layers.{i}.", layer.self_attn, layer.mlp
-        kv = Shard(-1, a.qkv_proj.kv_replicas)
         layer.register_forward_pre_hook(teach(i))
-        layer.input_layernorm.register_forward_hook(out(p + "input_norm"))
-        a.qkv_proj.register_forward_hook(out(p + "attn."))
-        a.attn.register_forward_pre_hook(rope(p, kv))
-        a.o_proj.register_forward_pre_hook(pre(p + "attn.context", a.attn.output_placement))
-        a.o_proj.register_forward_hook(out(p + "attn.out"))
-        layer.post_attention_layernorm.register_forward_pre_hook(pre(p + "attn.residual", Replicate()))
-        layer.post_attention_layernorm.register_forward_hook(out(p + "post_attn_norm"))
-        mlp.gate_up_proj.register_forward_hook(out(p + "mlp."))
-        mlp.down_proj.register_forward_pre_hook(pre(p + "mlp.act", mlp.act_fn.output_placement))
-        mlp.down_proj.register_forward_hook(out(p + "mlp.out"))
-        layer.register_forward_hook(out(p + "out", Replicate()))
     m.norm.register_forward_pre_hook(teach(len(m.layers)))
-    m.norm.register_forward_hook(out("final_norm"))
-    # the LM head's forward returns the gathered logits on rank 0 only (None elsewhere): Replicate on rank 0
-    runner.model.lm_head.register_forward_hook(out("logits", Replicate()))
 
 
 def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None = None) -> dict:
     """Run one step (``ModelRunner.step`` with every token's logits) and return its points
     ``{name: (placement, tensor)}``; with ``kv_lens``, also each layer's cache contents for every prompt."""
     st = getattr(runner.model, _STATE)
-    st["points"], st["teacher"] = {}, teacher
+    cap = st["capture"]
+    cap.clear()
+    st["teacher"] = teacher
     try:
         runner.step(batch, all_logits=True)
-        points = st["points"]
+        points = cap.step_done()
     finally:
-        st["points"] = st["teacher"] = None
+        st["teacher"] = None
+        cap.clear()
     if kv_lens is not None:
         points.update(read_kv(runner, [table for _, _, table in batch], kv_lens))
     return points
