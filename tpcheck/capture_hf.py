@@ -45,6 +45,8 @@ def load_hf_model(model_dir, dtype: str | torch.dtype = "float32") -> nn.Module:
     """Hugging Face ``Qwen2ForCausalLM`` of a checkpoint directory in ``dtype``, in eval mode (transformers
     4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``)."""
     from transformers import Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per reference model would bury tpcheck's output
     return Qwen2ForCausalLM.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}).eval()
 
 
