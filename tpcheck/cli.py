@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("--seq-len", type=int, default=64)
     ck.add_argument("--batch", type=int, default=2)
     ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--logprobs-topk", type=int, metavar="K", default=None,
+                    help="also require vLLM's check_logprobs_close rule: where the top tokens differ, each is in "
+                         "the other side's top K (reported per prompt either way, with K=5 when not given)")
     ck.add_argument("--json", type=Path, help="write the table as JSON")
     df = sub.add_parser("diff", help="layer-by-layer differential run: where the engine leaves the noise floor")
     df.add_argument("--layer-by-layer", action="store_true", help="(the only mode; accepted for clarity)")
@@ -212,7 +215,9 @@ def _cmd_check(a, argv: list[str]) -> int:
     for i, p in enumerate(prompts):
         if not p or not all(0 <= t < cfg.vocab_size for t in p):
             raise ConfigError(f"prompt {i}: empty or a token id outside the vocab [0, {cfg.vocab_size})")
-    df = check_logits(model, tps, a.dtype, prompts)
+    if a.logprobs_topk is not None and a.logprobs_topk < 1:
+        raise ValueError(f"--logprobs-topk must be >= 1, got {a.logprobs_topk}")
+    df = check_logits(model, tps, a.dtype, prompts, logprobs_topk=a.logprobs_topk)
     print(f"model: {model}\n")
     print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     ok = bool(df["passed"].all())

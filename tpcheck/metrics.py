@@ -1,6 +1,7 @@
-"""Error statistics of a tensor against its golden (float64) value, and the noise-floor gate.
+"""Error statistics of a tensor against its golden (float64) value, and the default gate numbers.
 
-Gate (after TorchDynamo's ``same()``): a point passes when ``err_engine <= k * err_ref + floor``, where
+Gate (after TorchDynamo's ``same()``; applied by ``tpcheck.judge``): a point passes when
+``err_engine <= k * err_ref + floor``, where
 ``err_ref`` is the error of Hugging Face run at the same dtype against the same golden run: an engine may
 be as noisy as the reference implementation, times k, never more. Relative L2 error, not max-abs, is
 gated: residual magnitudes grow with depth, and a max-abs of 900 means nothing without the norm beside it."""
@@ -69,10 +70,3 @@ def mismatch(x: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
     x, ref = x.detach().to(torch.float64), ref.detach().to(torch.float64)
     same = (x == ref) | (torch.isnan(x) & torch.isnan(ref))
     return int(n - same.sum()), n
-
-
-def gate(err: float, ref_err: float, dtype: str, k: float | None = None, floor: float | None = None) -> bool:
-    """``err <= k * ref_err + floor``; NaN errors never pass."""
-    k = K_FACTOR[dtype] if k is None else k
-    floor = FLOOR[dtype] if floor is None else floor
-    return bool(err <= k * ref_err + floor)

@@ -53,3 +53,23 @@ def test_no_arguments_runs_the_layer_by_layer_diff(monkeypatch, tmp_path, capsys
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "worst point per layer" in out and "PASS: tp=2 float32" in out
+
+
+def test_logprobs_close_is_vllms_rule():
+    import torch
+
+    from tpcheck.check import logprobs_close
+    gold = torch.tensor([[5.0, 4.9, 1.0, 0.0], [0.0, 1.0, 2.0, 9.0]])
+    near_tie = torch.tensor([[4.9, 5.0, 1.0, 0.0], [0.0, 1.0, 2.0, 9.0]])  # swapped top-2: in each other's top 2
+    far = torch.tensor([[0.0, 1.0, 9.0, 0.5], [0.0, 1.0, 2.0, 9.0]])       # top token 2: not in golden's top 2
+    assert logprobs_close(gold, gold, 1) and logprobs_close(near_tie, gold, 2)
+    assert not logprobs_close(near_tie, gold, 1) and not logprobs_close(far, gold, 2)
+
+
+def test_check_logprobs_topk_in_the_verdict(ckpt, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["check", "--model", str(ckpt("tiny")), "--tp", "2", "--seq-len", "8", "--batch", "1",
+                 "--logprobs-topk", "5", "--json", str(out)]) == 0
+    assert all(r["logprobs_close"] for r in json.loads(out.read_text())["rows"])
+    assert main(["check", "--model", str(ckpt("tiny")), "--tp", "2", "--logprobs-topk", "0"]) == 2
+    assert "--logprobs-topk must be >= 1" in capsys.readouterr().err
