@@ -165,7 +165,8 @@ def _select(value, index: int | str, kwargs: dict | None = None):
     return None
 
 
-def _rows(t: torch.Tensor, token_dims: int) -> torch.Tensor:
+def as_rows(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
+    """A CPU copy of ``t`` as ``[rows, features]``: its first ``token_dims`` dims are the rows."""
     rows = 1
     for d in t.shape[:token_dims]:
         rows *= d
@@ -219,7 +220,7 @@ class Capture:
                 raise ValueError(f"tpcheck.capture: {site.module_name}: fused point {site.name!r} wants a Fused "
                                  f"placement with parts {site.rule.parts}, got {placement}")
         entry = self._pending.setdefault(site.name, (placement, []))
-        entry[1].append(_rows(value, self.name_map.token_dims))
+        entry[1].append(as_rows(value, self.name_map.token_dims))
 
     def _hook_out(self, sites: list[_Site]):
         def hook(module, args, output):

@@ -10,14 +10,10 @@ from __future__ import annotations
 import torch
 
 from impl.placements import Shard
-from tpcheck.capture import install
+from tpcheck.capture import as_rows, install
 from tpcheck.capture_maps import IMPL_MAP
 
 _STATE = "_tpcheck"
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(t.shape[0], -1).to("cpu", copy=True)
 
 
 def setup(runner, num_blocks: int, block_size: int) -> None:
@@ -73,5 +69,5 @@ def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
         heads = attn.k_cache.shape[2]  # what the cache actually holds (a faulty cache may hold more heads)
         slots = torch.cat([block_slots(torch.tensor([t]), bs, n)[0] for t, n in zip(tables, lens)])
         for name, cache in (("k", attn.k_cache), ("v", attn.v_cache)):
-            out[f"layers.{i}.kv.{name}"] = (kv, _flat(cache.view(-1, heads, cache.shape[3])[slots]))
+            out[f"layers.{i}.kv.{name}"] = (kv, as_rows(cache.view(-1, heads, cache.shape[3])[slots]))
     return out

@@ -23,14 +23,7 @@ from pathlib import Path
 from tpcheck import checkpoints
 from tpcheck.arg_types import int_list, regex
 from tpcheck.coverage import DEFAULT_REQUIRE, CoverageError
-
-
-def _version() -> str:
-    from importlib import metadata
-    try:
-        return metadata.version("tpcheck")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+from tpcheck.documents import package_version
 
 
 def _add_outputs(p: argparse.ArgumentParser) -> None:
@@ -50,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
-    ap.add_argument("--version", action="version", version=f"tpcheck {_version()}")
+    ap.add_argument("--version", action="version", version=f"tpcheck {package_version('tpcheck') or 'unknown (not installed)'}")
     sub = ap.add_subparsers(dest="cmd")
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic Hugging Face Qwen2 checkpoint")

@@ -55,7 +55,7 @@ SCHEMA_FILE = "result.schema.json"  # package data of ``tpcheck``
 RUN_META_KEYS = ("versions", "machine", "command", "created_utc")
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     from importlib import metadata
     try:
         return metadata.version(dist)
@@ -72,8 +72,8 @@ def _static_meta() -> dict:
             gpu = torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001 - a broken driver must not stop a result from being written
         gpu = None
-    return {"versions": {"tpcheck": _version("tpcheck") or "unknown", "python": platform.python_version(),
-                         "torch": str(torch.__version__), "transformers": _version("transformers")},
+    return {"versions": {"tpcheck": package_version("tpcheck") or "unknown", "python": platform.python_version(),
+                         "torch": str(torch.__version__), "transformers": package_version("transformers")},
             "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "gpu": gpu}}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tpcheck.documents import SCHEMA_VERSION, document, run_meta, write_document
+from tpcheck.documents import SCHEMA_VERSION, document, package_version, run_meta, write_document
 from tpcheck.metrics import K_FACTOR
 from tpcheck.points import split_point
 
@@ -262,7 +262,7 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
 
 
 def _tpcheck_version() -> str:
-    return run_meta()["versions"]["tpcheck"]
+    return package_version("tpcheck") or "unknown"
 
 
 def load_result(path: str | Path) -> DiffResult:

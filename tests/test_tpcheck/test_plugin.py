@@ -90,7 +90,7 @@ def test_fault(tpcheck_diff, assert_layers_close):
     assert_layers_close(tpcheck_diff("tiny", tp=1, seq_len=8, inject=["rope_skipped"]))
 ''')
     # in a subprocess: an in-process run would drop the torch.distributed modules it imported from sys.modules,
-    # and their re-import later in this session fails (torch ops register once per process)
+    # and their re-import later in this pytest process fails (torch ops register once per process)
     res = pytester.runpytest_subprocess(*_plugin_args(), "-p", "no:cacheprovider", "--tpcheck-report", "out")
     res.assert_outcomes(passed=2, failed=1)
     res.stdout.fnmatch_lines(["*origin: layers.0.attn.q_rope*"])
