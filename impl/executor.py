@@ -22,6 +22,8 @@ from multiprocessing.connection import wait
 
 from impl.distributed import close_tp, init_tp
 
+RUNNER = "impl.model_runner:ModelRunner"  # what ``_load`` builds in each rank, unless an executor names another
+
 
 class RankError(RuntimeError):
     """A TP rank died, hung or failed; ``rank`` names it."""
@@ -44,9 +46,16 @@ def _error_reply(rank: int, exc: BaseException) -> tuple:
     return ("err", exc, f"rank {rank}: {type(exc).__name__}: {exc}", traceback.format_exc())
 
 
-def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pid: int, timeout_s: float):
+def runner_class(path: str) -> type:
+    """The rank-side class a ``"module:Class"`` path names (imported in the rank: a spawned child starts bare)."""
+    import importlib
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pid: int, timeout_s: float,
+                 runner_path: str = RUNNER):
     _die_with_parent(parent_pid)
-    from impl.model_runner import ModelRunner  # imported here: the spawned child starts bare
     try:
         init_tp(rank, world, store, timeout_s=timeout_s, device=device)
         conn.send(("ok", None))
@@ -64,7 +73,7 @@ def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pi
         try:
             if method == "_load":  # (re)build the runner on another checkpoint; the process stays
                 runner = None
-                runner = ModelRunner(*args, **kwargs)
+                runner = runner_class(runner_path)(*args, **kwargs)
                 conn.send(("ok", None))
             else:
                 conn.send(("ok", getattr(runner, method)(*args, **kwargs)))
@@ -107,7 +116,11 @@ def _death(proc) -> str:
 
 
 class Executor:
-    def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, init_timeout_s: float = 120.0):
+    """``runner``: the ``"module:Class"`` each rank builds on ``call("_load", ...)`` (impl's ``ModelRunner``;
+    tpcheck's Hugging Face TP ranks use the same process management with their own class)."""
+
+    def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, init_timeout_s: float = 120.0,
+                 runner: str = RUNNER):
         self.tp_size, self.timeout_s = tp_size, timeout_s
         self._tmp = tempfile.mkdtemp(prefix="impl-tp-")
         ctx = mp.get_context("spawn")
@@ -116,7 +129,7 @@ class Executor:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, daemon=True, name=f"impl-rank{rank}",
                             args=(rank, tp_size, os.path.join(self._tmp, "store"), child, device,
-                                  os.getpid(), timeout_s))
+                                  os.getpid(), timeout_s, runner))
             with _main_not_reimported():
                 p.start()
             child.close()
@@ -207,17 +220,16 @@ class Executor:
 class LocalExecutor:
     """This process is one rank of a group launched by torchrun (``env://``); calls run in-process."""
 
-    def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, **_):
+    def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, runner: str = RUNNER, **_):
         world = int(os.environ["WORLD_SIZE"])
         if world != tp_size:
             raise ValueError(f"tp_size={tp_size} but torchrun started WORLD_SIZE={world} processes")
         init_tp(int(os.environ["RANK"]), world, None, timeout_s=timeout_s, device=device)
-        self.tp_size, self.closed, self.runner = tp_size, False, None
+        self.tp_size, self.closed, self.runner, self.runner_path = tp_size, False, None, runner
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         if method == "_load":
-            from impl.model_runner import ModelRunner
-            self.runner = ModelRunner(*args, **kwargs)
+            self.runner = runner_class(self.runner_path)(*args, **kwargs)
             return [None]
         return [getattr(self.runner, method)(*args, **kwargs)]
 

@@ -43,3 +43,26 @@ def runtime_error_on_rank(runner, rank: int):
     if runner.rank == rank:
         torch.zeros(4).index_put_((torch.tensor([0]),), torch.ones(1, dtype=torch.float64))
     return runner.rank
+
+
+def hf_tp_swap_q_halves(rank, layer: int, on_rank: int = 1):
+    """A broken Hugging Face TP rank (``tpcheck.hf_tp.HFTPRank``): on ``on_rank``, layer ``layer``'s local
+    q_proj shard has its two halves (rows and bias) swapped, as a loader that slices the wrong way would."""
+    if rank.rank != on_rank:
+        return False
+    proj = rank.model.model.layers[layer].self_attn.q_proj
+    with torch.no_grad():
+        for p in (proj.weight, proj.bias):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.copy_(torch.cat(local.chunk(2, dim=0)[::-1]))
+    return True
+
+
+def hf_tp_zero_o_proj(rank, layer: int, on_rank: int = 1):
+    """On ``on_rank``, layer ``layer``'s o_proj shard is zeros (a shard never loaded)."""
+    if rank.rank != on_rank:
+        return False
+    w = rank.model.model.layers[layer].self_attn.o_proj.weight
+    with torch.no_grad():
+        (w.to_local() if hasattr(w, "to_local") else w).zero_()
+    return True

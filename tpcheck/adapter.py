@@ -16,6 +16,10 @@ from tpcheck.reductions import Reductions
 
 Points = dict[str, tuple[object, list[torch.Tensor | None]]]
 
+# the built-in engines (``tpcheck diff --engine``); any other engine comes through a dump or an adapter
+ENGINES = {"impl": "impl, this project's engine (faults can be injected)",
+           "hf-tp": "Hugging Face transformers' own tensor parallelism (from_pretrained tp_plan, tpcheck.hf_tp)"}
+
 
 class EngineAdapter(Protocol):
     reductions: Reductions
@@ -37,10 +41,13 @@ class EngineAdapter(Protocol):
 
 class ImplAdapter:
     """impl through ``impl.LLM.call``: hooks live in ``tpcheck.capture_impl`` inside each rank. Faults
-    (``tpcheck.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights."""
+    (``tpcheck.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights.
+    ``dump``: ``tpcheck.dump.DumpWriter`` keywords less rank/tp/engine; each rank writes its own points there
+    (``tpcheck diff --dump``)."""
 
-    def __init__(self, llm, inject: list[str] = (), inject_layer: int | None = None, block_size: int = 16):
-        self.llm, self.block_size = llm, block_size
+    def __init__(self, llm, inject: list[str] = (), inject_layer: int | None = None, block_size: int = 16,
+                 dump: dict | None = None):
+        self.llm, self.block_size, self.dump = llm, block_size, dump
         self.reductions = Reductions(llm.tp_size)  # impl all-reduces in the activations' dtype, in place
         self.inject, self.inject_layer = list(inject), inject_layer
         self.tables: list[list[int]] = []
@@ -55,7 +62,7 @@ class ImplAdapter:
             self.tables.append(list(range(nxt, nxt + n)))
             nxt += n
         self.lens = [0] * len(prompts)
-        self.llm.call(capture_impl.setup, nxt, bs)
+        self.llm.call(capture_impl.setup, nxt, bs, self.dump)
 
     def step(self, new_tokens, teacher, capture_kv) -> Points:
         batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]

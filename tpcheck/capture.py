@@ -4,7 +4,7 @@ A name map (``NameMap``) is a list of ``Rule``: a module-name pattern (``{layer}
 → a canonical point (``tpcheck.points``), taken from the module's output or its input, with the placement
 that says how the rank's local tensor makes the full one (``impl.placements``). Ready maps (defined in
 ``tpcheck.capture_maps``, importable from here): ``IMPL_MAP`` (impl), ``HF_MAP`` (Hugging Face
-``Qwen2ForCausalLM``, tp 1), ``VLLM_MAP`` (vLLM / SGLang module names; read its docstring for what a fused
+``Qwen2ForCausalLM``, tp 1), ``HF_TP_MAP`` (the same under transformers' ``tp_plan``), ``VLLM_MAP`` (vLLM / SGLang module names; read its docstring for what a fused
 add + RMSNorm engine reports).
 
 Turning it on — one call, or one environment variable::
@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from impl.placements import Fused, Replicate
+from impl.placements import Fused, Partial, Replicate, Shard
 from tpcheck.points import point_names
 
 logger = logging.getLogger("tpcheck.capture")
@@ -153,6 +153,40 @@ def of_sibling(path: str, attr: str = "output_placement") -> Callable:
     return lambda module, parent: getattr(parent.get_submodule(path), attr)
 
 
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
+
+
+def dtensor_placement(t):
+    """The ``impl.placements`` placement of a 1-D-mesh DTensor's local tensor: ``Shard(d)`` on the last dim
+    → ``Shard(-1)``, ``Replicate`` → ``Replicate()``, ``Partial`` → ``Partial()``. Captured tensors are
+    ``[rows, features]``: a shard along any other dim has no meaning there and is refused."""
+    (p,) = t.placements  # tensor parallelism alone: a 1-D device mesh
+    if p.is_replicate():
+        return Replicate()
+    if p.is_partial():
+        return Partial()
+    if p.is_shard() and p.dim in (-1, t.ndim - 1):
+        return Shard(-1)
+    raise ValueError(f"tpcheck.capture: a DTensor sharded as {p} (shape {tuple(t.shape)}): only the last dim "
+                     "maps onto captured [rows, features]")
+
+
+def weight_placement(side: str = "out") -> Callable:
+    """Placement spec for a linear layer sharded by its weight, as transformers' ``tp_plan`` shards it (the
+    weight a DTensor, the activations plain local tensors): ``side="out"``: a weight ``Shard(0)``
+    (column-parallel) gives an output ``Shard(-1)``, anything else a full output (row-parallel outputs are
+    all-reduced); ``side="in"``: a weight ``Shard(1)`` (row-parallel) takes its input ``Shard(-1)``."""
+    want = 0 if side == "out" else 1
+
+    def spec(module, parent):
+        w = getattr(module, "weight", None)
+        if _is_dtensor(w) and any(p.is_shard() and p.dim == want for p in w.placements):
+            return Shard(-1)
+        return Replicate()
+    return spec
+
+
 def _select(value, index: int | str, kwargs: dict | None = None):
     if isinstance(index, str):
         if kwargs is not None:
@@ -214,6 +248,8 @@ class Capture:
                             f"{type(value).__name__}, not a tensor: fix the rule's index")
         spec = site.rule.placement
         placement = spec(module, site.parent) if callable(spec) else spec
+        if _is_dtensor(value):  # a DTensor says itself how it is laid out: that wins over the rule
+            placement, value = dtensor_placement(value), value.to_local()
         if site.rule.parts:
             names = tuple(p for p, _, _ in placement.parts) if isinstance(placement, Fused) else None
             if names != site.rule.parts:
@@ -380,7 +416,7 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
     return cap
 
 
-_MAPS = ("IMPL_MAP", "HF_MAP", "VLLM_MAP", "VLLM_NORMS_ONLY_MAP", "MAPS")
+_MAPS = ("IMPL_MAP", "HF_MAP", "HF_TP_MAP", "VLLM_MAP", "VLLM_NORMS_ONLY_MAP", "MAPS")
 
 
 def __getattr__(name: str):  # the ready maps live in tpcheck.capture_maps (which imports this module)
@@ -390,4 +426,5 @@ def __getattr__(name: str):  # the ready maps live in tpcheck.capture_maps (whic
     raise AttributeError(f"module 'tpcheck.capture' has no attribute {name!r}")
 
 
-__all__ = ["Rule", "NameMap", "Capture", "install", "from_env", "declared", "of_sibling", *_MAPS]
+__all__ = ["Rule", "NameMap", "Capture", "install", "from_env", "declared", "of_sibling", "weight_placement",
+           "dtensor_placement", *_MAPS]

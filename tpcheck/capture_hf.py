@@ -17,17 +17,32 @@ ATTN_NAME = "tpcheck_sdpa"
 _STATE: dict = {}
 
 
+class RopeProbe(nn.Module):
+    """An identity module the attention function calls with q and k after RoPE as ``[1, tokens, heads *
+    head_dim]`` (the new tokens only), so module hooks (``tpcheck.capture``'s ``HF_TP_MAP``) can take them."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    sink = _STATE.get("sink")
-    if sink is not None:
+    sink, probe = _STATE.get("sink"), getattr(module, "rope_probe", None)
+    if sink is not None or probe is not None:
         i, n = module.layer_idx, query.shape[2]
-        sink(f"layers.{i}.attn.q_rope", query[0].transpose(0, 1).reshape(n, -1))
-        sink(f"layers.{i}.attn.k_rope", key[0, :, -n:].transpose(0, 1).reshape(n, -1))
+        q = query[0].transpose(0, 1).reshape(n, -1)
+        k = key[0, :, -n:].transpose(0, 1).reshape(n, -1)
+        if sink is not None:
+            sink(f"layers.{i}.attn.q_rope", q)
+            sink(f"layers.{i}.attn.k_rope", k)
+        if probe is not None:
+            probe(q[None], k[None])
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _register() -> None:
+def register_attention() -> None:
+    """Register tpcheck's attention function (sdpa, plus the post-RoPE q/k) with transformers under
+    ``ATTN_NAME``; a model uses it once ``model.config._attn_implementation = ATTN_NAME``."""
     try:
         from transformers import AttentionInterface
         AttentionInterface.register(ATTN_NAME, _attention)
@@ -41,13 +56,14 @@ def _register() -> None:
         pass
 
 
-def load_hf_model(model_dir, dtype: str | torch.dtype = "float32") -> nn.Module:
+def load_hf_model(model_dir, dtype: str | torch.dtype = "float32", **kwargs) -> nn.Module:
     """Hugging Face ``Qwen2ForCausalLM`` of a checkpoint directory in ``dtype``, in eval mode (transformers
-    4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``)."""
+    4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``); ``kwargs`` go to ``from_pretrained``
+    (``tp_plan="auto"``: transformers' tensor parallelism)."""
     from transformers import Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per reference model would bury tpcheck's output
-    return Qwen2ForCausalLM.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}).eval()
+    return Qwen2ForCausalLM.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}, **kwargs).eval()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +76,7 @@ class HFCapture:
     """Hooks installed once on a model; ``sink(name, tensor)`` receives every point of a forward."""
 
     def __init__(self, model: nn.Module):
-        _register()
+        register_attention()
         model.config._attn_implementation = ATTN_NAME
         self.model, self.sink, self.teacher = model, None, None
         self.reductions: Reductions | None = None  # set for one step by ``step(reductions=...)``
@@ -102,14 +118,7 @@ class HFCapture:
         return forward
 
     def _teach(self, i: int):
-        def hook(mod, args, kwargs):
-            if self.teacher is None:
-                return None
-            x = self.teacher[i].to(self.model.dtype)[None]
-            if args:
-                return (x, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": x}
-        return hook
+        return teacher_hook(self, i)
 
     @torch.no_grad()
     def run(self, input_ids: list[int], cache, start: int, sink, teacher: dict | None = None) -> None:
@@ -146,6 +155,20 @@ class HFCapture:
                 ks, vs = zip(*(cache_kv(c, i) for c in caches))
                 out[f"layers.{i}.kv.k"], out[f"layers.{i}.kv.v"] = torch.cat(ks), torch.cat(vs)
         return out
+
+
+def teacher_hook(owner, i: int):
+    """A forward pre-hook (``with_kwargs=True``) for decoder layer ``i`` (``i = num_layers``: the final norm)
+    that replaces its hidden-states input with ``owner.teacher[i]`` (``[rows, hidden]``) while ``owner.teacher``
+    is set (``--isolate``)."""
+    def hook(mod, args, kwargs):
+        if owner.teacher is None:
+            return None
+        x = owner.teacher[i].to(dtype=owner.model.dtype, device=owner.model.device)[None]
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+    return hook
 
 
 def new_cache(model):

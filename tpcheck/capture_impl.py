@@ -16,15 +16,25 @@ from tpcheck.capture_maps import IMPL_MAP
 _STATE = "_tpcheck"
 
 
-def setup(runner, num_blocks: int, block_size: int) -> None:
+def setup(runner, num_blocks: int, block_size: int, dump: dict | None = None) -> None:
     """Allocate a KV cache of the given layout and install the capture hooks (once per loaded model): the
     points of ``tpcheck.capture.IMPL_MAP`` (the same hooks an engine installs for dumps), plus the teacher
-    pre-hooks that ``--isolate`` uses."""
+    pre-hooks that ``--isolate`` uses. ``dump``: ``tpcheck.dump.DumpWriter`` keywords (``root``, ``dtype``,
+    ``points``, ``budget_bytes``): this rank also writes every propagated step's points there itself."""
     runner.allocate_kv_cache(num_blocks, block_size)
-    if getattr(runner.model, _STATE, None) is not None:
-        return
-    st = {"capture": install(runner.model, IMPL_MAP), "teacher": None}
-    setattr(runner.model, _STATE, st)
+    st = getattr(runner.model, _STATE, None)
+    if st is None:
+        st = {"capture": install(runner.model, IMPL_MAP), "teacher": None}
+        setattr(runner.model, _STATE, st)
+        _teacher_hooks(runner, st)
+    st["writer"], st["step"] = None, 0
+    if dump is not None:
+        from impl.distributed import get_tp_rank, get_tp_size
+        from tpcheck.dump import DumpWriter
+        st["writer"] = DumpWriter(rank=get_tp_rank(), tp=get_tp_size(), engine="impl", **dump)
+
+
+def _teacher_hooks(runner, st: dict) -> None:
     m = runner.model.model
 
     def teach(i):
@@ -55,6 +65,9 @@ def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None =
         cap.clear()
     if kv_lens is not None:
         points.update(read_kv(runner, [table for _, _, table in batch], kv_lens))
+    if st.get("writer") is not None and teacher is None:  # a dump records the propagated run
+        st["writer"].write(st["step"], [list(t) for t, _, _ in batch], [s for _, s, _ in batch], points)
+        st["step"] += 1
     return points
 
 

@@ -1,4 +1,5 @@
-"""Ready name maps for ``tpcheck.capture``: impl, Hugging Face ``Qwen2ForCausalLM``, vLLM / SGLang.
+"""Ready name maps for ``tpcheck.capture``: impl, Hugging Face ``Qwen2ForCausalLM`` (one device, and under
+transformers' ``tp_plan``), vLLM / SGLang.
 
 Module names are as ``model.named_modules()`` gives them on the object you pass to ``install``: impl's
 ``runner.model`` and vLLM's / SGLang's ``Qwen2ForCausalLM`` (``model.layers.{i}...``), HF's
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from impl.placements import Fused, Replicate, Shard
-from tpcheck.capture import NameMap, Rule, declared, of_sibling
+from tpcheck.capture import NameMap, Rule, declared, of_sibling, weight_placement
 
 _L = r"model\.layers\.{layer}\."
 _P = "layers.{layer}."
@@ -64,6 +65,36 @@ HF_MAP = NameMap("hf", (
 ``[batch, seq, ...]`` (run one prompt per forward: padding would become rows). Not reported: ``attn.q_rope`` /
 ``attn.k_rope`` (HF applies RoPE in a function, not a module: ``tpcheck.capture_hf`` sees them through a
 registered attention function) and the KV cache.""")
+
+
+HF_TP_MAP = NameMap("hf-tp", (
+    Rule(r"model\.embed_tokens", "embed"),                                  # vocab-parallel, all-reduced
+    Rule(_L + "input_layernorm", _P + "input_norm"),
+    Rule(_L + r"self_attn\.q_proj", _P + "attn.q", weight_placement("out")),
+    Rule(_L + r"self_attn\.k_proj", _P + "attn.k", weight_placement("out")),
+    Rule(_L + r"self_attn\.v_proj", _P + "attn.v", weight_placement("out")),
+    Rule(_L + r"self_attn\.rope_probe", _P + "attn.q_rope", Shard(-1), input=True, index=0),
+    Rule(_L + r"self_attn\.rope_probe", _P + "attn.k_rope", Shard(-1), input=True, index=1),
+    Rule(_L + r"self_attn\.o_proj", _P + "attn.context", weight_placement("in"), input=True),
+    Rule(_L + r"self_attn\.o_proj", _P + "attn.out", weight_placement("out")),
+    Rule(_L + "post_attention_layernorm", _P + "attn.residual", input=True),
+    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm"),
+    Rule(_L + r"mlp\.gate_proj", _P + "mlp.gate", weight_placement("out")),
+    Rule(_L + r"mlp\.up_proj", _P + "mlp.up", weight_placement("out")),
+    Rule(_L + r"mlp\.down_proj", _P + "mlp.act", weight_placement("in"), input=True),
+    Rule(_L + r"mlp\.down_proj", _P + "mlp.out", weight_placement("out")),
+    Rule(r"model\.layers\.{layer}", _P + "out"),
+    Rule(r"model\.norm", "final_norm"),
+    Rule(r"lm_head", "logits"),                                             # colwise_gather_output: full
+), token_dims=2, doc="""Hugging Face ``Qwen2ForCausalLM`` loaded with ``tp_plan="auto"`` (transformers' own
+tensor parallelism: weights are DTensors, activations plain local tensors). Placements are read from each
+linear layer's weight (``weight_placement``: a column-parallel weight ``Shard(0)`` gives a ``Shard(-1)``
+output, a row-parallel one ``Shard(1)`` takes a ``Shard(-1)`` input and gives the all-reduced output); a
+module that returns a DTensor is read from the DTensor itself. q/k after RoPE come from a ``rope_probe``
+module that ``tpcheck.hf_tp`` attaches to each attention and calls from its attention function (HF applies
+RoPE in a function, not a module). The embedding (vocab-parallel, all-reduced) and ``lm_head``
+(``colwise_gather_output``) give full tensors. The KV cache is read from each rank's ``DynamicCache``
+(``tpcheck.hf_tp``).""")
 
 
 def vllm_qkv_placement(module, parent) -> Fused:
@@ -138,4 +169,4 @@ VLLM_NORMS_ONLY_MAP = replace(
     VLLM_MAP.without("layers.{prev}.out", "layers.{layer}.attn.residual", "layers.{last}.out"), name="vllm-norms-only",
     doc="VLLM_MAP less the residual points taken from a fused norm's second output (see VLLM_MAP).")
 
-MAPS = {"impl": IMPL_MAP, "hf": HF_MAP, "vllm": VLLM_MAP, "sglang": VLLM_MAP, "vllm-norms-only": VLLM_NORMS_ONLY_MAP}
+MAPS = {"impl": IMPL_MAP, "hf": HF_MAP, "hf-tp": HF_TP_MAP, "vllm": VLLM_MAP, "sglang": VLLM_MAP, "vllm-norms-only": VLLM_NORMS_ONLY_MAP}

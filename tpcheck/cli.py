@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from tpcheck import checkpoints
+from tpcheck.adapter import ENGINES
 from tpcheck.arg_types import int_list, regex
 from tpcheck.coverage import DEFAULT_REQUIRE, CoverageError
 from tpcheck.documents import package_version
@@ -82,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--model", type=Path, help="a Hugging Face Qwen2 checkpoint directory")
     src.add_argument("--preset", default="small", choices=checkpoints.preset_names(),
                      help="synthetic checkpoint used when --model is not given (default: small)")
+    df.add_argument("--engine", default="impl", choices=list(ENGINES),
+                    help="the engine under test: " + "; ".join(f"{k}: {v}" for k, v in ENGINES.items()))
     df.add_argument("--tp", type=int, default=2)
     df.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     inp = df.add_mutually_exclusive_group()
@@ -139,7 +142,7 @@ def _cmd_diff(a, argv: list[str]) -> int:
                      decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
                      block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
                      command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points,
-                     dump=a.dump, dump_points=a.dump_points, dump_budget_mb=a.dump_budget_mb)
+                     dump=a.dump, dump_points=a.dump_points, dump_budget_mb=a.dump_budget_mb, engine=a.engine)
     if a.dump:
         print(f"dumped to {a.dump} (tpcheck compare {a.dump} --model ...)")
     return _show(r, a)
@@ -266,8 +269,9 @@ def _exit_code(e: BaseException) -> tuple[int, str]:
     from impl.config import ConfigError
     from impl.executor import RankError
     from impl.loader import LoadError
+    from tpcheck.dump import DumpError
     first = (str(e).strip().splitlines() or [""])[0]
-    if isinstance(e, (ConfigError, LoadError)):  # a checkpoint at fault, even when a rank found it
+    if isinstance(e, (ConfigError, LoadError, DumpError)):  # a checkpoint / dump at fault, even found in a rank
         return EXIT_BAD_INPUT, first
     if isinstance(e, RankError) or getattr(e, "rank", None) is not None:
         what = first if first.startswith(("TP rank", "rank")) else f"rank {e.rank}: {type(e).__name__}: {first}"

@@ -182,21 +182,28 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
          inject_layer: int | None = None, tolerances: Tolerances | None = None, pool=None, block_size: int = 16,
          seq_len: int = 32, batch: int = 2, seed: int = 0, exact_ops: bool = False,
          command: str | None = None, require_points: str = DEFAULT_REQUIRE, dump: str | None = None,
-         dump_points: str | None = None, dump_budget_mb: float | None = None) -> DiffResult:
-    """Compare impl at ``tp``/``dtype`` with Hugging Face, every point, every step (``exact_ops``:
-    ``tpcheck.exact_ops``).
+         dump_points: str | None = None, dump_budget_mb: float | None = None, engine: str = "impl") -> DiffResult:
+    """Compare an engine (``"impl"``, or ``"hf-tp"``: transformers' own tp_plan, ``tpcheck.hf_tp``) at
+    ``tp``/``dtype`` with Hugging Face, every point, every step (``exact_ops``: ``tpcheck.exact_ops``).
 
     ``model`` is a checkpoint directory (default: the synthetic ``preset``); ``prompts`` token ids
     (default: ``batch`` random prompts of ``seq_len`` tokens from ``seed``). ``dump``: also write the engine's
     points per rank and step there (``tpcheck.dump``; ``dump_points`` a regex, ``dump_budget_mb`` a bound)."""
-    from tpcheck.adapter import ImplAdapter
+    from tpcheck.adapter import ENGINES, ImplAdapter
     from tpcheck.check import random_prompts
     from tpcheck.checkpoints import cached_checkpoint
     from tpcheck.faults import get_fault
     from tpcheck.pool import EnginePool
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {list(ENGINES)}")
+    if inject and engine != "impl":
+        raise ValueError(f"--inject applies to impl only (faults patch impl's modules), not --engine {engine}")
     model_dir = str(model or cached_checkpoint(preset))
     cfg = load_config(model_dir)
     cfg.check_tp(tp)
+    if engine == "hf-tp":
+        from tpcheck.hf_tp import check_layout
+        check_layout(cfg, tp)
     if decode_steps < 0:
         raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
     prompts = prompts or random_prompts(cfg.vocab_size, batch, seq_len, seed)
@@ -221,14 +228,21 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
     own = pool is None
     pool = pool or EnginePool()
     try:
-        engine = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size)
-        if dump is not None:  # every rank's points of every step also go to DIR (tpcheck compare reads it)
-            budget = None if dump_budget_mb is None else int(dump_budget_mb * 2**20)
-            engine = DumpingAdapter(engine, dump, dtype, "impl", dump_points, budget)
-        meta = {"tp": tp, "inject": list(inject), "inject_layer": inject_layer, "inject_silent": silent,
+        # --dump: each rank writes its own points of every propagated step to DIR (tpcheck compare reads it)
+        dump_kw = None if dump is None else {
+            "root": str(dump), "dtype": dtype, "points": dump_points,
+            "budget_bytes": None if dump_budget_mb is None else int(dump_budget_mb * 2**20) // tp}
+        if engine == "impl":
+            adapter = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size, dump_kw)
+        else:
+            adapter = pool.get_hf_tp(model_dir, tp, dtype)
+            if dump is not None:
+                adapter = DumpingAdapter(adapter, dump, dtype, "hf-tp", dump_points, dump_kw["budget_bytes"] * tp
+                                         if dump_kw["budget_bytes"] is not None else None)
+        meta = {"tp": tp, "engine": engine, "inject": list(inject), "inject_layer": inject_layer, "inject_silent": silent,
                 "command": command or diff_command(["--model", model_dir], tp, dtype, prompts, decode_steps, block_size,
                                                    isolate, exact_ops, inject, inject_layer)}
-        return compare_engine(engine, model_dir, prompts, dtype, decode_steps, isolate, tolerances, meta,
+        return compare_engine(adapter, model_dir, prompts, dtype, decode_steps, isolate, tolerances, meta,
                               exact_ops, require_points)
     finally:
         if own:

@@ -15,6 +15,7 @@ class EnginePool:
         self.llm_kwargs = llm_kwargs
         self._engines: dict[int, LLM] = {}
         self._loaded: dict[int, tuple] = {}
+        self._hf_tp: dict[int, tuple] = {}  # tp -> (HFTPAdapter, (checkpoint, dtype))
 
     def get(self, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
             num_kv_blocks: int | None = None) -> LLM:
@@ -34,8 +35,26 @@ class EnginePool:
         self._loaded[tp] = key
         return llm
 
+    def get_hf_tp(self, model_dir: str | os.PathLike, tp: int, dtype: str = "float32"):
+        """A ``tpcheck.hf_tp.HFTPAdapter`` of ``tp`` ranks (one per tp, kept; reloaded when the checkpoint or
+        dtype changes)."""
+        from tpcheck.hf_tp import HFTPAdapter
+        key = (str(model_dir), dtype)
+        adapter, loaded = self._hf_tp.get(tp, (None, None))
+        if adapter is not None and adapter.executor.closed:
+            adapter = None
+        if adapter is None:
+            adapter = HFTPAdapter(str(model_dir), tp, dtype, device=self.llm_kwargs.get("device", "cpu"))
+        elif loaded != key:
+            adapter.reload(str(model_dir), dtype)
+        self._hf_tp[tp] = (adapter, key)
+        return adapter
+
     def close(self) -> None:
         for llm in self._engines.values():
             llm.close()
+        for adapter, _ in self._hf_tp.values():
+            adapter.shutdown()
         self._engines.clear()
         self._loaded.clear()
+        self._hf_tp.clear()
