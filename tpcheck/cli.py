@@ -117,8 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="the dtype of the engine's all-reduces (default: the dump's dtype)")
     cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
     _add_outputs(cp)
-    from tpcheck import gate, sweep
+    from tpcheck import compare_results, gate, sweep
     gate.register(sub)
+    compare_results.register(sub)
     sweep.register(sub)
     return ap
 
@@ -351,6 +352,10 @@ def _run(a, argv: list[str]) -> int:
         from tpcheck import sweep
         check_output_paths(a.json)
         return sweep.run(a)
+    if a.cmd == "compare-results":
+        from tpcheck import compare_results
+        check_output_paths(a.json)
+        return compare_results.run(a)
     if a.cmd in ("gate", "report"):
         from tpcheck import gate
         check_output_paths(getattr(a, "output", None), allow_dir=True)

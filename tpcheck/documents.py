@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 
 SCHEMA_VERSION = 1
-KINDS = ("diff", "check", "sweep", "fault_matrix")
+KINDS = ("diff", "check", "sweep", "fault_matrix", "comparison")
 SCHEMA_FILE = "result.schema.json"  # package data of ``tpcheck``
 RUN_META_KEYS = ("versions", "machine", "command", "created_utc")
 

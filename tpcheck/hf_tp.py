@@ -73,11 +73,10 @@ class HFTPRank:
         _dist_env(device)
         self.rank, self.tp = dist.get_rank(), dist.get_world_size()
         register_attention()
-        try:
-            import accelerate  # noqa: F401 - transformers needs it for tp_plan loading and says so late
-        except ImportError:
+        import importlib.util
+        if importlib.util.find_spec("accelerate") is None:  # transformers needs it for tp_plan, and says so late
             raise ImportError("--engine hf-tp needs accelerate (pip install 'tpcheck[hf-tp]' or "
-                              "pip install accelerate)") from None
+                              "pip install accelerate)")
         self.model = load_hf_model(model_dir, dtype, **_tp_plan_kwargs(self.tp))
         self.model.config._attn_implementation = ATTN_NAME
         self.teacher: dict | None = None
