@@ -117,10 +117,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="the dtype of the engine's all-reduces (default: the dump's dtype)")
     cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
     _add_outputs(cp)
-    from tpcheck import compare_results, gate, sweep
+    from tpcheck import compare_results, completion, gate, sweep
     gate.register(sub)
     compare_results.register(sub)
     sweep.register(sub)
+    completion.register(sub)
     return ap
 
 
@@ -352,6 +353,12 @@ def _run(a, argv: list[str]) -> int:
         from tpcheck import sweep
         check_output_paths(a.json)
         return sweep.run(a)
+    if a.cmd == "completion":
+        from tpcheck.completion import bash_script
+        if a.shell == "zsh":
+            print("autoload -U +X bashcompinit && bashcompinit")
+        print(bash_script(_parser()))
+        return 0
     if a.cmd == "compare-results":
         from tpcheck import compare_results
         check_output_paths(a.json)
