@@ -99,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="also fail any RMSNorm or residual add whose output is not bit-identical to HF's module "
                          "applied to the engine's own input (catches arithmetic that departs from HF's yet is as "
                          "accurate, e.g. rmsnorm_weight_before_cast; see tpcheck.exact_ops)")
+    df.add_argument("--golden-streamed", action="store_true",
+                    help="read the HF references' weights from the checkpoint as the forward needs them, one "
+                         "matrix at a time (for checkpoints larger than memory; same results, slower; "
+                         "tpcheck.golden_streamed)")
     df.add_argument("--inject", type=lambda s: [x for x in s.split(",") if x], default=[],
                     help="faults to inject into impl (tpcheck faults list)")
     df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
@@ -144,7 +148,8 @@ def _cmd_diff(a, argv: list[str]) -> int:
                      decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
                      block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
                      command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points,
-                     dump=a.dump, dump_points=a.dump_points, dump_budget_mb=a.dump_budget_mb, engine=a.engine)
+                     dump=a.dump, dump_points=a.dump_points, dump_budget_mb=a.dump_budget_mb, engine=a.engine,
+                     streamed=a.golden_streamed)
     if a.dump:
         print(f"dumped to {a.dump} (tpcheck compare {a.dump} --model ...)")
     return _show(r, a)
@@ -295,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = [x for x in argv if x not in ("--debug", "--quiet")]  # accepted anywhere on the line
     argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
     a = _parser().parse_args(argv)
-    progress = logging.StreamHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck"
+    from tpcheck.progress import LogHandler
+    progress = LogHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck" (above any progress bar)
     progress.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("tpcheck")
     logger.addHandler(progress)

@@ -29,6 +29,7 @@ import torch
 from impl.config import load_config
 from impl.shard_plan import shard_plan
 from tpcheck.faults import FAULTS, Fault, get_fault, injected
+from tpcheck.progress import bar
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -302,15 +303,21 @@ def run_matrix(faults: list[str] | None = None, pool=None, ckpt=None, clean: boo
     own = pool is None
     pool = pool or EnginePool(max_num_seqs=16)
     rows = []
+    cleans = clean_configs([smallest_config(n, ckpt) for n in names], clean_dtypes) if clean else []
+    progress = bar(len(names) + len(cleans), "fault matrix", "run")
     try:
         for n in names:
+            progress.set_description(f"fault matrix: {n}")
             logger.info(f"fault-matrix: {n} ...")
             rows.append(fault_row(n, pool, ckpt))
-        if clean:
-            for c in clean_configs([smallest_config(n, ckpt) for n in names], clean_dtypes):
-                logger.info(f"fault-matrix: clean {describe_config(c)} ...")
-                rows.append(clean_row(c, pool, ckpt))
+            progress.update(1)
+        for c in cleans:
+            progress.set_description(f"fault matrix: clean {describe_config(c)}")
+            logger.info(f"fault-matrix: clean {describe_config(c)} ...")
+            rows.append(clean_row(c, pool, ckpt))
+            progress.update(1)
     finally:
+        progress.close()
         if own:
             pool.close()
     return pd.DataFrame(rows, columns=COLUMNS)

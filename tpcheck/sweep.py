@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpcheck.arg_types import int_list, name_list
+from tpcheck.progress import bar
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -262,8 +263,10 @@ def sweep(opts: SweepOptions, pool=None) -> list[dict]:
     pool = pool or EnginePool()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny HF runs and comparisons: one thread, leaving the cores to the ranks
+    progress = bar(len(plan), "sweep", "configuration")
     try:
         for i, (source, tp, dtype, steps) in enumerate(plan, 1):
+            progress.set_description(f"sweep {source} tp={tp} {dtype} decode {steps}")
             t0 = time.monotonic()
             if source != "random":
                 reason = None
@@ -276,6 +279,7 @@ def sweep(opts: SweepOptions, pool=None) -> list[dict]:
                                  "passed": True, "skipped": reason, "worst_point": None, "worst_step": None,
                                  "excess": 0.0})
                     logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: skipped ({reason})")
+                    progress.update(1)
                     continue
                 load_config(cached_checkpoint(source, root=root))  # written once, before any example
             row = run_configuration(source, tp, dtype, steps, opts, pool, root)
@@ -283,7 +287,9 @@ def sweep(opts: SweepOptions, pool=None) -> list[dict]:
             verdict = "pass" if row["passed"] else f"FAIL ({row.get('origin') or row.get('error')})"
             logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: {row['examples']} example(s), "
                   f"{verdict} ({time.monotonic() - t0:.1f}s)")
+            progress.update(1)
     finally:
+        progress.close()
         torch.set_num_threads(threads)
         if own:
             pool.close()
