@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("generate", "logits"):
         p = sub.add_parser(name)
-        p.add_argument("--model", required=True, help="Hugging Face Qwen2 checkpoint directory")
+        p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (llama, mistral, qwen2, qwen3)")
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         p.add_argument("--prompt-ids", type=_ids, action="append", default=[], help="token ids, e.g. 1,2,3 (repeatable)")

@@ -1,14 +1,23 @@
-"""Model configuration: read through transformers' own ``Qwen2Config`` so impl and HF never disagree on
-a default, plus the checks HF does not do for us (a missing ``rope_theta`` is an error, not 10000)."""
+"""Model configuration: read through transformers' own config class of each supported family (``FAMILIES``)
+so impl and HF never disagree on a default, plus the checks HF does not do for us (a missing ``rope_theta``
+is an error, not 10000; a RoPE type, activation or sliding-window layout impl does not implement is refused
+by name rather than computed differently)."""
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
-from transformers import Qwen2Config
+
+from impl.layers.rotary import Llama3RopeScaling
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -20,9 +29,60 @@ TRANSFORMERS_5 = _TF_VERSION >= (5, 0)
 # ``dtype`` is taken for an unknown config attribute and the model silently loads in float32
 HF_DTYPE_KEY = "dtype" if _TF_VERSION >= (4, 56) else "torch_dtype"
 
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
 
 class ConfigError(ValueError):
     """A checkpoint config or engine setting that impl refuses, with the numbers in the message."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One supported ``model_type``: the transformers config class that reads its config.json, HF's causal LM
+    class (the reference implementation, as in ``architectures``), impl's model class (``"module:Class"``,
+    imported on demand so that reading a config never builds a model), and how the family spells its
+    options:
+
+    * ``qkv_bias``: ``True`` always (Qwen2), ``False`` never (Mistral), ``"attention_bias"`` from that config
+      flag, which then also gives ``o_proj`` a bias (Llama, Qwen3, as in HF);
+    * ``mlp_bias``: whether the config's ``mlp_bias`` flag exists (Llama) or the MLP never has biases;
+    * ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3);
+    * ``sliding``: ``"refuse"`` (Qwen2: ``use_sliding_window`` is refused), ``"all"`` (Mistral: a non-null
+      ``sliding_window`` applies to every layer), ``"layer_types"`` (Qwen3: the layers HF marks
+      ``sliding_attention``), ``"none"`` (Llama has no sliding window)."""
+
+    config_class: str
+    hf_model_class: str
+    impl_model: str
+    qkv_bias: bool | str
+    mlp_bias: bool
+    qk_norm: bool
+    sliding: str
+
+    def hf_config_class(self, path: Path | str = "") -> type[PretrainedConfig]:
+        cls = getattr(transformers, self.config_class, None)
+        if cls is None:
+            raise ConfigError(f"{path}: transformers {transformers.__version__} has no {self.config_class}; "
+                              "upgrade transformers to read this family")
+        return cls
+
+    def model_class(self) -> type[nn.Module]:
+        module, _, name = self.impl_model.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+# model_type -> family: the one list of what impl runs (the engine builds ``FAMILIES[cfg.model_type]``'s model)
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaConfig", "LlamaForCausalLM", "impl.models.llama:LlamaForCausalLM",
+                    qkv_bias="attention_bias", mlp_bias=True, qk_norm=False, sliding="none"),
+    "mistral": Family("MistralConfig", "MistralForCausalLM", "impl.models.llama:MistralForCausalLM",
+                      qkv_bias=False, mlp_bias=False, qk_norm=False, sliding="all"),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", "impl.models.qwen2:Qwen2ForCausalLM",
+                    qkv_bias=True, mlp_bias=False, qk_norm=False, sliding="refuse"),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", "impl.models.qwen3:Qwen3ForCausalLM",
+                    qkv_bias="attention_bias", mlp_bias=False, qk_norm=True, sliding="layer_types"),
+}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -33,20 +93,20 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def hf_rope_theta(hf: Qwen2Config) -> float:
-    """The theta HF's Qwen2 rotary embedding uses: ``rope_parameters["rope_theta"]`` in transformers 5 (which
+def hf_rope_theta(hf: PretrainedConfig) -> float:
+    """The theta HF's rotary embedding uses: ``rope_parameters["rope_theta"]`` in transformers 5 (which
     wins when a file has both), the top-level ``rope_theta`` in 4.x (where a ``rope_parameters`` key is
     just an unread attribute)."""
     params = _rope_parameters(hf)
     return float(params["rope_theta"] if "rope_theta" in params else hf.rope_theta)
 
 
-def _rope_parameters(hf: Qwen2Config) -> dict:
+def _rope_parameters(hf: PretrainedConfig) -> dict:
     """``rope_parameters`` as HF reads it: transformers 5 only (in 4.x the key is an unread attribute)."""
     return (getattr(hf, "rope_parameters", None) or {}) if TRANSFORMERS_5 else {}
 
 
-def _rope_theta(raw: dict, hf: Qwen2Config, path: Path) -> float:
+def _rope_theta(raw: dict, hf: PretrainedConfig, path: Path) -> float:
     """The theta HF itself will use, after checking on the raw file that HF will not fill in 10000 silently."""
     nested = "rope_theta" in (raw.get("rope_parameters") or {})
     if "rope_theta" not in raw and not nested:
@@ -56,19 +116,72 @@ def _rope_theta(raw: dict, hf: Qwen2Config, path: Path) -> float:
         raise ConfigError(f"{path}: rope_theta is only in 'rope_parameters' (the transformers 5 layout); "
                           f"transformers {transformers.__version__} reads the top-level 'rope_theta' and would use "
                           "10000: add a top-level rope_theta or use transformers >= 5")
+    return hf_rope_theta(hf)
+
+
+def _rope_scaling(hf: PretrainedConfig, path: Path) -> Llama3RopeScaling | None:
+    """The RoPE frequency scaling HF will apply: None for the default RoPE, the llama3 parameters for
+    ``rope_type: llama3``; any other type is refused. transformers 5 reads them from ``rope_parameters``
+    (where it also merges a legacy ``rope_scaling``), 4.x from ``rope_scaling``."""
     params = _rope_parameters(hf)
     scaling = getattr(hf, "rope_scaling", None) or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ConfigError(f"{path}: rope type {kind!r} is not supported (only the default neox RoPE)")
-    return hf_rope_theta(hf)
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{path}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    src = params if TRANSFORMERS_5 else scaling
+    partial = src.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"{path}: partial_rotary_factor={partial} is not supported (RoPE over the whole head)")
+    if kind == "default":
+        return None
+    missing = [k for k in _LLAMA3_KEYS if src.get(k) is None]
+    if missing:
+        raise ConfigError(f"{path}: rope type 'llama3' needs {', '.join(missing)} in its rope parameters")
+    s = Llama3RopeScaling(float(src["factor"]), float(src["low_freq_factor"]), float(src["high_freq_factor"]),
+                          int(src["original_max_position_embeddings"]))
+    if s.high_freq_factor <= s.low_freq_factor:  # the interpolation divides by their difference
+        raise ConfigError(f"{path}: llama3 rope needs high_freq_factor > low_freq_factor, got "
+                          f"{s.high_freq_factor} <= {s.low_freq_factor}")
+    return s
+
+
+def _sliding_windows(family: Family, hf: PretrainedConfig, path: Path) -> tuple[int | None, ...]:
+    """Per layer, the sliding window HF's attention uses (None: full causal attention); ``()`` when no layer
+    has one. A window of at least ``max_position_embeddings`` can never hide a key (impl refuses longer
+    sequences), so it is dropped."""
+    n = hf.num_hidden_layers
+    if family.sliding in ("refuse", "none"):  # "refuse" was checked on the raw file (``load_config``)
+        return ()
+    window = getattr(hf, "sliding_window", None)
+    if family.sliding == "all":
+        layers = [True] * n
+    else:  # "layer_types": transformers >= 4.53 lists them; older versions derive them the same way
+        types = getattr(hf, "layer_types", None)
+        if types is None:
+            use = bool(getattr(hf, "use_sliding_window", False)) and window is not None
+            types = ["sliding_attention" if use and i >= hf.max_window_layers else "full_attention" for i in range(n)]
+        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if bad or len(types) != n:
+            raise ConfigError(f"{path}: layer_types {list(types)} not understood (expected {n} entries of "
+                              "'full_attention' / 'sliding_attention')")
+        layers = [t == "sliding_attention" for t in types]
+    if window is None or not any(layers):
+        return ()
+    if not isinstance(window, int) or window < 1:
+        raise ConfigError(f"{path}: sliding_window={window!r} is not a positive integer")
+    if window >= hf.max_position_embeddings:
+        return ()
+    return tuple(window if s else None for s in layers)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The numbers impl needs, taken from the HF config (``hf``) of a checkpoint directory."""
+    """The numbers impl needs, taken from the HF config (``hf``) of a checkpoint directory.
 
-    hf: Qwen2Config
+    The family options default to Qwen2's: q/k/v biases, no o_proj / MLP biases, no q/k norm, default RoPE,
+    no sliding window."""
+
+    hf: PretrainedConfig
     model_dir: str
     hidden_size: int
     num_heads: int
@@ -82,6 +195,21 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    model_type: str = "qwen2"
+    qkv_bias: bool = True
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer attends to all its past
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    def sliding_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` (None: full causal attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     def check_tp(self, tp: int) -> None:
         """Refuse a TP size the head layout cannot be split over, with the numbers."""
@@ -100,7 +228,7 @@ class ModelConfig:
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``config.json`` of a Qwen2 checkpoint directory; anything not Qwen2 is refused."""
+    """Read ``config.json`` of a checkpoint directory of a family in ``FAMILIES``; anything else is refused."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
@@ -110,13 +238,27 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    if raw.get("model_type") != "qwen2":
-        raise ConfigError(f"{path}: model_type is {raw.get('model_type')!r}, impl supports only 'qwen2'")
-    if raw.get("use_sliding_window"):
-        raise ConfigError(f"{path}: use_sliding_window=true is not supported")
-    hf = Qwen2Config.from_pretrained(str(model_dir))
+    model_type = raw.get("model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ConfigError(f"{path}: model_type is {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    if family.sliding == "refuse" and raw.get("use_sliding_window"):
+        raise ConfigError(f"{path}: use_sliding_window=true is not supported for model_type {model_type!r}")
+    cls = family.hf_config_class(path)
+    try:
+        hf = cls.from_pretrained(str(model_dir))
+    except (KeyError, ValueError, TypeError) as e:  # HF's own validation (e.g. a rope parameter missing)
+        raise ConfigError(f"{path}: transformers' {cls.__name__} refuses it: {type(e).__name__}: {e}") from None
     theta = _rope_theta(raw, hf, path)
+    scaling = _rope_scaling(hf, path)
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":  # the MLP is SiluAndMul; another activation would be computed wrongly, not refused
+        raise ConfigError(f"{path}: hidden_act={act!r} is not supported (only 'silu')")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if family.qkv_bias == "attention_bias":
+        qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
+    else:
+        qkv_bias, o_bias = bool(family.qkv_bias), False
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -125,4 +267,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         num_layers=hf.num_hidden_layers, vocab_size=hf.vocab_size, rope_theta=theta,
         rms_norm_eps=hf.rms_norm_eps, max_position=hf.max_position_embeddings,
         tie_word_embeddings=bool(hf.tie_word_embeddings), eos_token_ids=eos_ids,
+        model_type=model_type, qkv_bias=qkv_bias, o_proj_bias=o_bias,
+        mlp_bias=family.mlp_bias and bool(getattr(hf, "mlp_bias", False)), qk_norm=family.qk_norm,
+        rope_scaling=scaling, sliding_windows=_sliding_windows(family, hf, path),
     )

@@ -105,7 +105,12 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
             if tied and name == "lm_head.weight":
                 continue  # some tied checkpoints also store the (identical) head; the embedding is used
             if name not in wanted:
-                raise LoadError(f"unexpected tensor {name!r} in {Path(fname).name}: the Qwen2 model has no parameter for it")
+                hint = ""
+                if name.endswith(".bias"):  # the usual cause: a bias flag in config.json that disagrees
+                    hint = (f" (config.json of model_type {model.cfg.model_type!r} gives this layer no bias: "
+                            "check attention_bias / mlp_bias)")
+                raise LoadError(f"unexpected tensor {name!r} in {Path(fname).name}: the "
+                                f"{type(model).__name__} model has no parameter for it{hint}")
             pname, sid = wanted[name]
             param = params[pname]
             loader = getattr(param, "weight_loader", default_weight_loader)
@@ -121,4 +126,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
     missing = sorted(set(wanted) - seen)
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise LoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {missing[:8]}{more}")
+        cfg, hint = model.cfg, ""
+        if any(m.endswith(".bias") for m in missing):
+            hint = (f" (the {cfg.model_type!r} config asks for biases: q/k/v {cfg.qkv_bias}, o_proj {cfg.o_proj_bias}, "
+                    f"mlp {cfg.mlp_bias})")
+        raise LoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {missing[:8]}{more}{hint}")

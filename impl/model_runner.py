@@ -14,7 +14,7 @@ from impl.context import Context, set_context
 from impl.distributed import get_tp_rank, get_tp_size
 from impl.layers.attention import Attention
 from impl.loader import load_weights
-from impl.models.qwen2 import Qwen2ForCausalLM
+from impl.models import model_class
 
 # (new token ids, position of the first of them, block table) for one sequence in a step
 SeqInput = tuple[list[int], int, list[int]]
@@ -27,7 +27,8 @@ class ModelRunner:
         self.cfg = load_config(model_dir)
         self.cfg.check_tp(self.tp_size)
         self.dtype, self.device = parse_dtype(dtype), torch.device(device)
-        self.model = Qwen2ForCausalLM(self.cfg, self.dtype).to(self.device)
+        # the family's model class from the registry (impl.config.FAMILIES), by the config's model_type
+        self.model = model_class(self.cfg)(self.cfg, self.dtype).to(self.device)
         load_weights(self.model, model_dir, self.dtype)
         self.block_size = 0
 

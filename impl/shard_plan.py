@@ -1,4 +1,5 @@
-"""How a Qwen2 model splits over ``tp`` ranks: the one place tensor-parallel arithmetic is written.
+"""How a model (any family of ``impl.config.FAMILIES``) splits over ``tp`` ranks: the one place
+tensor-parallel arithmetic is written.
 
 vLLM's rules, which the parallel layers (``impl.layers``) apply and everything else (the KV cache size,
 the memory check, the property strategies, the CLI, the benchmarks) reads from here:
@@ -7,7 +8,9 @@ the memory check, the property strategies, the CLI, the benchmarks) reads from h
 * KV heads: partitioned, ``K / tp`` per rank, when ``tp <= K`` (``K % tp == 0``); replicated when ``tp > K``
   (``tp % K == 0``): each KV head on ``tp / K`` consecutive ranks, rank r holding head ``r // (tp / K)``;
 * MLP intermediate: ``I / tp`` per rank (gate/up column-parallel, down row-parallel);
-* vocab: padded to a multiple of ``VOCAB_PADDING``, then of ``tp``; ``padded / tp`` rows per rank.
+* vocab: padded to a multiple of ``VOCAB_PADDING``, then of ``tp``; ``padded / tp`` rows per rank;
+* replicated whole on every rank: the norms (Qwen3's per-head ``q_norm`` / ``k_norm`` included: a head is
+  never split) and the biases of the row-parallel ``o_proj`` / ``down_proj`` (added once, by rank 0).
 
 ``ModelConfig.check_tp`` is the validity test; ``shard_plan`` calls it."""
 from __future__ import annotations
@@ -60,8 +63,8 @@ class ShardPlan:
 
     def tensor_elements(self, name: str, shape: list[int], tied: bool = False) -> int:
         """Elements one rank holds of checkpoint tensor ``name`` (full ``shape``): vocab rows padded and
-        split, KV projections split or replicated, other projections split, norms replicated; a tied
-        ``lm_head.weight`` is not held (the embedding serves)."""
+        split, KV projections split or replicated, other projections split, norms and row-parallel biases
+        replicated; a tied ``lm_head.weight`` is not held (the embedding serves)."""
         n = math.prod(shape)
         if tied and name == "lm_head.weight":
             return 0
@@ -69,6 +72,8 @@ class ShardPlan:
             return self.vocab_rows * shape[1]
         if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
             return n * self.kv_heads // self.total_kv_heads
+        if name.endswith(("o_proj.bias", "down_proj.bias")):  # row parallel: the bias is held whole
+            return n
         if name.endswith(("_proj.weight", "_proj.bias")):  # q, o, gate, up, down
             return n // self.tp
         return n

@@ -5,9 +5,13 @@ and holds only this rank's KV heads, never heads repeated to the query count. To
 in slot ``block_table[t // block_size] * block_size + t % block_size``. Query head h reads KV head
 ``h // (heads / kv_heads)`` (GQA), done by SDPA's ``enable_gqa`` without materialising repeated heads.
 
-Masks are boolean (``True`` = may attend): a query at offset i of ``Lq`` new tokens over ``Lk`` keys sees keys
-``j <= i + Lk - Lq``. No ``0 * -inf`` arithmetic anywhere. This is pure torch; a GPU kernel would replace
-``_prefill`` / ``_decode`` behind the same metadata."""
+Masks are boolean (``True`` = may attend): a query at offset i of ``Lq`` new tokens over ``Lk`` keys sits at
+position ``p = i + Lk - Lq`` and sees keys ``j <= p``; with a sliding window ``W`` (Mistral, Qwen3's sliding
+layers) only ``p - W < j <= p`` (HF's ``kv_idx > q_idx - sliding_window``: the token itself and the
+``W - 1`` before it). The paged cache keeps every token of a sequence; the window is applied by the mask
+alone, in prefill (with or without a cached prefix) and in decode alike. No ``0 * -inf`` arithmetic
+anywhere. This is pure torch; a GPU kernel would replace ``_prefill`` / ``_decode`` behind the same
+metadata."""
 from __future__ import annotations
 
 import torch
@@ -18,10 +22,13 @@ from impl.context import Context, get_context
 from impl.placements import Shard
 
 
-def causal_mask(q_len: int, k_len: int, device=None) -> torch.Tensor:
+def causal_mask(q_len: int, k_len: int, device=None, window: int | None = None) -> torch.Tensor:
+    """``[q_len, k_len]``: the last ``q_len`` of ``k_len`` tokens attend causally (within ``window``)."""
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(k_len, device=device)[None, :]
-    return j <= i + (k_len - q_len)
+    pos = i + (k_len - q_len)
+    mask = j <= pos
+    return mask if window is None else mask & (j > pos - window)
 
 
 def block_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -31,9 +38,14 @@ def block_slots(block_tables: torch.Tensor, block_size: int, length: int) -> tor
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        """``num_heads`` / ``num_kv_heads`` are this rank's; ``sliding_window`` None = full causal attention."""
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.tensor([])  # allocated by the model runner
         self.output_placement = Shard(-1)
 
@@ -63,7 +75,9 @@ class Attention(nn.Module):
                 slots = block_slots(ctx.block_tables[i:i + 1], self.k_cache.shape[1], lk)[0]
                 ks = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
                 vs = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
-            mask = causal_mask(lq, lk, q.device) if lq > 1 else None
+            # one query over all its keys needs no mask, unless a window hides the oldest of them
+            w = self.sliding_window
+            mask = causal_mask(lq, lk, q.device, w) if lq > 1 or (w is not None and lk > w) else None
             out[start:start + lq] = self._sdpa(qs[None], ks[None], vs[None], mask)[0]
             start += lq
         return out
@@ -74,5 +88,9 @@ class Attention(nn.Module):
         slots = block_slots(ctx.block_tables, self.k_cache.shape[1], int(lens.max()))
         k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
         v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
-        mask = (torch.arange(slots.shape[1], device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        j = torch.arange(slots.shape[1], device=q.device)[None, :]
+        mask = j < lens[:, None]  # the query sits at position len - 1
+        if self.sliding_window is not None:
+            mask = mask & (j >= lens[:, None] - self.sliding_window)
+        mask = mask[:, None, None, :]
         return self._sdpa(q[:, None], k, v, mask)[:, 0]

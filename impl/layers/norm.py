@@ -1,11 +1,16 @@
 """RMSNorm in Hugging Face's op order: normalise in float32, cast back to the input dtype, then scale.
-(Scaling before the cast back gives different bfloat16 results.)"""
+(Scaling before the cast back gives different bfloat16 results.)
+
+``RMSNorm`` over the hidden size is replicated (every rank holds the whole ``[hidden]`` activations).
+``HeadRMSNorm`` (Qwen3's ``q_norm`` / ``k_norm``) normalises each head's ``head_dim`` vector on its own with a
+``[head_dim]`` weight shared by all heads; a head never spans ranks, so each rank applies it to the heads it
+holds with no communication, and the weight is replicated, not sharded."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from impl.placements import Replicate
+from impl.placements import Placement, Replicate
 
 
 class RMSNorm(nn.Module):
@@ -20,3 +25,15 @@ class RMSNorm(nn.Module):
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of ``[T, local heads, head_dim]`` over the last dim, one ``[head_dim]`` weight for every head.
+
+    Sharding: the statistics are per (token, head), so rank r's output for its heads ``[r*H/tp, (r+1)*H/tp)``
+    equals those heads of the unsharded output; the output keeps the placement of the projection it
+    normalises (``output_placement``: ``Shard(-1)`` for q, ``Shard(-1, kv replicas)`` for k)."""
+
+    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype, output_placement: Placement):
+        super().__init__(head_dim, eps, dtype)
+        self.output_placement = output_placement

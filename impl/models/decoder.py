@@ -1,0 +1,129 @@
+"""The decoder skeleton shared by every supported family (Llama, Mistral, Qwen2, Qwen3), built from the
+tensor-parallel layers. A family file (``qwen2.py``, ``llama.py``, ``qwen3.py``) only names its classes and
+overrides what is its own; the options HF spells in the config (biases, RoPE scaling, sliding windows) are
+read from ``ModelConfig``.
+
+Module names mirror Hugging Face's (``model.layers.{i}.self_attn...``) except where projections are fused:
+``qkv_proj`` = q_proj | k_proj | v_proj and ``gate_up_proj`` = gate_proj | up_proj (see
+``packed_modules_mapping``, which the loader uses to route checkpoint tensors to their shard).
+
+Per layer on rank r of tp (H query heads, K KV heads, I MLP width):
+``qkv_proj`` column-parallel by heads (H/tp query heads; K/tp KV heads, or one replicated KV head when
+tp > K), attention local to those heads, ``o_proj`` row-parallel (one all-reduce; its bias, if any, added
+once); ``gate_up_proj`` column-parallel (I/tp), ``down_proj`` row-parallel (one all-reduce). Norms, RoPE
+and residual adds act on replicated or per-head data and need no communication."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from impl.config import ModelConfig
+from impl.layers.activation import SiluAndMul
+from impl.layers.attention import Attention
+from impl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from impl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from impl.layers.norm import RMSNorm
+from impl.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention of one layer: q/k/v projection, ``norm_qk`` (identity here; Qwen3 overrides it),
+    RoPE, paged causal GQA attention (windowed on the layers the config says), output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias,
+                                          dtype=dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size, self.head_dim = self.qkv_proj.q_size, self.qkv_proj.kv_size, d
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(d, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, cfg.sliding_window(layer_idx))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, local heads, d]``, k ``[T, local kv heads, d]`` between projection and RoPE."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.norm_qk(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        context = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        return self.o_proj(context)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; biases on all three when the config's ``mlp_bias`` says so."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        n = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], bias=cfg.mlp_bias, dtype=dtype)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 attention_cls: type[DecoderAttention] = DecoderAttention):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = attention_cls(cfg, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # same op order and dtype as HF: residual adds in the activation dtype
+        h = x + self.self_attn(positions, self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_cls: type[DecoderAttention] = DecoderAttention):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, attention_cls) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A family's causal LM: ``model`` (embedding, layers, final norm) and a vocab-parallel ``lm_head`` (the
+    embedding's parameter when tied). A subclass sets ``model_type`` (checked against the config) and, where
+    its attention differs, ``attention_cls``."""
+
+    model_type: str = ""
+    attention_cls: type[DecoderAttention] = DecoderAttention
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if cfg.model_type != self.model_type:
+            raise ValueError(f"{type(self).__name__} builds model_type {self.model_type!r}, the config is "
+                             f"{cfg.model_type!r} (build the model through impl.models.model_class)")
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, dtype, self.attention_cls)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[T, V]`` logits on rank 0 (padding stripped), None on the other ranks."""
+        return self.lm_head(hidden)
