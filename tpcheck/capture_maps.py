@@ -163,6 +163,8 @@ the worker's ``model_runner.model``), with ``enforce_eager=True`` (SGLang: ``--d
   prefill one row per prompt, which ``Capture.step_done`` drops (rows ≠ tokens), so logits are compared at
   decode steps. (``ParallelLMHead`` itself never runs forward in vLLM: no ``lm_head`` rule.) SGLang's logits
   processor returns an object: ``Rule("logits_processor", "logits", index="next_token_logits")``.
+* ``step_done(step, tokens, starts)``: ``tokens`` per sequence in the order of the batch's rows, each
+  sequence at the same index every step (vLLM may reorder requests between steps: map them back).
 * Not reported: the KV cache (paged, engine-specific layout).""")
 
 VLLM_NORMS_ONLY_MAP = replace(

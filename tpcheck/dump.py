@@ -69,6 +69,8 @@ class DumpWriter:
                  points: str | None = None, budget_bytes: int | None = None):
         self.dir = Path(root) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
+        if any(_STEP.fullmatch(p.name) for p in self.dir.iterdir()):  # two runs' steps must never mix
+            raise DumpError(f"{self.dir}: holds steps of an earlier run; dump into a new or empty directory")
         self.rank, self.tp, self.dtype, self.engine = rank, tp, dtype, engine
         self.keep = re.compile(points) if points else None
         self.budget, self.written = budget_bytes, 0
@@ -167,6 +169,12 @@ def read_dump(root: str | Path) -> Dump:
     steps = sorted(metas[0])
     if steps != list(range(len(steps))):
         raise DumpError(f"{root}/rank0: steps {steps} are not 0..{len(steps) - 1}")
+    for s in steps[1:]:  # each step continues the previous one: a prompt's next start follows its tokens
+        prev, cur = metas[0][s - 1], metas[0][s]
+        want = [st + len(t) for st, t in zip(prev["starts"], prev["tokens"])]
+        if cur["starts"] != want:
+            raise DumpError(f"{root}/rank0/step{s}.json: starts {cur['starts']} do not follow step {s - 1} "
+                            f"(expected {want}): steps of different runs, or prompts reordered between steps")
     for r in ranks:
         if sorted(metas[r]) != steps:
             raise DumpError(f"{root}/rank{r}: steps {sorted(metas[r])} differ from rank 0's {steps}")

@@ -98,3 +98,18 @@ def test_dump_points_keeps_parts_of_a_fused_point(ckpt, engines, tmp_path):
                  dump_points=r"layers\.0\.attn\.q|logits")
     names = set(json.loads((tmp_path / "d" / "rank0" / "step0.json").read_text())["placements"])
     assert names == {"layers.0.attn.q", "logits"}
+
+
+def test_a_second_run_into_a_dump_directory_is_refused(dumped):
+    from tpcheck.dump import DumpWriter
+    with pytest.raises(DumpError, match="earlier run"):
+        DumpWriter(dumped, 0, 2, "float32")
+
+
+def test_steps_that_do_not_follow_each_other_are_refused(dumped):
+    meta = dumped / "rank0" / "step1.json"
+    m = json.loads(meta.read_text())
+    m["starts"] = [0]
+    meta.write_text(json.dumps(m))
+    with pytest.raises(DumpError, match="do not follow step 0"):
+        read_dump(dumped)
