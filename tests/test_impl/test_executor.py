@@ -120,3 +120,22 @@ def test_ranks_that_die_at_start_are_reported_not_waited_on(ckpt):
     assert r.returncode != 0
     assert "RankError" in r.stderr and "died" in r.stderr, r.stderr[-2000:]
     assert time.monotonic() - t < 60
+
+
+def test_results_pack_into_one_buffer_and_come_back_identical():
+    """Tensors of a rank's result travel as one flat buffer: every dtype and shape comes back bit-identical,
+    non-tensor values untouched."""
+    import torch
+    from impl.executor import _Packed, pack, unpack
+    g = torch.Generator().manual_seed(0)
+    tree = {"a": (torch.randn(3, 5, generator=g).to(torch.bfloat16), None),
+            "b": [torch.randn(7, generator=g, dtype=torch.float64), torch.arange(5, dtype=torch.int16)],
+            "c": torch.randn(2, 3, generator=g).t(), "d": torch.tensor(1.5), "e": "text", "f": 3}
+    packed = pack(tree)
+    assert isinstance(packed, _Packed) and packed.flat.dtype == torch.uint8
+    out = unpack(packed)
+    assert out["e"] == "text" and out["f"] == 3 and out["a"][1] is None
+    for got, want in [(out["a"][0], tree["a"][0]), (out["b"][0], tree["b"][0]), (out["b"][1], tree["b"][1]),
+                      (out["c"], tree["c"]), (out["d"], tree["d"])]:
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    assert unpack(pack({"x": 1})) == {"x": 1}
