@@ -16,6 +16,25 @@ def int_list(text: str, minimum: int | None = None) -> list[int]:
     return values
 
 
+def int_ranges(text: str) -> list[int]:
+    """argparse type for ``0,3,10-12``: integers >= 0 and inclusive ranges, in the order given."""
+    out: list[int] = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected integers and ranges like 0,3,10-12, got {text!r}") from None
+        if a < 0 or b < a:
+            raise argparse.ArgumentTypeError(f"{part!r} in {text!r} is not a range a-b with 0 <= a <= b")
+        out += range(a, b + 1)
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected integers and ranges like 0,3,10-12, got {text!r}")
+    return out
+
+
 def positive_ints(text: str) -> list[int]:
     return int_list(text, 1)
 

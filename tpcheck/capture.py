@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from impl.placements import Fused, Partial, Replicate, Shard
-from tpcheck.points import point_names
+from tpcheck.points import all_point_names, point_names
 
 logger = logging.getLogger("tpcheck.capture")
 
@@ -101,7 +101,7 @@ class Rule:
         return [] if n is None else [n + p for p in self.parts] if self.parts else [n]
 
 
-_CANONICAL = set(point_names(6, with_kv=True))
+_CANONICAL = set(all_point_names(6))  # every family's names (Qwen3's q/k norms too)
 
 
 @dataclass(frozen=True)
@@ -114,14 +114,15 @@ class NameMap:
     token_dims: int = 1
     doc: str = ""
 
-    def reports(self, num_layers: int) -> list[str]:
-        """The canonical points this map gives for a model of ``num_layers`` layers, in execution order."""
+    def reports(self, num_layers: int, qk_norm: bool = False) -> list[str]:
+        """The canonical points this map gives for a model of ``num_layers`` layers, in execution order;
+        ``qk_norm``: a model with per-head q/k norms (Qwen3), where the maps' ``attn.q_norm`` rules match."""
         got = set()
         for rule in self.rules:
             layers = range(num_layers) if _LAYER_GROUP in rule.module else [None]
             for i in layers:
                 got.update(rule.names(i, num_layers - 1 if num_layers else None))
-        return [n for n in point_names(num_layers, with_kv=True) if n in got]
+        return [n for n in point_names(num_layers, with_kv=True, qk_norm=qk_norm) if n in got]
 
     def not_reported(self, num_layers: int, with_kv: bool = False) -> list[str]:
         """The canonical points this map never gives (what ``tpcheck.coverage`` will list as not reported)."""

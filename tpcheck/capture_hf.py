@@ -1,4 +1,7 @@
-"""Capture the canonical points of Hugging Face ``Qwen2ForCausalLM`` (the golden run and the noise floor).
+"""Capture the canonical points of Hugging Face's causal LM of a supported family (the golden run and the
+noise floor): the class ``impl.config.FAMILIES`` names for the checkpoint's ``model_type`` (``Qwen2ForCausalLM``,
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``), whose module names are the same
+(``model.layers.{i}.self_attn.q_proj`` ...; Qwen3 adds ``self_attn.q_norm`` / ``k_norm``).
 
 Forward hooks and pre-hooks on HF's own modules, plus one custom attention function registered through
 transformers' attention interface (to see the post-RoPE query/key): no fork of HF code. Each prompt runs
@@ -10,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from impl.config import HF_DTYPE_KEY, parse_dtype
+from impl.config import HF_DTYPE_KEY, load_config, parse_dtype
 from tpcheck.reductions import Reductions, row_parallel_linear
 
 ATTN_NAME = "tpcheck_sdpa"
@@ -56,14 +59,26 @@ def register_attention() -> None:
         pass
 
 
+def hf_classes(model_dir) -> tuple[type, type]:
+    """HF's config class and causal LM class of a checkpoint directory: those ``impl.config.FAMILIES`` names for
+    its ``model_type`` (read and checked by ``impl.config.load_config``: an unsupported type, RoPE scaling or
+    activation is a ``ConfigError`` naming it). Never ``trust_remote_code``: only transformers' own classes."""
+    import transformers
+    family = load_config(model_dir).family
+    model_cls = getattr(transformers, family.hf_model_class, None)
+    if model_cls is None:
+        raise ImportError(f"transformers {transformers.__version__} has no {family.hf_model_class}")
+    return family.hf_config_class(model_dir), model_cls
+
+
 def load_hf_model(model_dir, dtype: str | torch.dtype = "float32", **kwargs) -> nn.Module:
-    """Hugging Face ``Qwen2ForCausalLM`` of a checkpoint directory in ``dtype``, in eval mode (transformers
-    4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``); ``kwargs`` go to ``from_pretrained``
-    (``tp_plan="auto"``: transformers' tensor parallelism)."""
-    from transformers import Qwen2ForCausalLM
+    """Hugging Face's causal LM of a checkpoint directory (its family's class, ``hf_classes``) in ``dtype``, in
+    eval mode (transformers 4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``); ``kwargs`` go to
+    ``from_pretrained`` (``tp_plan="auto"``: transformers' tensor parallelism)."""
     from transformers.utils import logging as hf_logging
+    _, model_cls = hf_classes(model_dir)
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per reference model would bury tpcheck's output
-    return Qwen2ForCausalLM.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}, **kwargs).eval()
+    return model_cls.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}, **kwargs).eval()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -91,6 +106,10 @@ class HFCapture:
             layer.input_layernorm.register_forward_hook(out(p + "input_norm"))
             for proj, name in ((a.q_proj, "attn.q"), (a.k_proj, "attn.k"), (a.v_proj, "attn.v")):
                 proj.register_forward_hook(out(p + name))
+            # Qwen3: per-head RMSNorm of q and k ([1, n, heads, head_dim]) before RoPE
+            for module, name in (("q_norm", "attn.q_norm"), ("k_norm", "attn.k_norm")):
+                if hasattr(a, module):
+                    getattr(a, module).register_forward_hook(out(p + name))
             a.o_proj.register_forward_pre_hook(pre(p + "attn.context"))
             a.o_proj.register_forward_hook(out(p + "attn.out"))
             layer.post_attention_layernorm.register_forward_pre_hook(pre(p + "attn.residual"))
@@ -172,11 +191,19 @@ def teacher_hook(owner, i: int):
 
 
 def new_cache(model):
+    """An empty ``DynamicCache`` that keeps every position of every layer. transformers 5 gives a sliding-window
+    layer (Mistral, Qwen3's sliding layers) a cache that drops the keys older than the window after each step;
+    the window is the attention mask's business either way (HF masks by position), but the KV-cache points
+    compare every cached position with the engine's cache (impl's paged cache keeps them all), so the golden
+    keeps them all too. Layers without a window are the same either way."""
     from transformers import DynamicCache
     try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # transformers 4.x
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x: one full layer per decoder layer, created as the forward reaches it
         return DynamicCache()
+    if any(getattr(cache, "is_sliding", ())):
+        return DynamicCache()  # no config: full DynamicLayers, created as the forward reaches them
+    return cache
 
 
 def cache_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,12 @@
-"""Ready name maps for ``tpcheck.capture``: impl, Hugging Face ``Qwen2ForCausalLM`` (one device, and under
-transformers' ``tp_plan``), vLLM / SGLang.
+"""Ready name maps for ``tpcheck.capture``: impl, Hugging Face's causal LMs (one device, and under transformers'
+``tp_plan``), vLLM / SGLang.
 
 Module names are as ``model.named_modules()`` gives them on the object you pass to ``install``: impl's
-``runner.model`` and vLLM's / SGLang's ``Qwen2ForCausalLM`` (``model.layers.{i}...``), HF's
-``Qwen2ForCausalLM``. None of the maps reports the KV-cache points (``layers.{i}.kv.k|v``): a cache is read
-back after the step, in each engine's own layout (impl: ``tpcheck.capture_impl.read_kv``)."""
+``runner.model`` and vLLM's / SGLang's ``Qwen2ForCausalLM`` (``model.layers.{i}...``), HF's ``Qwen2ForCausalLM``,
+``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen3ForCausalLM`` (the same names; Qwen3 adds
+``self_attn.q_norm`` / ``k_norm``, whose rules match nothing in the other families). None of the maps reports
+the KV-cache points (``layers.{i}.kv.k|v``): a cache is read back after the step, in each engine's own layout
+(impl: ``tpcheck.capture_impl.read_kv``)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -24,6 +26,9 @@ IMPL_MAP = NameMap("impl", (
     Rule(r"model\.embed_tokens", "embed", declared()),
     Rule(_L + "input_layernorm", _P + "input_norm", declared()),
     Rule(_L + r"self_attn\.qkv_proj", _P + "attn.", declared(), parts=("q", "k", "v")),
+    # Qwen3 (HeadRMSNorm, [T, local heads, head_dim]): q's placement Shard(-1), k's Shard(-1, KV replicas)
+    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", declared()),
+    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", declared()),
     Rule(_L + r"self_attn\.attn", _P + "attn.q_rope", Shard(-1), input=True, index=0),
     Rule(_L + r"self_attn\.attn", _P + "attn.k_rope", _impl_k_rope, input=True, index=1),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.context", of_sibling("attn"), input=True),
@@ -39,8 +44,10 @@ IMPL_MAP = NameMap("impl", (
     Rule(r"lm_head", "logits", Replicate()),
 ), doc="""impl (``runner.model``): the points and placements of ``tpcheck.capture_impl``'s hooks, from the
 modules' declared ``output_placement``; ``qkv_proj`` / ``gate_up_proj`` whole with their ``Fused`` placement
-(``layers.{i}.attn.`` → q, k, v; ``layers.{i}.mlp.`` → gate, up); q/k after RoPE from ``Attention``'s inputs;
-``attn.context`` / ``mlp.act`` from o_proj's / down_proj's input with the placement their producer declares.
+(``layers.{i}.attn.`` → q, k, v; ``layers.{i}.mlp.`` → gate, up); Qwen3's per-head q/k norms from
+``q_norm`` / ``k_norm`` (``HeadRMSNorm``, placed like the heads they normalise); q/k after RoPE from
+``Attention``'s inputs; ``attn.context`` / ``mlp.act`` from o_proj's / down_proj's input with the placement
+their producer declares.
 Everything but the KV cache.""")
 
 
@@ -50,6 +57,8 @@ HF_MAP = NameMap("hf", (
     Rule(_L + r"self_attn\.q_proj", _P + "attn.q"),
     Rule(_L + r"self_attn\.k_proj", _P + "attn.k"),
     Rule(_L + r"self_attn\.v_proj", _P + "attn.v"),
+    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm"),  # Qwen3
+    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm"),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.context", input=True),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.out"),
     Rule(_L + "post_attention_layernorm", _P + "attn.residual", input=True),
@@ -61,10 +70,10 @@ HF_MAP = NameMap("hf", (
     Rule(r"model\.layers\.{layer}", _P + "out"),
     Rule(r"model\.norm", "final_norm"),
     Rule(r"lm_head", "logits"),
-), token_dims=2, doc="""Hugging Face ``Qwen2ForCausalLM`` on one device: every point ``Replicate()``, tensors
-``[batch, seq, ...]`` (run one prompt per forward: padding would become rows). Not reported: ``attn.q_rope`` /
-``attn.k_rope`` (HF applies RoPE in a function, not a module: ``tpcheck.capture_hf`` sees them through a
-registered attention function) and the KV cache.""")
+), token_dims=2, doc="""Hugging Face ``Qwen2ForCausalLM`` (or Llama, Mistral, Qwen3) on one device: every point
+``Replicate()``, tensors ``[batch, seq, ...]`` (run one prompt per forward: padding would become rows). Not
+reported: ``attn.q_rope`` / ``attn.k_rope`` (HF applies RoPE in a function, not a module: ``tpcheck.capture_hf``
+sees them through a registered attention function) and the KV cache.""")
 
 
 HF_TP_MAP = NameMap("hf-tp", (
@@ -73,6 +82,9 @@ HF_TP_MAP = NameMap("hf-tp", (
     Rule(_L + r"self_attn\.q_proj", _P + "attn.q", weight_placement("out")),
     Rule(_L + r"self_attn\.k_proj", _P + "attn.k", weight_placement("out")),
     Rule(_L + r"self_attn\.v_proj", _P + "attn.v", weight_placement("out")),
+    # Qwen3: each rank's q_norm / k_norm normalises the heads its column-parallel q_proj / k_proj gave it
+    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", Shard(-1)),
+    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", Shard(-1)),
     Rule(_L + r"self_attn\.rope_probe", _P + "attn.q_rope", Shard(-1), input=True, index=0),
     Rule(_L + r"self_attn\.rope_probe", _P + "attn.k_rope", Shard(-1), input=True, index=1),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.context", weight_placement("in"), input=True),
@@ -86,15 +98,16 @@ HF_TP_MAP = NameMap("hf-tp", (
     Rule(r"model\.layers\.{layer}", _P + "out"),
     Rule(r"model\.norm", "final_norm"),
     Rule(r"lm_head", "logits"),                                             # colwise_gather_output: full
-), token_dims=2, doc="""Hugging Face ``Qwen2ForCausalLM`` loaded with ``tp_plan="auto"`` (transformers' own
-tensor parallelism: weights are DTensors, activations plain local tensors). Placements are read from each
-linear layer's weight (``weight_placement``: a column-parallel weight ``Shard(0)`` gives a ``Shard(-1)``
-output, a row-parallel one ``Shard(1)`` takes a ``Shard(-1)`` input and gives the all-reduced output); a
-module that returns a DTensor is read from the DTensor itself. q/k after RoPE come from a ``rope_probe``
-module that ``tpcheck.hf_tp`` attaches to each attention and calls from its attention function (HF applies
-RoPE in a function, not a module). The embedding (vocab-parallel, all-reduced) and ``lm_head``
-(``colwise_gather_output``) give full tensors. The KV cache is read from each rank's ``DynamicCache``
-(``tpcheck.hf_tp``).""")
+), token_dims=2, doc="""Hugging Face ``Qwen2ForCausalLM`` (or Llama, Mistral, Qwen3) loaded with
+``tp_plan="auto"`` (transformers' own tensor parallelism: weights are DTensors, activations plain local tensors).
+Placements are read from each linear layer's weight (``weight_placement``: a column-parallel weight ``Shard(0)``
+gives a ``Shard(-1)`` output, a row-parallel one ``Shard(1)`` takes a ``Shard(-1)`` input and gives the
+all-reduced output); a module that returns a DTensor is read from the DTensor itself. Qwen3's ``q_norm`` /
+``k_norm`` (a replicated ``[head_dim]`` weight) normalise each rank's own heads: ``Shard(-1)`` (tp never exceeds
+the KV heads here: ``tpcheck.hf_tp.check_layout``). q/k after RoPE come from a ``rope_probe`` module that
+``tpcheck.hf_tp`` attaches to each attention and calls from its attention function (HF applies RoPE in a function,
+not a module). The embedding (vocab-parallel, all-reduced) and ``lm_head`` (``colwise_gather_output``) give full
+tensors. The KV cache is read from each rank's ``DynamicCache`` (``tpcheck.hf_tp``).""")
 
 
 def vllm_qkv_placement(module, parent) -> Fused:

@@ -1,13 +1,16 @@
-"""Synthetic Hugging Face Qwen2 checkpoints: random weights in the real HF layout.
+"""Synthetic Hugging Face checkpoints of every family impl runs (Qwen2, Llama, Mistral, Qwen3): random weights
+in the real HF layout.
 
-These are the test inputs for the whole project.  ``transformers`` loads them with
-``Qwen2ForCausalLM.from_pretrained(dir)`` with no missing or unexpected keys, and every
-tensor is distinguishable: q/k/v biases are clearly non-zero, every norm weight is well
-away from 1 (and from 0), gate and up are drawn independently, and an untied lm_head is
-independent of the embedding.  Loading any tensor wrongly (transposed, swapped with a
-sibling, skipped, left at its default) changes the model output.
+These are the test inputs for the whole project.  ``transformers`` loads them with the family's own class
+(``Qwen2ForCausalLM.from_pretrained(dir)``, ``LlamaForCausalLM`` ..., as ``impl.config.FAMILIES`` names it)
+with no missing or unexpected keys, and every tensor is distinguishable: biases (where the family and config
+have them) are clearly non-zero, every norm weight (Qwen3's per-head q/k norms included) is well away from 1
+(and from 0), gate and up are drawn independently, and an untied lm_head is independent of the embedding.
+Loading any tensor wrongly (transposed, swapped with a sibling, skipped, left at its default) changes the
+model output.
 
-Presets (head_dim = hidden / heads = 8 or 16 for the tiny ones):
+Qwen2 presets (no ``model_type`` key: a preset dict is a ``Qwen2Config``'s keywords; head_dim = hidden /
+heads = 8 or 16 for the tiny ones):
 
 * ``tiny``        8 heads / 2 KV heads: KV heads are replicated at tp 4.  vocab 250 is
                   not divisible by 4 (and not a multiple of 64): vocab padding.  Tied.
@@ -23,11 +26,28 @@ Presets (head_dim = hidden / heads = 8 or 16 for the tiny ones):
 * ``qwen2.5-0.5b`` the real Qwen2.5-0.5B shape (14 heads / 2 KV heads, so tp 1 or 2;
                   tied; ~2 GB in float32) with random weights, for scale tests.
 
+Other families (``model_type`` in the dict picks the family's config class; every one splits at tp 1, 2
+and 4, with KV heads replicated at tp 4):
+
+* ``tiny-llama``      Llama 3: ``rope_type: llama3`` (factor 8, low/high freq factor 1/4) with
+                      original_max_position_embeddings 32, so the remap changes 3 of the 4 frequency pairs
+                      by up to 8x and shows from the first positions; no biases; odd vocab 253; untied.
+* ``small-llama``     Llama 3.2-like: 4 layers, llama3 RoPE (factor 32, original 64 positions), tied.
+* ``tiny-llama-bias`` Llama 2 style (default RoPE) with ``attention_bias`` (q/k/v and o_proj biases) and
+                      ``mlp_bias`` (gate/up/down biases); head_dim 16 != hidden / heads = 8; tied.
+* ``tiny-mistral``    ``sliding_window`` 12: every layer attends to its 12 most recent tokens, so any prompt
+                      or generation longer than 12 tokens depends on the window; odd vocab 203; untied.
+* ``tiny-qwen3``      per-head q/k RMSNorm before RoPE; 4 heads / 1 KV head (replicated at tp 2 and 4),
+                      head_dim 32 != hidden / heads = 16; tied.
+* ``small-qwen3``     4 layers, 8 heads / 2 KV heads, head_dim 32 != 128 / 8, q/k norms; untied.
+
 Value recipe (float32 ``torch.Generator`` seeded with ``seed``, then cast to ``dtype``;
 tensors are drawn in one fixed order, so output is bit-for-bit deterministic for
 (preset, seed, dtype) and independent of ``shards``): linear weights N(0, 1/fan_in),
 embeddings N(0, 1), biases N(0, 0.5**2), norm weights ``1 + s*u`` with u ~ U(0.2, 0.6)
 and a random sign s.  Activations stay O(1)-O(10) through many layers, finite in fp16.
+``_tensor_specs`` lists the tensors each family has, in draw order; for a Qwen2 config they are the
+ones (and the order) of RECIPE_VERSION 1, so Qwen2 checkpoints are unchanged byte for byte.
 """
 
 from __future__ import annotations
@@ -39,9 +59,13 @@ import os
 import pathlib
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Version of what a checkpoint's bytes are made from: the value recipe (module docstring, ``_draw``), the
 # massive-activation recipe (``_add_outliers``), the tensor draw order and the PRESETS configs. It is part of
@@ -86,6 +110,35 @@ PRESETS: dict[str, dict] = {
                            max_position_embeddings=2048),
 }
 
+# the other families: the same value recipe, the family's own config class (``model_type``)
+_FAMILY = dict(max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+_TINY_SHAPE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+                   num_hidden_layers=2)
+_SMALL_SHAPE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=352,
+                    num_hidden_layers=4, vocab_size=1000, max_position_embeddings=2048)
+
+
+def _llama3(factor: float, original: int) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original}
+
+
+PRESETS.update({
+    "tiny-llama": dict(_FAMILY, **_TINY_SHAPE, model_type="llama", vocab_size=253, tie_word_embeddings=False,
+                       rope_theta=500000.0, rope_scaling=_llama3(8.0, 32)),
+    "small-llama": dict(_FAMILY, **_SMALL_SHAPE, model_type="llama", tie_word_embeddings=True, rope_theta=500000.0,
+                        rope_scaling=_llama3(32.0, 64)),
+    "tiny-llama-bias": dict(_FAMILY, **_TINY_SHAPE, model_type="llama", vocab_size=250, head_dim=16,
+                            attention_bias=True, mlp_bias=True, tie_word_embeddings=True, rope_theta=10000.0),
+    "tiny-mistral": dict(_FAMILY, **_TINY_SHAPE, model_type="mistral", vocab_size=203, sliding_window=12,
+                         tie_word_embeddings=False, rope_theta=1000000.0),
+    "tiny-qwen3": dict(_FAMILY, **dict(_TINY_SHAPE, num_attention_heads=4, num_key_value_heads=1, intermediate_size=80),
+                       model_type="qwen3", vocab_size=250, head_dim=32, tie_word_embeddings=True,
+                       rope_theta=1000000.0),
+    "small-qwen3": dict(_FAMILY, **dict(_SMALL_SHAPE, intermediate_size=256), model_type="qwen3", head_dim=32,
+                        tie_word_embeddings=False, rope_theta=1000000.0),
+})
+
 # presets drawn with the massive-activation recipe (``outliers=`` of ``make_config_checkpoint``)
 OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
 
@@ -93,6 +146,34 @@ OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
 def preset_names() -> list[str]:
     """Names of the available presets, in definition order."""
     return list(PRESETS)
+
+
+def config_family(config: dict) -> str:
+    """The ``model_type`` of a preset's or drawn config's keyword dict (``"qwen2"`` when it has none)."""
+    return config.get("model_type", "qwen2")
+
+
+def preset_family(name: str) -> str:
+    """The ``model_type`` of preset ``name`` (``qwen2``, ``llama``, ``mistral``, ``qwen3``)."""
+    return config_family(_check_preset(name))
+
+
+def describe_preset(name: str) -> str:
+    """One line of ``tpcheck presets``: family, sizes, and what sets the preset apart."""
+    c = _check_preset(name)
+    hd = c.get("head_dim")
+    extra = [f"head_dim {hd}"] if hd else []
+    scaling = c.get("rope_scaling")
+    if scaling:
+        extra.append(f"{scaling['rope_type']} rope (original {scaling['original_max_position_embeddings']} positions)")
+    if c.get("sliding_window") is not None and config_family(c) == "mistral":
+        extra.append(f"sliding window {c['sliding_window']}")
+    biases = [b for b in ("attention_bias", "mlp_bias") if c.get(b)]
+    if biases:
+        extra.append("+".join(biases))
+    return (f"{name:15s} {config_family(c):7s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
+            f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
+            f"{'tied' if c.get('tie_word_embeddings') else 'untied'}" + "".join(f"; {e}" for e in extra))
 
 
 def _check_dtype(dtype: str) -> torch.dtype:
@@ -107,34 +188,62 @@ def _check_preset(name: str) -> dict:
     return PRESETS[name]
 
 
-def preset_config(name: str, dtype: str = "float32") -> "transformers.Qwen2Config":  # noqa: F821
-    """The ``Qwen2Config`` of preset ``name`` with ``dtype`` recorded in it.
+def preset_config(name: str, dtype: str = "float32") -> PretrainedConfig:
+    """The HF config of preset ``name`` (its family's config class: ``Qwen2Config``, ``LlamaConfig``, ...) with
+    ``dtype`` recorded in it.
 
     Raises ValueError for an unknown preset (listing the valid names) or dtype.
-    Note: transformers 5.x stores ``rope_theta`` inside ``config.rope_parameters``.
+    Note: transformers 5.x stores ``rope_theta`` (and ``rope_scaling``) inside ``config.rope_parameters``.
     """
     return config_from_kwargs(_check_preset(name), dtype)
 
 
+def _family(cfg):
+    """impl's ``Family`` of an HF config (its ``model_type``), or a ValueError naming the supported ones."""
+    from impl.config import FAMILIES
+    family = FAMILIES.get(getattr(cfg, "model_type", None))
+    if family is None:
+        raise ValueError(f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {sorted(FAMILIES)}")
+    return family
+
+
+def family_options(cfg) -> dict[str, bool]:
+    """Which optional tensors an HF config's model has, spelt as ``impl.config.Family`` says the family spells
+    them (the same reading as ``impl.config.load_config``, which ``make_config_checkpoint`` checks against):
+    ``qkv_bias``, ``o_proj_bias``, ``mlp_bias`` (gate/up/down biases) and ``qk_norm`` (per-head q/k norms)."""
+    family = _family(cfg)
+    if family.qkv_bias == "attention_bias":  # Llama, Qwen3: one flag biases q/k/v and o_proj
+        qkv = o = bool(getattr(cfg, "attention_bias", False))
+    else:
+        qkv, o = bool(family.qkv_bias), False
+    return {"qkv_bias": qkv, "o_proj_bias": o, "mlp_bias": family.mlp_bias and bool(getattr(cfg, "mlp_bias", False)),
+            "qk_norm": family.qk_norm}
+
+
 def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) of every tensor, in the fixed generation order."""
+    """(name, shape, kind) of every tensor of the HF config ``cfg``'s model, in the fixed generation order:
+    per layer q/k/v (each with its bias where the model has one), o_proj (+ bias), Qwen3's q_norm / k_norm,
+    gate / up / down (+ biases), the two norms. Where a family lacks an optional tensor nothing is drawn for
+    it, so a Qwen2 config draws exactly the tensors, in the order, of RECIPE_VERSION 1."""
+    opt = family_options(cfg)
     h, v, inter = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
     d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads  # an explicit head_dim wins, as in HF
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     specs = [("model.embed_tokens.weight", (v, h), "embed")]
+
+    def linear(name: str, shape: tuple[int, int], bias: bool) -> list:
+        return [(name + ".weight", shape, "linear")] + ([(name + ".bias", (shape[0],), "bias")] if bias else [])
+
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        specs += [
-            (a + "q_proj.weight", (q, h), "linear"), (a + "q_proj.bias", (q,), "bias"),
-            (a + "k_proj.weight", (kv, h), "linear"), (a + "k_proj.bias", (kv,), "bias"),
-            (a + "v_proj.weight", (kv, h), "linear"), (a + "v_proj.bias", (kv,), "bias"),
-            (a + "o_proj.weight", (h, q), "linear"),
-            (m + "gate_proj.weight", (inter, h), "linear"),
-            (m + "up_proj.weight", (inter, h), "linear"),
-            (m + "down_proj.weight", (h, inter), "linear"),
-            (f"model.layers.{i}.input_layernorm.weight", (h,), "norm"),
-            (f"model.layers.{i}.post_attention_layernorm.weight", (h,), "norm"),
-        ]
+        specs += linear(a + "q_proj", (q, h), opt["qkv_bias"]) + linear(a + "k_proj", (kv, h), opt["qkv_bias"])
+        specs += linear(a + "v_proj", (kv, h), opt["qkv_bias"]) + linear(a + "o_proj", (h, q), opt["o_proj_bias"])
+        if opt["qk_norm"]:
+            specs += [(a + "q_norm.weight", (d,), "norm"), (a + "k_norm.weight", (d,), "norm")]
+        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            specs += linear(m + name, shape, opt["mlp_bias"])
+        specs += [(f"model.layers.{i}.input_layernorm.weight", (h,), "norm"),
+                  (f"model.layers.{i}.post_attention_layernorm.weight", (h,), "norm")]
     specs.append(("model.norm.weight", (h,), "norm"))
     if not cfg.tie_word_embeddings:
         specs.append(("lm_head.weight", (v, h), "linear"))
@@ -234,21 +343,26 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
                                   outliers=OUTLIERS.get(preset, 0.0))
 
 
-def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> "transformers.Qwen2Config":  # noqa: F821
-    """A ``Qwen2Config`` from ``Qwen2Config`` keyword arguments (a preset's dict, or one drawn by
-    ``tpcheck.strategies``), with ``dtype`` and the Qwen2 architecture recorded in it."""
-    from transformers import Qwen2Config
-
-    from impl.config import HF_DTYPE_KEY
+def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> PretrainedConfig:
+    """An HF config from a preset's dict or one drawn by ``tpcheck.strategies``: ``model_type`` (default
+    ``qwen2``) picks the family's config class (``impl.config.FAMILIES``), the other keys are its keyword
+    arguments; ``dtype`` and the family's architecture are recorded in it."""
+    from impl.config import FAMILIES, HF_DTYPE_KEY
     _check_dtype(dtype)
-    return Qwen2Config(**dict(kwargs), **{HF_DTYPE_KEY: dtype}, architectures=["Qwen2ForCausalLM"])
+    kwargs = dict(kwargs)
+    model_type = kwargs.pop("model_type", "qwen2")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"model_type {model_type!r} is not one of {sorted(FAMILIES)}")
+    return family.hf_config_class()(**kwargs, **{HF_DTYPE_KEY: dtype}, architectures=[family.hf_model_class])
 
 
 def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype: str = "float32",
                            shards: int = 1, bias_std: float = 0.5, outliers: float = 0.0) -> pathlib.Path:
-    """``make_checkpoint`` for any Qwen2 shape: ``config`` is a ``Qwen2Config`` or a dict of its keyword
-    arguments (an explicit ``head_dim`` is honoured, as HF does).  Same value recipe, same atomic write;
-    ``bias_std`` scales the q/k/v biases (default 0.5: the presets' recipe); ``outliers > 0`` adds the
+    """``make_checkpoint`` for any shape of a supported family: ``config`` is an HF config or a dict of its
+    keyword arguments with ``model_type`` (``config_from_kwargs``; an explicit ``head_dim`` is honoured, as HF
+    does).  Same value recipe, same atomic write;
+    ``bias_std`` scales every bias (default 0.5: the presets' recipe); ``outliers > 0`` adds the
     massive-activation recipe at that strength (``_add_outliers``; 1.0 is ``small-outliers``').  Presets
     written through here are bit-for-bit those of ``make_checkpoint``."""
     cfg = config_from_kwargs(config, dtype) if isinstance(config, dict) else config
@@ -265,6 +379,7 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
     try:
         os.chmod(tmp, 0o755)
         cfg.save_pretrained(tmp)
+        _check_impl_reads(tmp, cfg)
         itemsize = torch.empty((), dtype=tdtype).element_size()
         sizes = [itemsize * torch.Size(shape).numel() for _, shape, _ in specs]
         owner = _split(sizes, shards)
@@ -296,6 +411,17 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_impl_reads(model_dir: pathlib.Path, cfg) -> None:
+    """The written config as impl reads it (``impl.config.load_config``: an option impl refuses is a ConfigError
+    naming it) has the optional tensors ``_tensor_specs`` draws: one reading of the family flags, not two."""
+    from impl.config import load_config
+    mc = load_config(model_dir)
+    got = {"qkv_bias": mc.qkv_bias, "o_proj_bias": mc.o_proj_bias, "mlp_bias": mc.mlp_bias, "qk_norm": mc.qk_norm}
+    want = family_options(cfg)
+    if got != want:
+        raise ValueError(f"{model_dir}: impl reads the optional tensors {got}, the checkpoint writer {want}")
 
 
 def default_cache_root() -> pathlib.Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tpcheck import checkpoints
 from tpcheck.adapter import ENGINES
-from tpcheck.arg_types import int_list, regex
+from tpcheck.arg_types import int_list, int_ranges, regex
 from tpcheck.coverage import DEFAULT_REQUIRE, CoverageError
 from tpcheck.documents import package_version
 
@@ -107,6 +107,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="faults to inject into impl (tpcheck faults list)")
     df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
     df.add_argument("--block-size", type=int, default=16)
+    df.add_argument("--points", type=regex, metavar="REGEX",
+                    help="compare only the points this regex fullmatches, e.g. 'layers\\.\\d+\\.(attn\\.out|out)|logits' "
+                         "(the origin is the first failing selected point)")
+    df.add_argument("--layers", type=int_ranges, metavar="LIST",
+                    help="compare only these decoder layers' points, e.g. 0,3,10-12 (with --points: both apply)")
+    df.add_argument("--fail-fast", action="store_true", help="stop after the first step with a failing point")
+    df.add_argument("--save-golden", type=Path, metavar="DIR",
+                    help="save the float64 golden's points (safetensors) for --golden to reuse")
+    df.add_argument("--golden", type=Path, metavar="DIR",
+                    help="replay a golden saved by --save-golden (same checkpoint and prompts) instead of computing it")
     df.add_argument("--dump", type=Path, metavar="DIR",
                     help="also write every rank's points per step to DIR (tpcheck compare DIR judges it offline)")
     df.add_argument("--dump-points", type=regex, metavar="REGEX", help="with --dump: only these points")
@@ -149,7 +159,8 @@ def _cmd_diff(a, argv: list[str]) -> int:
                      block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
                      command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points,
                      dump=a.dump, dump_points=a.dump_points, dump_budget_mb=a.dump_budget_mb, engine=a.engine,
-                     streamed=a.golden_streamed)
+                     streamed=a.golden_streamed, points=a.points, layers=a.layers, fail_fast=a.fail_fast,
+                     golden=a.golden, save_golden=a.save_golden)
     if a.dump:
         print(f"dumped to {a.dump} (tpcheck compare {a.dump} --model ...)")
     return _show(r, a)
@@ -264,10 +275,10 @@ def check_output_paths(*paths: Path | None, allow_dir: bool = False) -> None:
             raise ValueError(f"output {path}: directory {folder} is not writable")
 
 
-def check_dump_dir(path: Path) -> None:
-    """A dump goes into a new or empty directory: steps of an older run must not mix into it."""
+def check_dump_dir(path: Path, flag: str = "--dump") -> None:
+    """A dump (or a saved golden) goes into a new or empty directory: steps of an older run must not mix in."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise ValueError(f"--dump {path}: exists and is not an empty directory")
+        raise ValueError(f"{flag} {path}: exists and is not an empty directory")
     check_output_paths(path / "x")
 
 
@@ -330,10 +341,7 @@ def _run(a, argv: list[str]) -> int:
         return 0
     if a.cmd == "presets":
         for name in checkpoints.preset_names():
-            c = checkpoints.PRESETS[name]
-            print(f"{name:14s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
-                  f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
-                  f"{'tied' if c.get('tie_word_embeddings') else 'untied'}")
+            print(checkpoints.describe_preset(name))
         return 0
     if a.cmd == "faults":
         if a.action == "matrix":
@@ -351,6 +359,10 @@ def _run(a, argv: list[str]) -> int:
         check_output_paths(a.json, a.csv, a.parquet, a.html)
         if a.dump is not None:
             check_dump_dir(a.dump)
+        if a.save_golden is not None:
+            if a.golden is not None:
+                raise ValueError("--save-golden and --golden: give one (a replayed golden is already saved)")
+            check_dump_dir(a.save_golden, "--save-golden")
         return _cmd_diff(a, argv)
     if a.cmd == "compare":
         check_output_paths(a.json, a.csv, a.parquet, a.html)

@@ -1,5 +1,6 @@
-"""The cache of random-weight checkpoints of arbitrary Qwen2 configs (``Qwen2Config`` keyword dicts, such as
-``tpcheck.strategies`` draws), next to ``tpcheck.checkpoints``' cache of the named presets.
+"""The cache of random-weight checkpoints of arbitrary configs of any supported family (HF config keyword dicts,
+``model_type`` naming the family, none for Qwen2, such as ``tpcheck.strategies`` draws), next to
+``tpcheck.checkpoints``' cache of the named presets.
 
 ``config_checkpoint`` writes a config's checkpoint once into ``root`` under a hash of what defines it (config,
 weight seed, bias scale, dtype, outlier strength, ``RECIPE_VERSION``): content-addressed, written atomically
@@ -36,7 +37,8 @@ def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: st
 
 def config_checkpoint(config: dict, root: str | os.PathLike | None = None, seed: int = 0, bias_std: float = 0.5,
                       dtype: str = "float32", outliers: float = 0.0) -> pathlib.Path:
-    """Path of the random-weight checkpoint of ``config`` (a ``Qwen2Config`` kwargs dict) under ``root``,
+    """Path of the random-weight checkpoint of ``config`` (a config kwargs dict, ``model_type`` naming its family:
+    ``tpcheck.checkpoints.config_from_kwargs``) under ``root``,
     written once (``tpcheck.checkpoints.make_config_checkpoint``: the presets' value recipe, atomic rename)
     and cached by a hash of (config, seed, bias_std, dtype, outliers). Deterministic: the same arguments recreate the
     same weights bit for bit, so a path printed by a failing test can be rebuilt after its temp dir is gone."""

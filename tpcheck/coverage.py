@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from tpcheck.points import QK_NORM_POINTS, split_point
+
 DEFAULT_REQUIRE = r"logits|layers\.\d+\.out"
 
 
@@ -18,16 +20,27 @@ class CoverageError(RuntimeError):
 
 
 def check_known(names: set[str], canonical: set[str]) -> None:
-    """Raise naming every reported point name that is not canonical (a misconfigured engine map)."""
-    unknown = sorted(names - canonical)
+    """Raise naming every reported point name that is not canonical (a misconfigured engine map).
+    ``canonical`` may be the points of a model without per-head q/k norms (``point_names`` by default): a
+    family point (``attn.q_norm`` / ``attn.k_norm`` of one of its layers) is still a name tpcheck knows, and
+    an engine reports it only where the model has it (the golden decides what is compared)."""
+    unknown = sorted(n for n in names - canonical if not _family_point(n, canonical))
     if unknown:
         raise ValueError(f"the engine reported {len(unknown)} point name(s) tpcheck does not know: {unknown[:8]}"
                          f"{' ...' if len(unknown) > 8 else ''} (canonical names: tpcheck.points.point_names)")
 
 
+def _family_point(name: str, canonical: set[str]) -> bool:
+    """Whether ``name`` is a per-family point (``tpcheck.points.QK_NORM_POINTS``) of a layer ``canonical`` has."""
+    layer, kind = split_point(name)
+    return kind in QK_NORM_POINTS and f"layers.{layer}.out" in canonical
+
+
 @dataclass
 class Coverage:
-    """Which canonical points (``expected``, in execution order) the engine reported and which it did not."""
+    """Which canonical points (``expected``, in execution order) the engine reported and which it did not.
+    ``expected`` is the model's own list (``tpcheck.points.model_point_names``): a Llama model has no
+    ``attn.q_norm``, so an engine that does not report one is not missing it."""
 
     expected: list[str]
     reported: set[str] = field(default_factory=set)

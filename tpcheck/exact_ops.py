@@ -24,6 +24,9 @@ Checked points and the HF computation each must equal (``x_i`` is layer ``i``'s 
 * ``layers.{i}.post_attn_norm``  ``layers[i].post_attention_layernorm(attn.residual)``
 * ``layers.{i}.out``             ``attn.residual + mlp.out``
 * ``final_norm``                 ``model.norm(x_L)``
+* ``layers.{i}.attn.q_norm``     ``layers[i].self_attn.q_norm(attn.q)`` per head (Qwen3; ``k_norm`` likewise on
+                                 ``attn.k``): an RMSNorm over each head's ``head_dim`` values, which TP never
+                                 splits (a rank holds whole heads)
 """
 from __future__ import annotations
 
@@ -35,15 +38,17 @@ from torch import nn
 from tpcheck.points import split_point
 
 #: point kinds whose engine tensors the checked ops read (kept for the step when --exact-ops is on)
-INPUT_KINDS = frozenset({"embed", "out", "attn.out", "attn.residual", "mlp.out"})
-#: point kinds checked
-CHECKED_KINDS = frozenset({"input_norm", "attn.residual", "post_attn_norm", "out", "final_norm"})
+INPUT_KINDS = frozenset({"embed", "out", "attn.out", "attn.residual", "mlp.out", "attn.q", "attn.k"})
+#: point kinds checked (``attn.q_norm`` / ``attn.k_norm`` only exist in models with per-head q/k norms)
+CHECKED_KINDS = frozenset({"input_norm", "attn.residual", "post_attn_norm", "out", "final_norm",
+                           "attn.q_norm", "attn.k_norm"})
+_HEAD_NORMS = {"attn.q_norm": ("q_norm", "attn.q"), "attn.k_norm": ("k_norm", "attn.k")}
 
 
 @torch.no_grad()
 def expected(model: nn.Module, name: str, get: Callable[[str], torch.Tensor],
              layer_input: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
-    """What HF ``model`` (a ``Qwen2ForCausalLM`` at the test dtype) computes for point ``name`` from the engine's
+    """What HF ``model`` (the family's causal LM at the test dtype) computes for point ``name`` from the engine's
     inputs; ``get(point)`` returns the engine's tensor of a point of this step and ``layer_input(i)`` layer
     ``i``'s input (``i = num_layers``: the final norm's). None when ``name`` is not a checked op, or an input
     is missing (KeyError) or of a shape HF's op cannot take: those rows are judged by the gate alone."""
@@ -53,6 +58,14 @@ def expected(model: nn.Module, name: str, get: Callable[[str], torch.Tensor],
     m = model.model
     p = f"layers.{layer}."
     try:
+        if kind in _HEAD_NORMS:
+            module, source = _HEAD_NORMS[kind]
+            norm, x = getattr(m.layers[layer].self_attn, module), get(p + source)
+            d = norm.weight.shape[0]
+            if x.shape[-1] % d:
+                return None
+            # [rows, heads * head_dim] -> per head, as HF's attention views it; .forward: no capture hook
+            return norm.forward(x.reshape(x.shape[0], -1, d)).reshape(x.shape)
         if kind in ("final_norm", "input_norm", "post_attn_norm"):
             if kind == "final_norm":
                 norm, x = m.norm, layer_input(len(m.layers))

@@ -33,8 +33,12 @@ from tpcheck.progress import bar
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
-# candidate configurations, smallest first: a fault runs on the first one where it can show
-PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small")
+# candidate configurations, smallest first: a fault runs on the first one where it can show. The Qwen2 presets
+# come first (every fault that any family shows keeps its Qwen2 configuration); a family fault (``shows``
+# needs q/k norms, llama3 RoPE, no q/k/v bias, a sliding window) reaches the first tiny preset of a family
+# that has the option (tpcheck.checkpoints: tiny-llama, tiny-mistral, tiny-qwen3)
+PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small",
+                "tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3")
 TP_ORDER = (1, 2, 4)
 DTYPE_ORDER = ("float32", "bfloat16")
 CLEAN_DTYPES = ("float32", "bfloat16")

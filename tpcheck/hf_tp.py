@@ -1,7 +1,8 @@
 """Hugging Face's own tensor parallelism as an engine under test: ``tpcheck diff --engine hf-tp``.
 
-Each rank loads ``Qwen2ForCausalLM.from_pretrained(..., tp_plan="auto")`` (transformers shards the weights
-as DTensors and installs its column/row-parallel forwards; gloo on CPU, NCCL on GPU) and captures its points
+Each rank loads the family's HF class (``Qwen2ForCausalLM``, ...) with ``from_pretrained(..., tp_plan="auto")``
+(transformers shards the weights as DTensors and installs its column/row-parallel forwards; gloo on CPU, NCCL
+on GPU) and captures its points
 with ``tpcheck.capture`` and ``HF_TP_MAP`` (placements read from the DTensor weights), plus each rank's KV
 cache. Two ways to run it:
 

@@ -10,8 +10,8 @@ engine's own inputs (``tpcheck.exact_ops``)."""
 from __future__ import annotations
 
 import logging
-
 import math
+import re
 import shlex
 import time
 
@@ -23,7 +23,7 @@ from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
 from tpcheck.coverage import DEFAULT_REQUIRE, Coverage, check_known
 from tpcheck.dump import DumpingAdapter
 from tpcheck.metrics import compare, max_row_rel_err, mismatch, rel_err
-from tpcheck.points import point_names, split_point
+from tpcheck.points import all_point_names, model_point_names, split_point
 from tpcheck.reductions import Reductions
 from tpcheck.judge import judge
 from tpcheck.result import DiffResult
@@ -35,13 +35,19 @@ logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on st
 _HF: dict = {}
 
 
-def hf_capture(model_dir: str, dtype: str) -> HFCapture:
-    """HF model with capture hooks, cached per (checkpoint, dtype) in this process (at most 4 kept)."""
-    key = (str(model_dir), dtype)
+def hf_capture(model_dir: str, dtype: str, streamed: bool = False) -> HFCapture:
+    """HF model with capture hooks, cached per (checkpoint, dtype, streamed) in this process (at most 4 kept).
+    ``streamed``: weights read from the checkpoint as the forward needs them, one matrix resident at a time
+    (``tpcheck.golden_streamed``: for checkpoints larger than memory; the same points bit for bit)."""
+    key = (str(model_dir), dtype, streamed)
     if key not in _HF:
         while len(_HF) >= 4:
             _HF.pop(next(iter(_HF)))
-        _HF[key] = HFCapture(load_hf_model(model_dir, dtype))
+        if streamed:
+            from tpcheck.golden_streamed import streamed_hf_capture
+            _HF[key] = streamed_hf_capture(model_dir, dtype)
+        else:
+            _HF[key] = HFCapture(load_hf_model(model_dir, dtype))
     return _HF[key]
 
 
@@ -57,20 +63,27 @@ class _Run:
     """One mode (propagated or isolated) over prefill + decode steps."""
 
     def __init__(self, golden: HFCapture, ref: HFCapture, engine, prompts, decode_steps, num_layers, dtype,
-                 isolated: bool, exact_ops: bool = False, reductions: Reductions = Reductions()):
+                 isolated: bool, exact_ops: bool = False, reductions: Reductions = Reductions(),
+                 select: re.Pattern | None = None, stop_when=None, save_golden=None):
         self.golden, self.ref, self.engine, self.prompts, self.exact_ops = golden, ref, engine, prompts, exact_ops
+        # --points / --layers: only these points are compared (the forward passes still run whole);
+        # --fail-fast: ``stop_when(rows of a step)`` says the step failed; --save-golden: a GoldenWriter
+        self.select, self.stop_when, self.save_golden = select, stop_when, save_golden
+        self.stopped_at: int | None = None
         # the noise floor's references: HF at the dtype, and (tp > 1) HF at the dtype rounding like the engine
         self.refs = [("hf", None)] + ([("hf-tp", reductions)] if reductions.emulated else [])
         self.steps, self.L, self.dtype, self.isolated = decode_steps, num_layers, dtype, isolated
         self.with_kv = decode_steps > 0
-        self.order = {n: i for i, n in enumerate(point_names(num_layers, self.with_kv))}
-        self.canonical = set(point_names(num_layers, with_kv=True))
+        # every family's points (Qwen3's attn.q_norm / k_norm included), in execution order
+        self.order = {n: i for i, n in enumerate(all_point_names(num_layers))}
+        self.canonical = set(all_point_names(num_layers))
         self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
 
     def run(self) -> list[dict]:
         rows: list[dict] = []
         mode = "isolated" if self.isolated else "propagated"
-        g_caches = [new_cache(self.golden.model) for _ in self.prompts]
+        # a saved golden (--golden) has no model and needs no cache
+        g_caches = [None if self.golden.model is None else new_cache(self.golden.model) for _ in self.prompts]
         r_caches = {name: [new_cache(self.ref.model) for _ in self.prompts] for name, _ in self.refs}
         self.engine.begin(self.prompts, self.steps)
         tokens, starts = [list(p) for p in self.prompts], [0] * len(self.prompts)
@@ -85,6 +98,12 @@ class _Run:
         for step in range(self.steps + 1):
             t0 = time.monotonic()
             gold = self.golden.step(tokens, g_caches, starts, None, self.with_kv)
+            if self.save_golden is not None:
+                self.save_golden.write(step, tokens, starts, gold)
+            if self.select is not None:  # hold only what is compared, plus the logits and teacher inputs it needs
+                gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
+                        (self.isolated and (n == "embed" or split_point(n)[1] == "out"))}
+            step_rows = len(rows)
             teacher = None
             if self.isolated:
                 teacher = {i: gold["embed" if i == 0 else f"layers.{i - 1}.out"] for i in range(self.L)}
@@ -94,7 +113,7 @@ class _Run:
             for ref_name, red in self.refs:
                 ref = self.ref.step(tokens, r_caches[ref_name], starts, teacher, self.with_kv, red)
                 for n, t in ref.items():
-                    if n in gold and t.shape == gold[n].shape:
+                    if n in gold and t.shape == gold[n].shape and self._selected(n):
                         e = ref_now.setdefault(n, {})[ref_name] = rel_err(t, gold[n])
                         if math.isfinite(e) and e > level.get(n, (-1.0,))[0]:
                             level[n] = (e, ref_name, step)
@@ -116,7 +135,7 @@ class _Run:
                 parts = unshard(name, placement, per_rank)
                 check_known({u.name for u in parts}, self.canonical)
                 for u in parts:
-                    if u.name not in gold:
+                    if u.name not in gold or not self._selected(u.name):
                         continue
                     self.reported.add(u.name)
                     want = None
@@ -137,6 +156,10 @@ class _Run:
             del gold, points
             what = "prefill" if step == 0 else f"decode {step}/{self.steps}"
             logger.info(f"  [{mode}] {what}: {time.monotonic() - t0:.1f}s")
+            if self.stop_when is not None and self.stop_when(rows[step_rows:]):
+                self.stopped_at = step
+                logger.info(f"  [{mode}] --fail-fast: a point failed at step {step}; the remaining steps are not run")
+                break
         self.engine.close()
         return rows
 
@@ -172,6 +195,9 @@ class _Run:
                 "ref_by": f"{ref_name}@{ref_step}" if ref_name else "",
                 "threshold": float("nan"), "excess": float("nan"), "passed": False}
 
+    def _selected(self, name: str) -> bool:
+        return self.select is None or self.select.fullmatch(name) is not None
+
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
@@ -182,13 +208,19 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
          inject_layer: int | None = None, tolerances: Tolerances | None = None, pool=None, block_size: int = 16,
          seq_len: int = 32, batch: int = 2, seed: int = 0, exact_ops: bool = False,
          command: str | None = None, require_points: str = DEFAULT_REQUIRE, dump: str | None = None,
-         dump_points: str | None = None, dump_budget_mb: float | None = None, engine: str = "impl") -> DiffResult:
+         dump_points: str | None = None, dump_budget_mb: float | None = None, engine: str = "impl",
+         streamed: bool = False, points: str | None = None, layers: list[int] | None = None,
+         fail_fast: bool = False, golden: str | None = None, save_golden: str | None = None) -> DiffResult:
     """Compare an engine (``"impl"``, or ``"hf-tp"``: transformers' own tp_plan, ``tpcheck.hf_tp``) at
     ``tp``/``dtype`` with Hugging Face, every point, every step (``exact_ops``: ``tpcheck.exact_ops``).
 
     ``model`` is a checkpoint directory (default: the synthetic ``preset``); ``prompts`` token ids
     (default: ``batch`` random prompts of ``seq_len`` tokens from ``seed``). ``dump``: also write the engine's
-    points per rank and step there (``tpcheck.dump``; ``dump_points`` a regex, ``dump_budget_mb`` a bound)."""
+    points per rank and step there (``tpcheck.dump``; ``dump_points`` a regex, ``dump_budget_mb`` a bound).
+    ``streamed``: the HF references read their weights from the checkpoint as the forward needs them
+    (``tpcheck.golden_streamed``), for checkpoints larger than memory. ``points`` (a regex) / ``layers``: compare
+    only those points (``selection``); ``fail_fast``: stop at the first failing step; ``golden`` /
+    ``save_golden``: replay / save the float64 golden (``tpcheck.golden_store``)."""
     from tpcheck.adapter import ENGINES, ImplAdapter
     from tpcheck.check import random_prompts
     from tpcheck.checkpoints import cached_checkpoint
@@ -243,7 +275,8 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
                 "command": command or diff_command(["--model", model_dir], tp, dtype, prompts, decode_steps, block_size,
                                                    isolate, exact_ops, inject, inject_layer)}
         return compare_engine(adapter, model_dir, prompts, dtype, decode_steps, isolate, tolerances, meta,
-                              exact_ops, require_points)
+                              exact_ops, require_points, streamed=streamed, select=selection(points, layers),
+                              fail_fast=fail_fast, golden=golden, save_golden=save_golden)
     finally:
         if own:
             pool.close()
@@ -252,28 +285,51 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
 def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str, decode_steps: int = 0,
                    isolate: bool = False, tolerances: Tolerances | None = None,
                    meta: dict | None = None, exact_ops: bool = False,
-                   require_points: str = DEFAULT_REQUIRE) -> DiffResult:
+                   require_points: str = DEFAULT_REQUIRE, *, streamed: bool = False, select: str | None = None,
+                   fail_fast: bool = False, golden: str | None = None, save_golden: str | None = None) -> DiffResult:
     """Run any ``tpcheck.adapter.EngineAdapter`` against HF float64 (golden) and HF at ``dtype`` (noise
     floor: on one device, and with the engine's declared ``reductions`` emulated when its tp > 1) on the
     checkpoint ``model_dir``; the engine must already be loaded with that checkpoint.
     ``exact_ops``: also hold the elementwise ops to HF's bits (``tpcheck.exact_ops``). ``require_points``: the
     canonical points (a regex) the engine must report (``tpcheck.coverage``); ``meta["coverage"]`` says what
-    it did not."""
+    it did not. ``select``: a regex (``selection``) of the points to compare, the others neither compared nor
+    required. ``fail_fast``: stop after the first step with a failing point (no isolated pass then).
+    ``golden``: a saved golden directory replayed instead of the float64 run; ``save_golden``: save this run's
+    golden there (``tpcheck.golden_store``)."""
+    from tpcheck.golden_store import GoldenWriter, SavedGolden
     cfg = load_config(model_dir)
-    coverage = Coverage(point_names(cfg.num_layers, decode_steps > 0), require=require_points)
+    keep = re.compile(select) if select else None
+    expected = [n for n in model_point_names(cfg, decode_steps > 0) if keep is None or keep.fullmatch(n)]
+    if not expected:
+        raise ValueError(f"--points/--layers select no point of this {cfg.num_layers}-layer model ({select!r})")
+    coverage = Coverage(expected, require=require_points)
     reductions = getattr(engine, "reductions", None)
     if reductions is None:
         reductions = Reductions()
         logger.warning("tpcheck diff: note: the engine adapter declares no `reductions` (tpcheck.reductions.Reductions): "
               "the noise floor is HF on one device only and does not admit the rounding of TP all-reduces")
-    golden, ref = hf_capture(model_dir, "float64"), hf_capture(model_dir, dtype)
+    # streamed: both references (float64 and the dtype) stream their weights (tpcheck.golden_streamed)
+    ref = hf_capture(model_dir, dtype, streamed)
+    golden_src = SavedGolden(golden, model_dir, prompts, decode_steps, decode_steps > 0) if golden else \
+        hf_capture(model_dir, "float64", streamed)
+    writer = GoldenWriter(save_golden, model_dir, prompts, decode_steps, decode_steps > 0, cfg.num_layers) \
+        if save_golden else None
+    stop_when = None
+    if fail_fast:
+        step_meta = {"dtype": dtype}
+        stop_when = lambda step_rows: bool(step_rows) and not judge(  # noqa: E731
+            DiffResult.from_rows(step_rows, step_meta, stamp=False), tolerances).table["passed"].all()
     rows: list[dict] = []
+    stopped = None
     for isolated in [False] + ([True] if isolate else []):
-        run = _Run(golden, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), isolated,
-                   exact_ops, reductions)
+        run = _Run(golden_src, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), isolated,
+                   exact_ops, reductions, keep, stop_when, writer)
         try:
             rows += run.run()
             coverage.reported |= run.reported
+            stopped = run.stopped_at
+            if stopped is not None:
+                break
         except BaseException:
             try:
                 engine.close()
@@ -282,9 +338,26 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
             raise
     coverage.comparisons = len(rows)
     meta = {"model": str(model_dir), "dtype": dtype, "coverage": coverage.as_meta(), "decode_steps": decode_steps, "isolate": isolate, "exact_ops": exact_ops,
+            "select": select, "stopped_at_step": stopped, "golden": str(golden) if golden else None,
             "reductions": {"tp": reductions.tp, "dtype": reductions.dtype or dtype},
             "num_layers": cfg.num_layers, "prompt_lens": [len(p) for p in prompts], **(meta or {})}
     return judge(DiffResult.from_rows(rows, meta), tolerances)
+
+
+def selection(points: str | None = None, layers: list[int] | None = None) -> str | None:
+    """One regex of the points to compare: those ``points`` (a regex) fullmatches, within decoder ``layers``
+    when given (the embedding, final norm and logits are then left out); None: every point."""
+    if layers is not None and not layers:
+        raise ValueError("--layers selects no layer")
+    in_layers = None if layers is None else r"layers\.(?:%s)\..+" % "|".join(str(i) for i in sorted(set(layers)))
+    if points is not None:
+        try:
+            re.compile(points)
+        except re.error as e:
+            raise ValueError(f"--points {points!r} is not a regular expression: {e}") from None
+    if in_layers and points:
+        return f"(?={in_layers}$)(?:{points})"
+    return in_layers or points
 
 
 def diff_command(source: list[str], tp: int, dtype: str, prompts: list[list[int]], decode_steps: int = 0,

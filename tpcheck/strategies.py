@@ -1,13 +1,16 @@
-"""Hypothesis strategies for tensor-parallel Qwen2 configurations and their inputs.
+"""Hypothesis strategies for tensor-parallel model configurations (Qwen2, Llama, Mistral, Qwen3) and their inputs.
 
 Hand-picked inputs find the bugs their author already imagined; these let Hypothesis search the space of
 model shapes, TP sizes, prompts, decode lengths, block sizes and dtypes, and shrink what fails to the
 smallest case that still fails. Everything drawn is valid for impl and for Hugging Face (no filtering):
 
-* ``configs(tps)``: ``Qwen2Config`` keyword dicts (like ``tpcheck.checkpoints.PRESETS``) that every TP size
-  in ``tps`` can split: small shapes (hidden <= 128, 1-3 layers, vocab <= ~600) so a checkpoint writes in
+* ``configs(tps)``: config keyword dicts (like ``tpcheck.checkpoints.PRESETS``) that every TP size in ``tps``
+  can split: small shapes (hidden <= 128, 1-3 layers, vocab <= ~600) so a checkpoint writes in
   milliseconds; head counts, KV-head counts (MHA, GQA, MQA), head_dim (implied or explicit), intermediate
-  size, vocab sizes with and without padding, tied / untied, rope_theta, rms_norm_eps.
+  size, vocab sizes with and without padding, tied / untied, rope_theta, rms_norm_eps; and the family
+  (``families``, Qwen2 first: where shrinking goes) with its options: Llama's ``attention_bias`` /
+  ``mlp_bias`` / llama3 RoPE scaling, Mistral's sliding window, Qwen3's ``attention_bias`` and sliding
+  layers (``_family``). A Qwen2 config has no ``model_type`` key, as the Qwen2 presets.
 * ``config_and_tp(tps)``: a ``(config, tp)`` pair drawn together, so that both KV layouts are covered:
   partition (``tp <= num_kv_heads``) and replication (``tp > num_kv_heads``).
 * ``tp_sizes(config)``, ``block_sizes()``, ``prompt_lengths(block_size)``, ``prompts(vocab, block_size)``
@@ -61,6 +64,11 @@ BIAS_STDS = (0.5, 0.0, 4.0)                  # q/k/v bias scale: the presets' re
 OUTLIER_STRENGTHS = (0.0, 1.0, 2.0)          # massive-activation recipe: off, small-outliers' strength, stronger
 MAX_POSITION = 1024
 _FIXED = dict(max_position_embeddings=MAX_POSITION, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
+FAMILIES = ("qwen2", "llama", "mistral", "qwen3")  # model_type; the first is where shrinking goes
+LLAMA3_ROPE = ((8.0, 32), (32.0, 64))        # (factor, original_max_position_embeddings): remaps that matter
+                                             # at the drawn prompt lengths (low / high freq factor 1 / 4)
+WINDOWS = (None, 4, 12, 33)                  # sliding window (Mistral; Qwen3 from layer 1): none, or shorter
+                                             # than many drawn prompts
 
 
 # ---- configurations ------------------------------------------------------------------------------------
@@ -82,8 +90,46 @@ def _kv_candidates(tps: tuple[int, ...], max_kv: int = 8) -> list[int]:
     return [kv for kv in range(1, max_kv + 1) if all(splits(t, _lcm([kv, t]), kv, t) for t in tps)]
 
 
+def _check_families(families) -> tuple[str, ...]:
+    from impl.config import FAMILIES as SUPPORTED
+    families = tuple(families)
+    bad = [f for f in families if f not in SUPPORTED]
+    if not families or bad:
+        raise ValueError(f"families must be model types of {sorted(SUPPORTED)}, got {families!r}")
+    return families
+
+
 @st.composite
-def _shape(draw, heads: int, kv: int, tp_multiple: int, max_hidden: int, max_layers: int, max_vocab: int) -> dict:
+def _family(draw, families: tuple[str, ...]) -> dict:
+    """The family keys of a config: ``model_type`` and the options that family reads (none for Qwen2, whose
+    biases ``bias_std`` scales). Every option is drawn whatever the family (see ``_shape``); with Qwen2
+    alone nothing is drawn, so Qwen2-only strategies draw what they drew before the families existed."""
+    if families == ("qwen2",):
+        return {}
+    family = draw(st.sampled_from(families))
+    attention_bias, mlp_bias = draw(st.booleans()), draw(st.booleans())  # False first: the plain model
+    rope = draw(st.sampled_from((None,) + LLAMA3_ROPE))
+    window = draw(st.sampled_from(WINDOWS))
+    if family == "qwen2":
+        return {}
+    out: dict = {"model_type": family}
+    if family == "llama":
+        out.update(attention_bias=attention_bias, mlp_bias=mlp_bias)
+        if rope is not None:
+            out["rope_scaling"] = {"rope_type": "llama3", "factor": rope[0], "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": rope[1]}
+    elif family == "mistral":
+        out["sliding_window"] = window  # None: full attention
+    else:  # qwen3: per-head q/k norms always; sliding layers from layer 1 on (HF's max_window_layers)
+        out["attention_bias"] = attention_bias
+        if window is not None:
+            out.update(use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    return out
+
+
+@st.composite
+def _shape(draw, heads: int, kv: int, tp_multiple: int, max_hidden: int, max_layers: int, max_vocab: int,
+           families: tuple[str, ...] = FAMILIES) -> dict:
     """Everything but the head counts (already valid for the TP sizes).
 
     Every draw happens whatever the earlier ones were (a value that does not fit falls back to one that
@@ -110,7 +156,16 @@ def _shape(draw, heads: int, kv: int, tp_multiple: int, max_hidden: int, max_lay
                rms_norm_eps=draw(st.sampled_from((1e-6, 1e-5))))
     if explicit:
         cfg["head_dim"] = head_dim
-    return cfg
+    fam = draw(_family(families))
+    if fam.get("model_type") in ("llama", "mistral"):
+        del cfg["use_sliding_window"]  # a Qwen config key: Llama / Mistral do not read it
+    if fam.get("model_type") == "llama" and hidden % heads:
+        # transformers' LlamaConfig refuses hidden % heads != 0 even with an explicit head_dim: the nearest
+        # hidden size it takes (no extra draw, so the choice sequence stays the same)
+        cfg["hidden_size"] = heads * max(1, hidden // heads)
+    if fam.get("model_type") == "qwen3":
+        cfg.setdefault("head_dim", hidden // heads)  # Qwen3Config's default head_dim is 128, not hidden / heads
+    return {**cfg, **fam}
 
 
 def _lays_out(kv: int, tp: int) -> str | None:
@@ -125,9 +180,11 @@ def _pick(draw, options, ok):
 
 
 def configs(tps=DEFAULT_TPS, max_hidden: int = 128, max_layers: int = 3, max_vocab: int = 600,
-            max_heads: int = 16) -> st.SearchStrategy[dict]:
-    """``Qwen2Config`` keyword dicts that every TP size in ``tps`` can split (``tp_compatible``)."""
+            max_heads: int = 16, families=FAMILIES) -> st.SearchStrategy[dict]:
+    """Config keyword dicts of the ``families`` (model types; a Qwen2 dict has no ``model_type``) that every
+    TP size in ``tps`` can split (``tp_compatible``)."""
     tps = _check_tps(tps)
+    families = _check_families(families)
     t = _lcm(tps)
     kvs = _kv_candidates(tps)
     if not kvs or t > max_heads:
@@ -138,7 +195,7 @@ def configs(tps=DEFAULT_TPS, max_hidden: int = 128, max_layers: int = 3, max_voc
         kv = draw(st.sampled_from(kvs))
         base = _lcm([kv, t])  # heads: a multiple of the KV heads and of every tp
         heads = base * _pick(draw, GROUPS + (1,), lambda g: base * g <= max_heads or g == 1)
-        return draw(_shape(heads, kv, t, max_hidden, max_layers, max_vocab))
+        return draw(_shape(heads, kv, t, max_hidden, max_layers, max_vocab, families))
 
     return draw_config()
 
@@ -152,12 +209,13 @@ def tp_sizes(config: dict, tps=DEFAULT_TPS) -> st.SearchStrategy[int]:
 
 
 def config_and_tp(tps=DEFAULT_TPS, layouts=("partition", "replication"), max_hidden: int = 128,
-                  max_layers: int = 3, max_vocab: int = 600,
-                  max_heads: int = 16) -> st.SearchStrategy[tuple[dict, int]]:
+                  max_layers: int = 3, max_vocab: int = 600, max_heads: int = 16,
+                  families=FAMILIES) -> st.SearchStrategy[tuple[dict, int]]:
     """A ``(config, tp)`` pair drawn together: first the TP size, then the KV layout (``layouts``; replication
     needs ``tp > 1``), then head counts that make it so: partition ``num_kv_heads = tp * a``; replication
     ``num_kv_heads`` a proper divisor of tp (MQA included). Shrinks toward tp 1, partition, few heads."""
     tps = _check_tps(tps)
+    families = _check_families(families)
     layouts = tuple(layouts)
     if not set(layouts) <= {"partition", "replication"} or not layouts:
         raise ValueError(f"layouts must be 'partition' and/or 'replication', got {layouts!r}")
@@ -177,7 +235,7 @@ def config_and_tp(tps=DEFAULT_TPS, layouts=("partition", "replication"), max_hid
             kv = _pick(draw, (1, 2, 4, 8, 16), lambda d: _lays_out(d, tp) == "replication" or d == 1)
         fits = lambda g: kv * g <= max_heads and splits(tp, kv * g, kv, tp)  # noqa: E731
         g = _pick(draw, GROUPS + (tp // kv if layout == "replication" else 1,), fits)
-        return draw(_shape(kv * g, kv, tp, max_hidden, max_layers, max_vocab)), tp
+        return draw(_shape(kv * g, kv, tp, max_hidden, max_layers, max_vocab, families)), tp
 
     return draw_pair()
 
@@ -254,11 +312,11 @@ def prompts(draw, vocab_size: int, block_size: int = 16, max_batch: int = 8, max
 def cases(draw, tps=DEFAULT_TPS, dtypes=DEFAULT_DTYPES, max_decode: int = 8, layouts=("partition", "replication"),
           block_sizes=DEFAULT_BLOCK_SIZES, max_batch: int = 8, common_batch: int = 4, max_len: int = 300,
           max_layers: int = 3, max_hidden: int = 128, max_vocab: int = 600, bias=BIAS_STDS,
-          weight_seeds: bool = False, outliers=(0.0,)) -> Case:
+          weight_seeds: bool = False, outliers=(0.0,), families=FAMILIES) -> Case:
     """A whole ``Case``. Shrinks toward: tp 1, partition, few small heads, 1 layer, short prompts, no
     decode, block size 16, the first dtype, the presets' bias recipe, the first outlier strength
     (``outliers``: strengths to draw, e.g. ``OUTLIER_STRENGTHS``; default: none)."""
-    config, tp = draw(config_and_tp(tps, layouts, max_hidden, max_layers, max_vocab))
+    config, tp = draw(config_and_tp(tps, layouts, max_hidden, max_layers, max_vocab, families=families))
     dtype = draw(st.sampled_from(tuple(dtypes)))
     bs = draw(st.sampled_from(tuple(block_sizes)))
     ps = draw(prompts(config["vocab_size"], bs, max_batch, max_len, common_batch))

@@ -1,6 +1,7 @@
-"""What impl makes of a ``Qwen2Config`` keyword dict (a preset's, or one drawn by ``tpcheck.strategies``) at a
-TP size: whether it splits, and whether its KV heads are partitioned or replicated. impl's own rules, read
-from ``impl.config.ModelConfig.check_tp`` and ``impl.shard_plan.kv_split``, never re-derived here."""
+"""What impl makes of a config keyword dict of any family (a preset's, or one drawn by ``tpcheck.strategies``) at a
+TP size: whether it splits, and whether its KV heads are partitioned or replicated (head counts and MLP width
+decide, whatever the family). impl's own rules, read from ``impl.config.ModelConfig.check_tp`` and
+``impl.shard_plan.kv_split``, never re-derived here."""
 from __future__ import annotations
 
 from impl.config import ConfigError, ModelConfig

@@ -1,4 +1,4 @@
-"""Tests for tpcheck.checkpoints: synthetic HF Qwen2 checkpoints."""
+"""Tests for tpcheck.checkpoints: synthetic HF checkpoints (Qwen2, and the other families' tiny presets)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from impl.config import HF_DTYPE_KEY, hf_rope_theta
 from tpcheck import checkpoints as ck
@@ -17,8 +17,9 @@ TINY = [n for n in ck.preset_names() if n.startswith("tiny")] + ["small"]
 PROMPT = torch.tensor([[1, 5, 17, 42, 99, 7, 3]])
 
 
-def _load(d, **kw) -> tuple[Qwen2ForCausalLM, dict]:
-    model, info = Qwen2ForCausalLM.from_pretrained(d, output_loading_info=True, **kw)
+def _load(d, **kw) -> tuple[torch.nn.Module, dict]:
+    """HF's causal LM of the class the checkpoint's config names (Qwen2ForCausalLM, LlamaForCausalLM, ...)."""
+    model, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True, **kw)
     return model.eval(), info
 
 

@@ -35,7 +35,7 @@ def script(tmp_path_factory):
     ("tpcheck faults matrix --no", ["--no-clean"]),
     ("tpcheck diff --eng", ["--engine"]),
     ("tpcheck diff --engine h", ["hf-tp"]),
-    ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers"]),
+    ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-llama", "small-qwen3"]),
     ("tpcheck sweep --qui", ["--quiet"]),
 ])
 def test_bash_completes(script, line, want):

@@ -18,9 +18,11 @@ from tpcheck.faults.registry import register
 APPLY = "tpcheck.faults:apply"
 DESCRIBE = "tpcheck.faults:describe"
 # prefill faults that show on tiny in float32 (rope_theta_default needs rope_theta != 10000, rmsnorm a half
-# dtype: tested below; full_state_dict_every_rank changes memory, not numerics)
+# dtype: tested below; full_state_dict_every_rank changes memory, not numerics; the family faults need another
+# family's preset: test_families.py)
+FAMILY = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.faults.families"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
-           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast")]
+           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY)]
 
 
 def smallest_tp(fault, cfg) -> int:
@@ -49,7 +51,8 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 19
+    assert len(names) == len(set(names)) == len(FAULTS) == 23
+    assert FAMILY == ["qk_norm_after_rope", "llama3_scaling_ignored", "bias_where_none", "sliding_window_ignored"]
     for n in names:
         f = get_fault(n)
         assert f.name == n
@@ -102,7 +105,7 @@ def test_applies(ckpt):
                                           ("qkv_shard_dim1", "row_bias_every_rank", "skip_o_proj_allreduce",
                                            "kv_replica_index", "full_state_dict_every_rank", "vocab_ids_not_masked",
                                            "every_rank_loads_rank0_shard", "rmsnorm_weight_before_cast",
-                                           "rope_theta_default", "allreduce_low_precision")]
+                                           "rope_theta_default", "allreduce_low_precision", *FAMILY)]
 
 
 
@@ -118,7 +121,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 19  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 23  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

@@ -122,9 +122,10 @@ def test_cases_are_consistent(case):
 
 
 def test_drawn_checkpoints_load_in_hf_and_impl(tmp_path):
-    """A handful of drawn configs (explicit head_dim, MQA, padded vocab...) load with no missing keys in HF
-    and pass impl's own TP check; checkpoints are cached by content and written atomically."""
-    from transformers import Qwen2ForCausalLM
+    """A handful of drawn configs (explicit head_dim, MQA, padded vocab, every family...) load with no missing
+    keys in HF's class of their family and pass impl's own TP check; checkpoints are cached by content and
+    written atomically."""
+    from transformers import AutoModelForCausalLM
 
     from impl.config import load_config
     pairs = []
@@ -139,18 +140,21 @@ def test_drawn_checkpoints_load_in_hf_and_impl(tmp_path):
     for config, tp in pairs:
         d = config_checkpoint(config, tmp_path)
         assert config_checkpoint(dict(config), tmp_path) == d  # cached: same content, same path
-        model, info = Qwen2ForCausalLM.from_pretrained(d, output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
         cfg = load_config(d)
         cfg.check_tp(tp)
         assert cfg.head_dim == _head_dim(config)
+        assert cfg.model_type == config.get("model_type", "qwen2") and type(model).__name__ == cfg.family.hf_model_class
     assert config_checkpoint(pairs[0][0], tmp_path, seed=1) != config_checkpoint(pairs[0][0], tmp_path)
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 def test_repro_recreates_the_checkpoint(tmp_path):
     """The recreate command of a failure report rebuilds the same checkpoint bit for bit."""
-    config = find(tst.configs(), lambda c: c["num_hidden_layers"] == 2, settings=settings(database=None))
+    # (max_examples: the profile's few examples may all be 1- or 3-layer models)
+    config = find(tst.configs(), lambda c: c["num_hidden_layers"] == 2,
+                  settings=settings(database=None, max_examples=200))
     case = Case(config, 2, "bfloat16", [[1, 2, 3]], 2, 4, bias_std=4.0)
     original = case.checkpoint(tmp_path / "a")
     cmd = recreate_command(config, tmp_path / "b", case.weight_seed, case.bias_std)

@@ -40,12 +40,17 @@ def qkv_shard_dim1(runner, i, layer):
         qkv.weight.data[off:off + rows].copy_(full[:, r * cols:(r + 1) * cols].reshape(rows, hidden))
 
 
+def _has_qkv_bias(cfg, plan, dtype) -> bool:
+    return cfg.qkv_bias
+
+
 @fault(4, "qkv_bias_missing", "q/k/v projection biases not loaded (left at zero)",
-       shows_when="always", expected_origin="layers.{layer}.attn.q")
+       shows_when="models with q/k/v biases (Qwen2; Llama / Qwen3 with attention_bias)",
+       expected_origin="layers.{layer}.attn.q", shows=_has_qkv_bias)
 @torch.no_grad()
 def qkv_bias_missing(runner, i, layer):
     qkv = layer.self_attn.qkv_proj
-    if mark(qkv, "qkv_bias_missing"):
+    if qkv.bias is not None and mark(qkv, "qkv_bias_missing"):
         qkv.bias.data.zero_()
 
 
@@ -65,12 +70,13 @@ def kv_replica_index(runner, i, layer):
     total_kv = runner.cfg.num_kv_heads
     head = qkv.tp_rank % total_kv  # the bug; correct: tp_rank // kv_replicas
     p = f"model.layers.{i}.self_attn."
-    names = [p + f"{s}_proj.{t}" for s in ("k", "v") for t in ("weight", "bias")]
+    kinds = ("weight", "bias") if qkv.bias is not None else ("weight",)  # Llama / Mistral: no q/k/v bias
+    names = [p + f"{s}_proj.{t}" for s in ("k", "v") for t in kinds]
     w = read_tensors(runner, names)
     d = qkv.kv_size  # one KV head per rank under replication
     for s, off in (("k", qkv.q_size), ("v", qkv.q_size + qkv.kv_size)):
-        qkv.weight.data[off:off + d].copy_(w[f"{p}{s}_proj.weight"][head * d:(head + 1) * d])
-        qkv.bias.data[off:off + d].copy_(w[f"{p}{s}_proj.bias"][head * d:(head + 1) * d])
+        for t in kinds:
+            getattr(qkv, t).data[off:off + d].copy_(w[f"{p}{s}_proj.{t}"][head * d:(head + 1) * d])
 
 
 @fault(8, "gate_up_swapped", "gate and up halves of the fused gate_up_proj swapped",

@@ -16,6 +16,9 @@ Shows = Callable[[ModelConfig, ShardPlan, str], bool]
 # ``patch(runner, layer index, decoder layer)``: apply the fault inside one rank (both None when the fault
 # is not per layer)
 Patch = Callable[..., None]
+# ``reach(cfg)``: the fault changes nothing until some sequence is longer than this many tokens (a sliding
+# window); None: no such bound for this model
+Reach = Callable[[ModelConfig], "int | None"]
 
 ORIGIN_STEPS = ("prefill", "decode", "block_boundary")
 CHECKS = ("diff", "memory")
@@ -70,6 +73,8 @@ class Fault:
     origin_step: str = "prefill"
     # as accurate as HF at the dtype: only ``tpcheck diff --exact-ops`` sees it
     needs_exact_ops: bool = False
+    # shows only once a sequence (prompt + decode steps) is longer than ``longer_than(cfg)`` tokens
+    longer_than: Reach | None = field(default=None, repr=False, compare=False)
 
     @property
     def per_layer(self) -> bool:
@@ -110,6 +115,10 @@ class Fault:
             return "changes memory, not numbers (`tpcheck faults matrix` runs its memory check)"
         if self.needs_exact_ops and not exact_ops:
             return "is as accurate as HF at the dtype: only --exact-ops sees it"
+        reach = None if self.longer_than is None else self.longer_than(cfg)
+        if reach is not None and prompt_lens and max(prompt_lens) + decode_steps <= reach:
+            return (f"shows only once a sequence is longer than {reach} tokens, and the longest here has "
+                    f"{max(prompt_lens) + decode_steps} (prompt + decode steps)")
         if (self.origin_step == "block_boundary" and prompt_lens
                 and block_boundary_step(prompt_lens, decode_steps, block_size) is None):
             return (f"shows only when a decode step writes the first slot of a KV block, and none does here "
@@ -144,7 +153,8 @@ def fault(number: int, name: str, description: str, *, shows_when: str, expected
         def rope_skipped(runner, i, layer): ...
 
     ``options``: the other ``Fault`` fields (``shows``, ``decode_only``, ``check``, ``origin_step``,
-    ``needs_exact_ops``). The patch function itself is returned unchanged (so that it pickles by name)."""
+    ``needs_exact_ops``, ``longer_than``). The patch function itself is returned unchanged (so that it pickles
+    by name)."""
 
     def declare(patch: Patch) -> Patch:
         register(Fault(name, description, shows_when, expected_origin, number=number, patch=patch, **options))
