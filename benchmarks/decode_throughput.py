@@ -190,8 +190,8 @@ def timed_batch(llm, model, args, b: int, prompts_by_repeat: list) -> tuple[list
     best, check, failed = {}, dict(batch=b, rows_equal=0, rows=0), False
     for rep, prompts in enumerate(prompts_by_repeat):
         res = {}
-        for side, fn in (("impl", lambda: run_impl(llm, prompts, args.new_tokens)),
-                         ("hf", lambda: run_hf(model, prompts, args.new_tokens, args.threads))):
+        for side, fn in (("impl", lambda p=prompts: run_impl(llm, p, args.new_tokens)),
+                         ("hf", lambda p=prompts: run_hf(model, p, args.new_tokens, args.threads))):
             la = os.getloadavg()[0]
             r = res[side] = fn()
             r["loadavg_1m_before"], r["loadavg_1m_after"] = la, os.getloadavg()[0]

@@ -115,7 +115,7 @@ def child(variant: str, model_dir: str, warm_dir: str, prompt_lens: list[int], d
     def steps(cap, prompts, n_decode, digest=None):
         caches = [new_cache(cap.model) for _ in prompts]
         tokens, starts, times, counted = [list(p) for p in prompts], [0] * len(prompts), [], 0
-        for step in range(n_decode + 1):
+        for _step in range(n_decode + 1):
             t0 = time.perf_counter()
             points = cap.step(tokens, caches, starts, None, with_kv=True)
             times.append(time.perf_counter() - t0)

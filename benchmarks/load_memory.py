@@ -118,7 +118,7 @@ def expected_share(model_dir: Path, plan, rank: int, tied: bool) -> dict:
     touch, from the headers alone."""
     import numpy as np
     total = sharded = replicated = held = pages_touched = rowpar_full = 0
-    for f, base, header in safetensors_headers(model_dir):
+    for _f, base, header in safetensors_headers(model_dir):
         touched = []
         for name, meta in header.items():
             item, shape = ITEMSIZE[meta["dtype"]], meta["shape"]

@@ -129,8 +129,8 @@ class _Run:
             row_lens = [len(t) for t in tokens]
             kv_lens = [s + len(t) for s, t in zip(starts, tokens)]
             held: dict[str, torch.Tensor] = {}  # --exact-ops: the engine tensors the checked ops read
-            layer_input = (lambda i: eng_teacher[i]) if eng_teacher is not None else \
-                (lambda i: held["embed" if i == 0 else f"layers.{i - 1}.out"])
+            layer_input = (lambda i, t=eng_teacher: t[i]) if eng_teacher is not None else \
+                (lambda i, h=held: h["embed" if i == 0 else f"layers.{i - 1}.out"])
             for name, (placement, per_rank) in points.items():
                 parts = unshard(name, placement, per_rank)
                 check_known({u.name for u in parts}, self.canonical)

@@ -435,7 +435,7 @@ def test_attention_paged_decode(block_size, clean_context):
     set_context(ctx)
     out = attn(q, k, v)
     assert torch.isfinite(out).all()
-    for i, ((sq, sk, sv), n) in enumerate(zip(seqs, total)):
+    for i, ((sq, sk, sv), _n) in enumerate(zip(seqs, total)):
         want = ref_attention(sq, sk, sv, SCALE)[-1].reshape(-1)
         torch.testing.assert_close(out[i], want, atol=1e-12, rtol=0)
 

@@ -263,7 +263,7 @@ def test_each_rank_reads_only_its_slices(preset, tp, ckpts, monkeypatch):
     itemsize = 4
     norm_bytes = sum(t.nbytes for k, t in hf.items() if "norm" in k)
     per_rank = defaultdict(int)
-    for rank, name, shape, dim, _, length in rec.reads:
+    for rank, _name, shape, dim, _, length in rec.reads:
         per_rank[rank] += read_bytes(shape, dim, length, itemsize)
     vocab_slack = (padded_vocab_size(cfg.vocab_size, tp) // tp) * cfg.hidden_size * itemsize * 2
     for rank, nbytes in per_rank.items():

@@ -393,6 +393,6 @@ def test_vllm_map_on_a_vllm_style_model_equals_hf(all_logits, ckpt):
     assert points["layers.0.attn."][0] == Fused((("q", 64, Shard(-1)), ("k", 16, Shard(-1)), ("v", 16, Shard(-1))))
     for name, t in got.items():
         # embed is mutated in place by layer 0's fused add+norm, q/k by the RoPE: captured before that
-        torch.testing.assert_close(t, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(t, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     cap.remove()
     assert n_hooks(engine) == 0

@@ -223,7 +223,7 @@ def test_gqa_cache_repeated_heads_is_numerically_harmless(ckpt, engines, hf_mode
         faults.inject(llm, ["gqa_cache_repeated_heads"])
         after = llm.kv_cache_shapes()
         for rank_b, rank_a in zip(before, after):
-            for (kb, vb), (ka, va) in zip(rank_b, rank_a):
+            for (kb, _vb), (ka, va) in zip(rank_b, rank_a):
                 assert ka == va == (*kb[:2], 4, kb[3])  # same blocks, heads repeated to the query count
         got = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
         for g, p in zip(got, prompts):

@@ -67,7 +67,7 @@ def _layer_ticks(ax: _Axes, points: list, layers: list, num_layers: int) -> list
     out = []
     every = max(1, math.ceil(num_layers / 32))
     seen = set()
-    for i, (p, layer) in enumerate(zip(points, layers)):
+    for i, (_p, layer) in enumerate(zip(points, layers)):
         if layer is None or isinstance(layer, float) and math.isnan(layer):
             continue
         layer = int(layer)
