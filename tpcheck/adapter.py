@@ -43,11 +43,11 @@ class ImplAdapter:
     """impl through ``impl.LLM.call``: hooks live in ``tpcheck.capture_impl`` inside each rank. Faults
     (``tpcheck.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights.
     ``dump``: ``tpcheck.dump.DumpWriter`` keywords less rank/tp/engine; each rank writes its own points there
-    (``tpcheck diff --dump``)."""
+    (``tpcheck diff --dump``). ``points``: a regex; the ranks capture only those points (``--points``)."""
 
     def __init__(self, llm, inject: list[str] = (), inject_layer: int | None = None, block_size: int = 16,
-                 dump: dict | None = None):
-        self.llm, self.block_size, self.dump = llm, block_size, dump
+                 dump: dict | None = None, points: str | None = None):
+        self.llm, self.block_size, self.dump, self.points = llm, block_size, dump, points
         self.reductions = Reductions(llm.tp_size)  # impl all-reduces in the activations' dtype, in place
         self.inject, self.inject_layer = list(inject), inject_layer
         self.tables: list[list[int]] = []
@@ -62,7 +62,7 @@ class ImplAdapter:
             self.tables.append(list(range(nxt, nxt + n)))
             nxt += n
         self.lens = [0] * len(prompts)
-        self.llm.call(capture_impl.setup, nxt, bs, self.dump)
+        self.llm.call(capture_impl.setup, nxt, bs, self.dump, self.points)
 
     def step(self, new_tokens, teacher, capture_kv) -> Points:
         batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]

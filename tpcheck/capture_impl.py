@@ -7,6 +7,8 @@ of ``--isolate`` and the KV cache read back from its paged blocks. Tensors are `
 in the engine's dtype."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 from impl.placements import Shard
@@ -16,17 +18,22 @@ from tpcheck.capture_maps import IMPL_MAP
 _STATE = "_tpcheck"
 
 
-def setup(runner, num_blocks: int, block_size: int, dump: dict | None = None) -> None:
+def setup(runner, num_blocks: int, block_size: int, dump: dict | None = None, points: str | None = None) -> None:
     """Allocate a KV cache of the given layout and install the capture hooks (once per loaded model): the
     points of ``tpcheck.capture.IMPL_MAP`` (the same hooks an engine installs for dumps), plus the teacher
     pre-hooks that ``--isolate`` uses. ``dump``: ``tpcheck.dump.DumpWriter`` keywords (``root``, ``dtype``,
-    ``points``, ``budget_bytes``): this rank also writes every propagated step's points there itself."""
+    ``points``, ``budget_bytes``): this rank also writes every propagated step's points there itself.
+    ``points``: a regex of the points to capture (``--points`` / ``--layers``): hooks only where they come from,
+    and only the selected layers' KV cache read back."""
     runner.allocate_kv_cache(num_blocks, block_size)
     st = getattr(runner.model, _STATE, None)
     if st is None:
-        st = {"capture": install(runner.model, IMPL_MAP), "teacher": None}
+        st = {"capture": install(runner.model, IMPL_MAP, points=points), "teacher": None, "points": points}
         setattr(runner.model, _STATE, st)
         _teacher_hooks(runner, st)
+    elif st["points"] != points:  # another selection: the hooks of this one
+        st["capture"].remove()
+        st["capture"], st["points"] = install(runner.model, IMPL_MAP, points=points), points
     st["writer"], st["step"] = None, 0
     if dump is not None:
         from impl.distributed import get_tp_rank, get_tp_size
@@ -64,7 +71,9 @@ def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None =
         st["teacher"] = None
         cap.clear()
     if kv_lens is not None:
-        points.update(read_kv(runner, [table for _, _, table in batch], kv_lens))
+        keep = None if st["points"] is None else re.compile(st["points"])
+        kv = read_kv(runner, [table for _, _, table in batch], kv_lens)
+        points.update({n: v for n, v in kv.items() if keep is None or keep.fullmatch(n)})
     if st.get("writer") is not None and teacher is None:  # a dump records the propagated run
         st["writer"].write(st["step"], [list(t) for t, _, _ in batch], [s for _, s, _ in batch], points)
         st["step"] += 1

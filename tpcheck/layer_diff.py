@@ -264,8 +264,10 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
         dump_kw = None if dump is None else {
             "root": str(dump), "dtype": dtype, "points": dump_points,
             "budget_bytes": None if dump_budget_mb is None else int(dump_budget_mb * 2**20) // tp}
-        if engine == "impl":
-            adapter = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size, dump_kw)
+        select = selection(points, layers)
+        if engine == "impl":  # --exact-ops reads the inputs of the checked ops: then every point is captured
+            adapter = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size, dump_kw,
+                                  None if exact_ops else select)
         else:
             adapter = pool.get_hf_tp(model_dir, tp, dtype)
             if dump is not None:
@@ -275,7 +277,7 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
                 "command": command or diff_command(["--model", model_dir], tp, dtype, prompts, decode_steps, block_size,
                                                    isolate, exact_ops, inject, inject_layer)}
         return compare_engine(adapter, model_dir, prompts, dtype, decode_steps, isolate, tolerances, meta,
-                              exact_ops, require_points, streamed=streamed, select=selection(points, layers),
+                              exact_ops, require_points, streamed=streamed, select=select,
                               fail_fast=fail_fast, golden=golden, save_golden=save_golden)
     finally:
         if own:

@@ -85,3 +85,15 @@ def test_selection_and_layer_lists():
     assert [n for n in names if re.fullmatch(sel, n)] == ["layers.0.attn.q", "layers.2.attn.q"]
     with pytest.raises(ValueError, match="not a regular expression"):
         selection("(")
+
+
+def test_impl_ranks_capture_only_the_selection(ckpt, engines):
+    from tpcheck.adapter import ImplAdapter
+    llm = engines.get(ckpt("tiny"), 2, "float32")
+    for sel, want in ((r"layers\.0\..*", lambda n: n.startswith("layers.0.")), (None, lambda n: True)):
+        adapter = ImplAdapter(llm, points=sel)
+        adapter.begin(PROMPTS, 1)
+        got = set(adapter.step(PROMPTS, None, capture_kv=True))
+        adapter.close()
+        assert got and all(want(n) for n in got), got
+        assert ("layers.1.kv.k" in got) == (sel is None) and "layers.0.kv.k" in got
