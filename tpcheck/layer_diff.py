@@ -23,6 +23,7 @@ from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
 from tpcheck.coverage import DEFAULT_REQUIRE, Coverage, check_known
 from tpcheck.dump import DumpingAdapter
 from tpcheck.metrics import compare, max_row_rel_err, mismatch, rel_err
+from tpcheck.progress import bar
 from tpcheck.points import all_point_names, model_point_names, split_point
 from tpcheck.reductions import Reductions
 from tpcheck.judge import judge
@@ -64,11 +65,12 @@ class _Run:
 
     def __init__(self, golden: HFCapture, ref: HFCapture, engine, prompts, decode_steps, num_layers, dtype,
                  isolated: bool, exact_ops: bool = False, reductions: Reductions = Reductions(),
-                 select: re.Pattern | None = None, stop_when=None, save_golden=None):
+                 select: re.Pattern | None = None, stop_when=None, save_golden=None, progress=None):
         self.golden, self.ref, self.engine, self.prompts, self.exact_ops = golden, ref, engine, prompts, exact_ops
         # --points / --layers: only these points are compared (the forward passes still run whole);
         # --fail-fast: ``stop_when(rows of a step)`` says the step failed; --save-golden: a GoldenWriter
         self.select, self.stop_when, self.save_golden = select, stop_when, save_golden
+        self.progress = progress  # a tpcheck.progress bar of steps, or None
         self.stopped_at: int | None = None
         # the noise floor's references: HF at the dtype, and (tp > 1) HF at the dtype rounding like the engine
         self.refs = [("hf", None)] + ([("hf-tp", reductions)] if reductions.emulated else [])
@@ -156,6 +158,8 @@ class _Run:
             del gold, points
             what = "prefill" if step == 0 else f"decode {step}/{self.steps}"
             logger.info(f"  [{mode}] {what}: {time.monotonic() - t0:.1f}s")
+            if self.progress is not None:
+                self.progress.update(1)
             if self.stop_when is not None and self.stop_when(rows[step_rows:]):
                 self.stopped_at = step
                 logger.info(f"  [{mode}] --fail-fast: a point failed at step {step}; the remaining steps are not run")
@@ -323,21 +327,26 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
             DiffResult.from_rows(step_rows, step_meta, stamp=False), tolerances).table["passed"].all()
     rows: list[dict] = []
     stopped = None
-    for isolated in [False] + ([True] if isolate else []):
-        run = _Run(golden_src, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), isolated,
-                   exact_ops, reductions, keep, stop_when, writer)
-        try:
-            rows += run.run()
+    modes = [False] + ([True] if isolate else [])
+    progress = bar(len(modes) * (decode_steps + 1), "diff", "step")
+    try:
+        for isolated in modes:
+            run = _Run(golden_src, ref, engine, prompts, decode_steps, cfg.num_layers, parse_dtype(dtype), isolated,
+                       exact_ops, reductions, keep, stop_when, writer, progress)
+            try:
+                rows += run.run()
+            except BaseException:
+                try:
+                    engine.close()
+                except Exception:  # the engine may be gone (a dead rank); the first error is the one to report
+                    pass
+                raise
             coverage.reported |= run.reported
             stopped = run.stopped_at
             if stopped is not None:
                 break
-        except BaseException:
-            try:
-                engine.close()
-            except Exception:  # the engine may be gone (a dead rank); the first error is the one to report
-                pass
-            raise
+    finally:
+        progress.close()
     coverage.comparisons = len(rows)
     meta = {"model": str(model_dir), "dtype": dtype, "coverage": coverage.as_meta(), "decode_steps": decode_steps, "isolate": isolate, "exact_ops": exact_ops,
             "select": select, "stopped_at_step": stopped, "golden": str(golden) if golden else None,

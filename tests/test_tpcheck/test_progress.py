@@ -62,3 +62,11 @@ def test_log_lines_print_above_a_bar(stderr):
     finally:
         logger.removeHandler(handler)
     assert "a line from the run\n" in err.getvalue()
+
+
+def test_a_diff_on_a_terminal_shows_its_steps(stderr, ckpt, engines):
+    import tpcheck
+    err = stderr(_TTY())
+    r = tpcheck.diff(model=ckpt("tiny"), tp=1, prompts=[[1, 2, 3]], decode_steps=2, isolate=True, pool=engines)
+    assert r.passed
+    assert "diff: 0/6 steps |" in err.getvalue()  # (prefill + 2 decode steps) x (propagated, isolated)
