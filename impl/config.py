@@ -60,11 +60,16 @@ class Family:
     qk_norm: bool
     sliding: str
 
+    @property
+    def available(self) -> bool:
+        """Whether the installed transformers has this family (Qwen3 needs >= 4.51)."""
+        return getattr(transformers, self.config_class, None) is not None
+
     def hf_config_class(self, path: Path | str = "") -> type[PretrainedConfig]:
         cls = getattr(transformers, self.config_class, None)
         if cls is None:
-            raise ConfigError(f"{path}: transformers {transformers.__version__} has no {self.config_class}; "
-                              "upgrade transformers to read this family")
+            raise ConfigError(f"{path or 'config'}: transformers {transformers.__version__} has no "
+                              f"{self.config_class}; upgrade transformers to read this family")
         return cls
 
     def model_class(self) -> type[nn.Module]:

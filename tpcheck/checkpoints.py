@@ -158,6 +158,12 @@ def preset_family(name: str) -> str:
     return config_family(_check_preset(name))
 
 
+def preset_available(name: str) -> bool:
+    """Whether the installed transformers can read preset ``name``'s family (Qwen3 needs transformers >= 4.51)."""
+    from impl.config import FAMILIES
+    return FAMILIES[preset_family(name)].available
+
+
 def describe_preset(name: str) -> str:
     """One line of ``tpcheck presets``: family, sizes, and what sets the preset apart."""
     c = _check_preset(name)

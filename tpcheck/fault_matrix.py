@@ -30,6 +30,7 @@ from impl.config import load_config
 from impl.shard_plan import shard_plan
 from tpcheck.faults import FAULTS, Fault, get_fault, injected
 from tpcheck.progress import bar
+from tpcheck.checkpoints import preset_available
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -74,7 +75,7 @@ def smallest_config(fault: Fault | str, ckpt=None) -> dict:
     fault = get_fault(fault) if isinstance(fault, str) else fault
     ckpt = _resolver(ckpt)
     for dtype in DTYPE_ORDER:
-        for preset in PRESET_ORDER:
+        for preset in (p for p in PRESET_ORDER if preset_available(p)):  # a family this transformers lacks: skipped
             cfg = load_config(ckpt(preset))
             for tp in TP_ORDER:
                 if fault.applies(cfg, tp, dtype):

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from impl.config import HF_DTYPE_KEY, hf_rope_theta
 from tpcheck import checkpoints as ck
 
-TINY = [n for n in ck.preset_names() if n.startswith("tiny")] + ["small"]
+TINY = [n for n in ck.preset_names() if n.startswith("tiny") and ck.preset_available(n)] + ["small"]
 PROMPT = torch.tensor([[1, 5, 17, 42, 99, 7, 3]])
 
 
@@ -39,7 +39,7 @@ def _tensors(d) -> dict[str, torch.Tensor]:
 def test_presets_present():
     names = ck.preset_names()
     assert {"tiny", "tiny-untied", "tiny-mha", "tiny-mqa", "small", "qwen2.5-0.5b"} <= set(names)
-    for name in names:
+    for name in filter(ck.preset_available, names):  # a family the installed transformers lacks: not readable
         cfg = ck.preset_config(name)
         assert cfg.hidden_size % cfg.num_attention_heads == 0
         assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
