@@ -396,3 +396,36 @@ def test_vllm_map_on_a_vllm_style_model_equals_hf(all_logits, ckpt):
         torch.testing.assert_close(t, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     cap.remove()
     assert n_hooks(engine) == 0
+
+
+def test_a_dtensor_output_is_read_from_the_dtensor(tmp_path):
+    """A module that returns a DTensor (a TP plan with use_local_output=False) is captured as its local tensor
+    with the DTensor's own placement, whatever the rule declares."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
+    from tpcheck.capture import NameMap
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this worker")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        class Out(nn.Module):
+            def __init__(self, placement):
+                super().__init__()
+                self.placement = placement
+
+            def forward(self, x):
+                return DTensor.from_local(x * 2, mesh, [self.placement], run_check=False)
+
+        model = nn.Module()
+        model.a, model.b = Out(DShard(1)), Out(DReplicate())
+        cap = install(model, NameMap("dt", (Rule("a", "embed", Replicate()), Rule("b", "final_norm", Shard(-1)))))
+        x = torch.arange(6.0).reshape(3, 2)
+        model.a(x), model.b(x)
+        got = cap.step_done(0)
+        assert got["embed"][0] == Shard(-1) and got["final_norm"][0] == Replicate()
+        assert type(got["embed"][1]) is torch.Tensor and torch.equal(got["embed"][1], x * 2)
+    finally:
+        dist.destroy_process_group()
