@@ -1,8 +1,9 @@
 """What ``tpcheck diff`` costs over the forward passes it needs anyway.
 
-Bare: HF float64 forward + HF forward at the test dtype + impl forward (``LLM.logits``) on the same
-prompt. Diff: ``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64
-statistics). Models are loaded and warmed before timing, so both sides time forward work only. Peak memory
+Bare: HF float64 forward + HF forward at the test dtype (+ the same with the TP reductions emulated, the
+noise floor's second reference, at tp > 1) + impl forward (``LLM.logits``) on the same prompt. Diff:
+``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64 statistics). Models
+are loaded and warmed before timing, so both sides time forward work only. Peak memory
 is the largest summed RSS of this process and its TP workers while each side runs.
 
     python benchmarks/diff_overhead.py [--preset qwen2.5-0.5b] [--tp 2] [--seq-len 128] [--dtype float32] [--exact-ops]
@@ -21,6 +22,33 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, how
 from common import PeakRSS  # noqa: E402
 
 
+# (file suffix, function) -> part of a diff; cumulative times from one profiled run
+PARTS = {
+    "HF references: golden, dtype, TP (forward + hooks)": [("capture_hf.py", "step")],
+    "engine step (ranks' forward + hooks + transfer)": [("adapter.py", "step")],
+    "unsharding": [("unshard.py", "unshard")],
+    "statistics (float64 errors, worst rows)": [("metrics.py", "compare"), ("metrics.py", "rel_err"),
+                                                ("metrics.py", "max_row_rel_err")],
+    "judging": [("judge.py", "judge")],
+}
+
+
+def breakdown(fn) -> dict:
+    """Seconds per part of one ``fn()`` under cProfile (``PARTS``), and ``total``."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.runcall(fn)
+    total = time.perf_counter() - t
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (calls, prim calls, tottime, cumtime, callers)
+    out = {}
+    for part, keys in PARTS.items():
+        out[part] = sum(v[3] for (f, _, name), v in stats.items() if any(f.endswith(s) and name == n for s, n in keys))
+    out["total"] = total
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen2.5-0.5b")
@@ -37,6 +65,7 @@ def main() -> int:
     from tpcheck.checkpoints import cached_checkpoint
     from tpcheck.layer_diff import hf_capture
     from tpcheck.pool import EnginePool
+    from tpcheck.reductions import Reductions
     log = sys.stderr
     print(f"checkpoint {a.preset} (written once, cached)...", file=log, flush=True)
     model_dir = str(cached_checkpoint(a.preset))
@@ -47,10 +76,18 @@ def main() -> int:
         prompt = random_prompts(llm.cfg.vocab_size, 1, a.seq_len, 0)[0]
         ids = torch.tensor([prompt])
 
+        tp_ref = Reductions(a.tp)  # the noise floor's TP reference (tpcheck.reductions): a 4th pass at tp > 1
+
         def bare():
             with torch.no_grad():
                 golden.model(ids)
                 ref.model(ids)
+                if tp_ref.emulated:
+                    ref.reductions = tp_ref  # HFCapture's row-parallel rounding, no point captured
+                    try:
+                        ref.model(ids)
+                    finally:
+                        ref.reductions = None
             llm.logits(prompt)
 
         def diff():
@@ -71,6 +108,7 @@ def main() -> int:
             figures[name] = {"seconds": min(times), "peak_rss_gib": mem.peak / 2**30}
             print(f"{name}: {min(times):.2f}s (best of {a.repeats}), peak RSS {mem.peak / 2**30:.2f} GiB", file=log)
         assert out.passed, out.summary()
+        parts = breakdown(diff)
     finally:
         pool.close()
     b, d = figures["bare forwards"], figures["tpcheck diff"]
@@ -79,9 +117,13 @@ def main() -> int:
     for name, f in figures.items():
         print(f"{name:16s}{f['seconds']:10.2f}{f['peak_rss_gib']:14.2f}")
     print(f"{'ratio':16s}{d['seconds'] / b['seconds']:9.2f}x{d['peak_rss_gib'] / b['peak_rss_gib']:13.2f}x")
+    total = parts.pop("total")
+    print(f"\nwhere one diff's {total:.2f}s go (cProfile, cumulative; the parts overlap where they nest):")
+    for name, secs in parts.items():
+        print(f"  {name:44s}{secs:7.2f}s {100 * secs / total:5.1f}%")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "figures": figures}, f, indent=1)
+            json.dump({"args": vars(a), "figures": figures, "breakdown": {**parts, "total": total}}, f, indent=1)
     return 0
 
 
