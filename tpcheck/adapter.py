@@ -21,6 +21,16 @@ ENGINES = {"impl": "impl, this project's engine (faults can be injected)",
            "hf-tp": "Hugging Face transformers' own tensor parallelism (from_pretrained tp_plan, tpcheck.hf_tp)"}
 
 
+def by_point(per_rank: list[dict]) -> Points:
+    """Each rank's ``{name: (placement, tensor)}`` regrouped as ``{name: (placement, [rank 0, rank 1, ...])}``
+    (None where a rank lacks the point)."""
+    points: Points = {}
+    for rank, pts in enumerate(per_rank):
+        for name, (placement, t) in pts.items():
+            points.setdefault(name, (placement, [None] * len(per_rank)))[1][rank] = t
+    return points
+
+
 class EngineAdapter(Protocol):
     reductions: Reductions
     """How the engine's row-parallel all-reduces round (``tpcheck.reductions``): its tp and reduce dtype. The
@@ -67,12 +77,7 @@ class ImplAdapter:
     def step(self, new_tokens, teacher, capture_kv) -> Points:
         batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]
         self.lens = [n + len(t) for n, t in zip(self.lens, new_tokens)]
-        per_rank = self.llm.call(capture_impl.step, batch, teacher, self.lens if capture_kv else None)
-        points: Points = {}
-        for rank, pts in enumerate(per_rank):
-            for name, (placement, t) in pts.items():
-                points.setdefault(name, (placement, [None] * len(per_rank)))[1][rank] = t
-        return points
+        return by_point(self.llm.call(capture_impl.step, batch, teacher, self.lens if capture_kv else None))
 
     def close(self) -> None:
         if self.inject:

@@ -27,6 +27,7 @@ import torch
 
 from impl.config import ConfigError, ModelConfig, load_config
 from impl.placements import Shard
+from tpcheck.adapter import by_point
 from tpcheck.capture import as_rows, install
 from tpcheck.capture_hf import ATTN_NAME, RopeProbe, cache_kv, load_hf_model, new_cache, register_attention, \
     teacher_hook
@@ -162,11 +163,7 @@ class HFTPAdapter:
     def step(self, new_tokens, teacher, capture_kv):
         per_rank = self.executor.call("step", new_tokens, self.starts, teacher, capture_kv)
         self.starts = [s + len(t) for s, t in zip(self.starts, new_tokens)]
-        points: dict = {}
-        for rank, pts in enumerate(per_rank):
-            for name, (placement, t) in pts.items():
-                points.setdefault(name, (placement, [None] * len(per_rank)))[1][rank] = t
-        return points
+        return by_point(per_rank)
 
     def close(self) -> None:
         self.executor.call("begin", 0)  # drop the caches; the ranks stay up for the next run
