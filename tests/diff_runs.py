@@ -19,3 +19,12 @@ def run_diff(ckpt, engines, preset, tp, dtype="float32", steps=0, isolate=False,
     prompts = [[rng.randrange(VOCAB[preset]) for _ in range(n)] for n in lens]
     return tpcheck.diff(model=ckpt(preset), tp=tp, dtype=dtype, prompts=prompts, decode_steps=steps, isolate=isolate,
                         inject=list(inject), inject_layer=layer, pool=engines, **kw)
+
+
+# what two runs of the same comparison must agree on, row for row (live vs dump, saved vs replayed golden)
+COLS = ["point", "step", "mode", "rel_err", "ref_rel_err", "threshold", "passed", "note"]
+
+
+def verdict_rows(r) -> list[list]:
+    """``r.table``'s ``COLS`` as lists (NaN as -1, so equal rows compare equal)."""
+    return r.table[COLS].fillna(-1).values.tolist()

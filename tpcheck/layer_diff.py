@@ -265,18 +265,17 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
     pool = pool or EnginePool()
     try:
         # --dump: each rank writes its own points of every propagated step to DIR (tpcheck compare reads it)
-        dump_kw = None if dump is None else {
-            "root": str(dump), "dtype": dtype, "points": dump_points,
-            "budget_bytes": None if dump_budget_mb is None else int(dump_budget_mb * 2**20) // tp}
+        budget = None if dump_budget_mb is None else int(dump_budget_mb * 2**20)  # the whole dump's bound
         select = selection(points, layers)
         if engine == "impl":  # --exact-ops reads the inputs of the checked ops: then every point is captured
+            dump_kw = None if dump is None else {"root": str(dump), "dtype": dtype, "points": dump_points,
+                                                 "budget_bytes": None if budget is None else budget // tp}
             adapter = ImplAdapter(pool.get(model_dir, tp, dtype), inject, inject_layer, block_size, dump_kw,
                                   None if exact_ops else select)
         else:
             adapter = pool.get_hf_tp(model_dir, tp, dtype)
-            if dump is not None:
-                adapter = DumpingAdapter(adapter, dump, dtype, "hf-tp", dump_points, dump_kw["budget_bytes"] * tp
-                                         if dump_kw["budget_bytes"] is not None else None)
+            if dump is not None:  # written from the driver (DumpingAdapter splits the budget over the ranks)
+                adapter = DumpingAdapter(adapter, dump, dtype, "hf-tp", dump_points, budget)
         meta = {"tp": tp, "engine": engine, "inject": list(inject), "inject_layer": inject_layer, "inject_silent": silent,
                 "command": command or diff_command(["--model", model_dir], tp, dtype, prompts, decode_steps, block_size,
                                                    isolate, exact_ops, inject, inject_layer)}

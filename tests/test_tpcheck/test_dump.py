@@ -8,17 +8,14 @@ import shutil
 import pytest
 
 import tpcheck
+from diff_runs import verdict_rows
 from tpcheck.cli import main
 from tpcheck.dump import DumpAdapter, DumpError, read_dump
 from tpcheck.fault_matrix import prompts_for, smallest_config
 from tpcheck.layer_diff import compare_engine
 from tpcheck.reductions import Reductions
 
-COLS = ["point", "step", "mode", "rel_err", "ref_rel_err", "threshold", "passed", "note"]
 
-
-def _rows(r):
-    return r.table[COLS].fillna(-1).values.tolist()
 
 
 def _live_and_offline(ckpt, engines, tmp_path, preset="tiny", tp=2, dtype="float32", steps=2, inject=(),
@@ -35,9 +32,9 @@ def _live_and_offline(ckpt, engines, tmp_path, preset="tiny", tp=2, dtype="float
     return live, offline
 
 
-def test_live_and_dump_give_the_same_rows(ckpt, engines, tmp_path):
+def test_live_and_dump_give_the_sameverdict_rows(ckpt, engines, tmp_path):
     live, offline = _live_and_offline(ckpt, engines, tmp_path)
-    assert live.passed and _rows(live) == _rows(offline)
+    assert live.passed and verdict_rows(live) == verdict_rows(offline)
 
 
 @pytest.mark.parametrize("fault", ["nan_causal_mask", "skip_o_proj_allreduce", "kv_replica_index",
@@ -50,7 +47,7 @@ def test_faults_through_dumps_keep_verdict_and_origin(ckpt, engines, tmp_path, f
                                       config["decode_steps"], [fault], config["block_size"], prompts)
     assert not live.passed and not offline.passed
     assert live.first_divergence["point"] == offline.first_divergence["point"]
-    assert _rows(live) == _rows(offline)
+    assert verdict_rows(live) == verdict_rows(offline)
 
 
 @pytest.fixture

@@ -10,17 +10,14 @@ import sys
 import pytest
 
 import tpcheck
+from diff_runs import verdict_rows
 from tpcheck.cli import main
 from tpcheck.dump import DumpAdapter, read_dump
 from tpcheck.layer_diff import compare_engine
 from tpcheck.reductions import Reductions
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 1, 64], [200, 11, 9]]
-COLS = ["point", "step", "mode", "rel_err", "ref_rel_err", "threshold", "passed", "note"]
 
-
-def _rows(r):
-    return r.table[COLS].fillna(-1).values.tolist()
 
 
 @pytest.mark.parametrize("preset, tp, dtype", [("tiny", 2, "float32"), ("tiny-untied", 2, "bfloat16"),
@@ -57,7 +54,7 @@ def test_hf_tp_dump_gives_the_live_table(ckpt, engines, tmp_path):
     dump = read_dump(tmp_path / "dump")
     assert dump.engine == "hf-tp" and dump.tp == 2
     offline = compare_engine(DumpAdapter(dump, Reductions(2)), str(d), dump.tokens[0], "float32", 2)
-    assert live.passed and _rows(live) == _rows(offline)
+    assert live.passed and verdict_rows(live) == verdict_rows(offline)
 
 
 def test_hf_tp_under_torchrun_dumps_what_compare_judges(ckpt, engines, tmp_path):

@@ -10,13 +10,13 @@ import pandas as pd
 import pytest
 
 import tpcheck
+from diff_runs import COLS
 from tpcheck.arg_types import int_ranges
 from tpcheck.cli import main
 from tpcheck.golden_store import GoldenError
 from tpcheck.layer_diff import selection
 
 PROMPTS = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
-COLS = ["point", "step", "mode", "rel_err", "ref_rel_err", "threshold", "passed", "note"]
 
 
 def _diff(ckpt, engines, **kw):
