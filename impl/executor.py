@@ -63,7 +63,13 @@ def pack(result):
     tree = walk(result)
     if size == 0 or len(parts) < 2:  # nothing to gain: the pipe's own sharing is one handshake already
         return result
-    return _Packed(tree, torch.cat(parts))
+    # written straight into shared memory: ``torch.cat`` and the pipe's ``share_memory_`` would copy twice
+    flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
+    offset = 0
+    for b in parts:
+        flat[offset:offset + b.numel()].copy_(b)
+        offset += b.numel()
+    return _Packed(tree, flat)
 
 
 def unpack(value):

@@ -168,7 +168,7 @@ class HFCapture:
                 offset += len(toks)
         finally:
             self.reductions = None
-        out = {n: torch.cat(ts) for n, ts in parts.items()}
+        out = {n: ts[0] if len(ts) == 1 else torch.cat(ts) for n, ts in parts.items()}  # one prompt: no copy
         if with_kv:
             for i in range(self.num_layers):
                 ks, vs = zip(*(cache_kv(c, i) for c in caches))

@@ -18,14 +18,19 @@ from tpcheck.capture_maps import IMPL_MAP
 _STATE = "_tpcheck"
 
 
-def setup(runner, num_blocks: int, block_size: int, dump: dict | None = None, points: str | None = None) -> None:
-    """Allocate a KV cache of the given layout and install the capture hooks (once per loaded model): the
+def setup(runner, num_blocks: int | None, block_size: int, dump: dict | None = None,
+          points: str | None = None) -> None:
+    """Allocate a KV cache of the given layout (``num_blocks`` None: the engine's own cache serves, blocks of
+    ``block_size``) and install the capture hooks (once per loaded model): the
     points of ``tpcheck.capture.IMPL_MAP`` (the same hooks an engine installs for dumps), plus the teacher
     pre-hooks that ``--isolate`` uses. ``dump``: ``tpcheck.dump.DumpWriter`` keywords (``root``, ``dtype``,
     ``points``, ``budget_bytes``): this rank also writes every propagated step's points there itself.
     ``points``: a regex of the points to capture (``--points`` / ``--layers``): hooks only where they come from,
     and only the selected layers' KV cache read back."""
-    runner.allocate_kv_cache(num_blocks, block_size)
+    if num_blocks is not None:
+        runner.allocate_kv_cache(num_blocks, block_size)
+    elif runner.block_size != block_size:
+        raise ValueError(f"the engine's KV cache has blocks of {runner.block_size} tokens, not {block_size}")
     st = getattr(runner.model, _STATE, None)
     if st is None:
         st = {"capture": install(runner.model, IMPL_MAP, points=points), "teacher": None, "points": points}

@@ -91,3 +91,21 @@ def test_cli_diff_exit_codes_and_json(ckpt, tmp_path, capsys):
     assert main(["diff", "--model", str(ckpt("tiny")), "--tp", "2", "--prompt-ids", "1,2,3"]) == 0
     assert main(["diff", "--model", str(ckpt("tiny")), "--tp", "3"]) == 2
     assert main(["diff", "--model", str(ckpt("tiny")), "--prompt-ids", "1,999"]) == 2
+
+
+def test_generation_after_a_diff_is_what_it_was_before(ckpt, engines):
+    """A diff writes its prompts into the engine's own KV blocks (when they suffice): the prefix cache must
+    forget what those blocks held, or the next request reuses keys of another prompt."""
+    import tpcheck
+    from impl.sampling_params import SamplingParams
+    from tpcheck.check import random_prompts
+    d = str(ckpt("small"))  # tiny's greedy tokens repeat one id: they would not show stale keys
+    llm = engines.get(d, 2)
+    llm.reset_scheduler()  # free blocks from 0 up: the prompt's blocks are those the diff writes
+    prompt, other = random_prompts(llm.cfg.vocab_size, 2, 40, 5)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    before = llm.generate([prompt], greedy)
+    assert llm.generate([prompt], greedy) == before  # served from the prefix cache
+    r = tpcheck.diff(model=d, tp=2, prompts=[other], decode_steps=2, pool=engines)
+    assert r.passed, r.summary()
+    assert llm.generate([prompt], greedy) == before
