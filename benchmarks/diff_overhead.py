@@ -3,8 +3,10 @@
 Bare: HF float64 forward + HF forward at the test dtype (+ the same with the TP reductions emulated, the
 noise floor's second reference, at tp > 1) + impl forward (``LLM.logits``) on the same prompt. Diff:
 ``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64 statistics). Models
-are loaded and warmed before timing, so both sides time forward work only. Peak memory
-is the largest summed RSS of this process and its TP workers while each side runs.
+are loaded and warmed before timing, so both sides time forward work only. The two sides alternate
+(bare, diff, bare, diff, ...) so that a slow spell of a shared machine hits both; the ratio is of the
+medians, and the min ratio is printed beside it. Peak memory is the largest summed RSS of this process and
+its TP workers while each side runs.
 
     python benchmarks/diff_overhead.py [--preset qwen2.5-0.5b] [--tp 2] [--seq-len 128] [--dtype float32] [--exact-ops]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -55,7 +58,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating")
     ap.add_argument("--exact-ops", action="store_true", help="time tpcheck diff --exact-ops")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
@@ -97,26 +100,30 @@ def main() -> int:
         print("warm-up...", file=log, flush=True)
         bare()
         diff()
-        figures = {}
-        for name, fn in (("bare forwards", bare), ("tpcheck diff", diff)):
-            times = []
-            with PeakRSS() as mem:
-                for _ in range(a.repeats):
+        sides = {"bare forwards": bare, "tpcheck diff": diff}
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        peak: dict[str, int] = {name: 0 for name in sides}
+        for i in range(a.repeats):
+            for name, fn in sides.items():
+                with PeakRSS() as mem:
                     t = time.perf_counter()
                     out = fn()
-                    times.append(time.perf_counter() - t)
-            figures[name] = {"seconds": min(times), "peak_rss_gib": mem.peak / 2**30}
-            print(f"{name}: {min(times):.2f}s (best of {a.repeats}), peak RSS {mem.peak / 2**30:.2f} GiB", file=log)
+                    times[name].append(time.perf_counter() - t)
+                peak[name] = max(peak[name], mem.peak)
+            print(f"run {i + 1}/{a.repeats}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()), file=log)
         assert out.passed, out.summary()
+        figures = {name: {"seconds": statistics.median(t), "min_seconds": min(t), "all_seconds": t,
+                          "peak_rss_gib": peak[name] / 2**30} for name, t in times.items()}
         parts = breakdown(diff)
     finally:
         pool.close()
     b, d = figures["bare forwards"], figures["tpcheck diff"]
     print(f"\n{a.preset}, tp {a.tp}, {a.dtype}, 1 prompt x {a.seq_len} tokens, {os.cpu_count()} CPU cores")
-    print(f"{'':16s}{'wall s':>10s}{'peak RSS GiB':>14s}")
+    print(f"{'':16s}{'median s':>10s}{'min s':>8s}{'peak RSS GiB':>14s}")
     for name, f in figures.items():
-        print(f"{name:16s}{f['seconds']:10.2f}{f['peak_rss_gib']:14.2f}")
-    print(f"{'ratio':16s}{d['seconds'] / b['seconds']:9.2f}x{d['peak_rss_gib'] / b['peak_rss_gib']:13.2f}x")
+        print(f"{name:16s}{f['seconds']:10.2f}{f['min_seconds']:8.2f}{f['peak_rss_gib']:14.2f}")
+    print(f"{'ratio':16s}{d['seconds'] / b['seconds']:9.2f}x{d['min_seconds'] / b['min_seconds']:7.2f}x"
+          f"{d['peak_rss_gib'] / b['peak_rss_gib']:13.2f}x")
     total = parts.pop("total")
     print(f"\nwhere one diff's {total:.2f}s go (cProfile, cumulative; the parts overlap where they nest):")
     for name, secs in parts.items():
