@@ -184,6 +184,57 @@ def side_row(b: int, side: str, r: dict, n_new: int) -> dict:
         loadavg_1m_before=r["loadavg_1m_before"], loadavg_1m_after=r["loadavg_1m_after"])
 
 
+def machine_floor(model, threads: int) -> dict:
+    """What one decode step cannot beat on this machine: every weight matrix is read once per step (the
+    embedding only where it is the tied LM head), at the read bandwidth of a 1 GiB ``sum``; and its FLOPs at a
+    2048^3 float32 matmul's rate. Both best of 3 with ``threads`` torch threads, in this process."""
+    import torch
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    w = model.get_input_embeddings().weight  # a decode step reads B rows of it, unless it is the LM head too
+    emb, emb_bytes = (0, 0) if tied else (w.numel(), w.numel() * w.element_size())
+    read = sum(p.numel() * p.element_size() for p in model.parameters()) - emb_bytes
+    matmul_params = sum(p.numel() for p in model.parameters() if p.dim() == 2) - emb
+    x = torch.ones(2**28)  # 1 GiB of float32
+    a = torch.randn(2048, 2048)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+    bw = x.numel() * 4 / best(lambda: float(x.sum()))
+    flops = 2 * 2048**3 / best(lambda: a @ a)
+    return dict(weight_bytes=read, matmul_params=matmul_params, read_gb_s=bw / 1e9, matmul_gflop_s=flops / 1e9,
+                threads=threads)
+
+
+def print_floor(floor: dict, rows: list[dict], n_new: int) -> dict:
+    """Per batch size: the step floor, each side's decode step against it, and the end-to-end ratio impl could
+    reach at most if its decode steps ran at the floor (its prefill as measured)."""
+    print(f"# decode step floor: {floor['weight_bytes'] / 1e9:.2f} GB of weights read per step at "
+          f"{floor['read_gb_s']:.1f} GB/s; 2 x {floor['matmul_params'] / 1e6:.0f}M x batch FLOPs at "
+          f"{floor['matmul_gflop_s']:.0f} GFLOP/s (2048^3 matmul); {floor['threads']} thread(s)")
+    out = {}
+    for b in sorted({r["batch"] for r in rows}):
+        i = next(r for r in rows if r["batch"] == b and r["side"] == "impl")
+        h = next(r for r in rows if r["batch"] == b and r["side"] == "hf")
+        step = max(floor["weight_bytes"] / (floor["read_gb_s"] * 1e9),
+                   2 * floor["matmul_params"] * b / (floor["matmul_gflop_s"] * 1e9))
+        if n_new < 2:
+            continue
+        i_step, h_step = i["decode_s"] / (n_new - 1), h["decode_s"] / (n_new - 1)
+        best_total = i["first_token_s"] + (n_new - 1) * step
+        out[b] = dict(floor_step_s=step, impl_step_s=i_step, hf_step_s=h_step,
+                      max_end_to_end=h["total_s"] / best_total)
+        print(f"batch {b:>3}: floor {step * 1e3:.0f} ms/step; HF {h_step * 1e3:.0f} ms ({h_step / step:.2f}x the floor), "
+              f"impl {i_step * 1e3:.0f} ms ({i_step / step:.2f}x); impl / HF end to end with decode at the floor: "
+              f"at most {out[b]['max_end_to_end']:.2f}x")
+    print()
+    return out
+
+
 def timed_batch(llm, model, args, b: int, prompts_by_repeat: list) -> tuple[list[dict], dict, bool]:
     """``--repeats`` timed runs per side at batch ``b``, alternating impl / HF: the rows of each side's fastest
     run, the correctness cross-check, and whether it failed."""
@@ -225,6 +276,7 @@ def measure(args, model_dir: Path, vocab: int) -> dict:
         log("loading HF Qwen2ForCausalLM ...")
         model = load_hf_model(model_dir, "float32")
         log(f"HF loaded in {time.perf_counter() - t0:.1f}s; driver threads {torch.get_num_threads()}")
+        out["floor"] = machine_floor(model, args.threads)
         t0 = time.perf_counter()
         for b in args.batch:
             run_impl(llm, warm[b], warm_tokens)
@@ -325,6 +377,7 @@ def main(argv=None) -> int:
     rows, checks = m["rows"], m["checks"]
     print_rows(args, rows, m["impl_threads"])
     ratios = print_ratios(args.batch, rows)
+    floors = print_floor(m["floor"], rows, args.new_tokens)
     print_checks(checks)
     busy = warn_if_busy(rows)
     print(f"# total {total_s:.1f}s")
@@ -334,6 +387,7 @@ def main(argv=None) -> int:
             batches=args.batch, min_len=args.min_len, max_len=args.max_len,
             threads=dict(impl=m["impl_threads"], hf=torch.get_num_threads()), repeats=args.repeats, rows=rows,
             ratios={str(k): v for k, v in ratios.items()}, checks={str(k): v for k, v in checks.items()},
+            floor=m["floor"], floor_by_batch={str(k): v for k, v in floors.items()},
             total_s=total_s), indent=2) + "\n")
         log(f"wrote {args.json}")
     if m["failed"]:

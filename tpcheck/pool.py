@@ -1,8 +1,8 @@
 """Persistent TP engines: one ``impl.LLM`` per TP size, reused across checks and test examples.
 
-Starting a rank costs a process spawn and a torch import (~1.3 s each); loading a tiny checkpoint costs
-milliseconds. The pool keeps the workers and reloads weights only when the checkpoint or cache layout
-changes."""
+Starting a rank costs a fork from impl's fork server, a process-group rendezvous and, at the first start
+in a process, the server's own torch import (~1.5 s); loading a tiny checkpoint costs milliseconds. The pool
+keeps the workers and reloads weights only when the checkpoint or cache layout changes."""
 from __future__ import annotations
 
 import os

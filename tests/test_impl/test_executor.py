@@ -13,6 +13,7 @@ import pytest
 from impl import LLM
 from impl.executor import RankError
 from impl.loader import LoadError
+from procs import descendants
 
 
 def _alive(pid: int) -> bool:
@@ -76,15 +77,10 @@ def test_load_error_names_tensor_and_leaves_no_workers(ckpt, tmp_path):
     tensors = load_file(src / "model.safetensors")
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     save_file(tensors, tmp_path / "model.safetensors")
-    before = set(_children())
+    before = descendants()
     with pytest.raises(LoadError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
         LLM(tmp_path, tp_size=2)
-    assert _wait_gone(set(_children()) - before) == []
-
-
-def _children() -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+    assert _wait_gone(descendants() - before) == []
 
 
 def test_workers_die_with_killed_driver(ckpt, tmp_path):

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from multiprocessing.connection import wait
 
 import pytest
 
@@ -18,25 +19,7 @@ from impl.executor import RankError
 from tpcheck.cli import _exit_code, main
 from tpcheck.layer_diff import compare_engine
 from impl.placements import Replicate
-
-
-def _children() -> set[int]:
-    """Live child processes of this one (the TP ranks), multiprocessing's resource tracker aside."""
-    me = str(os.getpid())
-    out = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if fields[1] == me and fields[0] != "Z" and b"resource_tracker" not in cmd:  # the tracker is shared
-            out.add(int(pid))
-    return out
+from procs import descendants
 
 
 def _one_line_error(err: str, *needles: str) -> None:
@@ -57,10 +40,10 @@ def ckpt_copy(ckpt, tmp_path):
 def test_truncated_safetensors_is_bad_input(ckpt_copy, capsys):
     f = ckpt_copy / "model.safetensors"
     f.write_bytes(f.read_bytes()[:100])
-    before = _children()
+    before = descendants()
     assert main(["diff", "--model", str(ckpt_copy), "--tp", "2"]) == 2
     _one_line_error(capsys.readouterr().err, str(f), "not a readable safetensors file")
-    assert _children() <= before
+    assert descendants() <= before
 
 
 def test_safetensors_header_not_json_is_bad_input(ckpt_copy, capsys):
@@ -105,12 +88,12 @@ def test_rank_killed_mid_diff_is_named(ckpt, monkeypatch, capsys):
         if not pids:
             pids.update(enumerate(adapter.llm.call("worker_fns:pid")))
             os.kill(pids[1], signal.SIGKILL)
-            os.waitid(os.P_PID, pids[1], os.WEXITED | os.WNOWAIT)
+            assert wait([adapter.llm.executor.procs[1].sentinel], 10)  # dead before the next step is sent
     _patch_step(monkeypatch, kill_rank1)
-    before = _children()
+    before = descendants()
     assert main(["diff", "--model", str(ckpt("tiny")), "--tp", "2", "--decode-steps", "2"]) == 3
     _one_line_error(capsys.readouterr().err, "TP rank 1 died (killed by SIGKILL)")
-    assert _children() <= before  # the other rank was torn down
+    assert descendants() <= before  # the other rank was torn down
 
 
 def test_raising_rank_is_an_engine_failure(ckpt, monkeypatch, capsys):
