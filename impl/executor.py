@@ -124,6 +124,14 @@ def start_context():
     return ctx
 
 
+def start_fork_server() -> None:
+    """Start the fork server now, without waiting: it imports torch and impl while this process goes on
+    (loading a reference model, say), so the first rank need not wait for it."""
+    if start_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+        forkserver.ensure_running()
+
+
 def _error_reply(rank: int, exc: BaseException) -> tuple:
     return ("err", exc, f"rank {rank}: {type(exc).__name__}: {exc}", traceback.format_exc())
 

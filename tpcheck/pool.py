@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 
 from impl import LLM
+from impl.executor import start_fork_server
 
 
 class EnginePool:
     def __init__(self, **llm_kwargs):
+        start_fork_server()  # its torch import overlaps the caller's work before the first engine starts
         self.llm_kwargs = llm_kwargs
         self._engines: dict[int, LLM] = {}
         self._loaded: dict[int, tuple] = {}
