@@ -115,8 +115,8 @@ def _die_with_parent(driver_pid: int) -> None:
 def start_context():
     """The multiprocessing context ranks start from. A fork server that has imported torch and impl once
     forks each rank ready to run (~0.1 s) where a spawned rank imports torch afresh (~1.5 s of CPU each); the
-    server holds no threads or state of the driver, and its environment is the driver's when the first rank of
-    the process started. ``spawn`` where there is no fork server (not POSIX)."""
+    server holds no threads or state of the driver; its environment variables and ``sys.path`` are the
+    driver's when it started (``start_fork_server``, or the first rank of the process). ``spawn`` where there is no fork server (not POSIX)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
