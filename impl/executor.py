@@ -1,4 +1,5 @@
-"""Driver side of TP: one worker process per rank (forked from a server that has imported torch), each holding a ``ModelRunner``.
+"""Driver side of TP: one worker process per rank (forked from a server that has imported torch), each
+holding a ``ModelRunner``.
 
 The driver sends every rank the same ``(method, args)`` over a pipe and waits for all answers with a
 deadline. A rank that dies, hangs past the deadline or fails while its peers are stuck in a collective
@@ -64,7 +65,10 @@ def pack(result):
     if size == 0 or len(parts) < 2:  # nothing to gain: the pipe's own sharing is one handshake already
         return result
     # written straight into shared memory: ``torch.cat`` and the pipe's ``share_memory_`` would copy twice
-    flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # torch's own; not a public API
+    if new_shared is None:
+        return _Packed(tree, torch.cat(parts))
+    flat = torch.empty(0, dtype=torch.uint8).set_(new_shared(size))
     offset = 0
     for b in parts:
         flat[offset:offset + b.numel()].copy_(b)
@@ -116,7 +120,8 @@ def start_context():
     """The multiprocessing context ranks start from. A fork server that has imported torch and impl once
     forks each rank ready to run (~0.1 s) where a spawned rank imports torch afresh (~1.5 s of CPU each); the
     server holds no threads or state of the driver; its environment variables and ``sys.path`` are the
-    driver's when it started (``start_fork_server``, or the first rank of the process). ``spawn`` where there is no fork server (not POSIX)."""
+    driver's when it started (``start_fork_server``, or the first rank of the process). ``spawn`` where
+    there is no fork server (not POSIX)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

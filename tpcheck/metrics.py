@@ -51,8 +51,8 @@ def row_rel_errs(x: torch.Tensor, golden: torch.Tensor, scratch: Scratch | None 
 
 def rel_err(x: torch.Tensor, golden: torch.Tensor) -> float:
     """``||x - g|| / ||g||`` in float64 (NaN when x has a NaN): the one statistic the noise floor needs."""
-    d = float(_f64_copy(x, None).sub_(golden.detach().to(torch.float64)).norm())
-    ref = float(golden.detach().to(torch.float64).norm())
+    g64 = golden.detach().to(torch.float64)
+    d, ref = float(_f64_copy(x, None).sub_(g64).norm()), float(g64.norm())
     return d / ref if ref > 0 else d
 
 
@@ -67,8 +67,8 @@ def compare(x: torch.Tensor, golden: torch.Tensor, scratch: Scratch | None = Non
     absolute differences infinite (never "close") and its relative error NaN (never passes a gate).
 
     One float64 buffer is used (``scratch``'s, else a fresh one: a logits point is rows x vocab, and a
-    second or third copy costs more than the arithmetic); the p99 is an in-place selection on it (numpy's introselect, the same value as
-    ``torch.kthvalue`` at several times the speed)."""
+    second or third copy costs more than the arithmetic); the p99 is an in-place selection on it (numpy's
+    introselect: the value ``torch.kthvalue`` gives, at several times the speed)."""
     if x.shape != golden.shape:
         raise ValueError(f"shape {tuple(x.shape)} != golden shape {tuple(golden.shape)}")
     g64 = golden.detach().to(torch.float64).reshape(-1)
