@@ -66,6 +66,15 @@ def edit_config(src, dst, edit):
     return dst
 
 
+def edit_tensors(d, edit):
+    """Checkpoint directory ``d`` with ``edit(tensors)`` applied to its safetensors file in place (``edit``
+    changes the dict, or returns the dict to write instead)."""
+    tensors = load_file(str(d / "model.safetensors"))
+    out = edit(tensors)
+    save_file(tensors if out is None else out, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
 # ------------------------------------------------------------------------------------------------ config
 EXPECTED = {  # preset: (model_type, head_dim, qkv_bias, o_proj_bias, mlp_bias, qk_norm, sliding windows, tied)
     "llama": ("llama", 8, False, False, False, False, (), False),
@@ -272,8 +281,7 @@ def test_bias_the_config_asks_for_but_checkpoint_lacks(preset, flag, tensor, fam
 ])
 def test_bias_in_checkpoint_the_config_turns_off(preset, flag, tensor, fam, tmp_path):
     d = edit_config(fam(preset), tmp_path / "x", lambda raw: raw.update({flag: False}))
-    tensors = load_file(str(d / "model.safetensors"))
-    save_file({tensor: tensors[tensor]}, str(d / "model.safetensors"))  # just the one tensor: its error
+    edit_tensors(d, lambda t: {tensor: t[tensor]})  # just the one tensor: its error
     with pytest.raises(LoadError, match=f"unexpected tensor {tensor!r}.*no parameter for it.*{flag}"):
         build(d)
 
@@ -281,9 +289,7 @@ def test_bias_in_checkpoint_the_config_turns_off(preset, flag, tensor, fam, tmp_
 def test_qwen3_checkpoint_without_q_norm_refused(fam, tmp_path):
     d = tmp_path / "x"
     shutil.copytree(fam("qwen3"), d)
-    tensors = load_file(str(d / "model.safetensors"))
-    del tensors["model.layers.1.self_attn.q_norm.weight"]
-    save_file(tensors, str(d / "model.safetensors"))
+    edit_tensors(d, lambda t: {n: x for n, x in t.items() if n != "model.layers.1.self_attn.q_norm.weight"})
     with pytest.raises(LoadError, match=r"lacks 1 tensor\(s\): \['model\.layers\.1\.self_attn\.q_norm\.weight'\]"):
         build(d)
 
@@ -292,9 +298,7 @@ def test_llama_checkpoint_with_q_norm_refused(fam, tmp_path):
     """A tensor no parameter takes stays an error (here, a Qwen3 q_norm in a Llama checkpoint)."""
     d = tmp_path / "x"
     shutil.copytree(fam("llama"), d)
-    tensors = load_file(str(d / "model.safetensors"))
-    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)
-    save_file(tensors, str(d / "model.safetensors"))
+    edit_tensors(d, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}))
     with pytest.raises(LoadError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'.*"
                                         r"LlamaForCausalLM model has no parameter"):
         build(d)
@@ -310,9 +314,7 @@ def test_each_family_option_changes_hf_output(fam, tmp_path):
     def gap(preset, edit, tensors_edit=None):
         d = edit_config(fam(preset), tmp_path / f"{preset}-{len(list(tmp_path.iterdir()))}", edit)
         if tensors_edit is not None:
-            t = load_file(str(d / "model.safetensors"))
-            tensors_edit(t)
-            save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+            edit_tensors(d, tensors_edit)
         g = max_diff(hf_logits(load_hf_family_model(d), ids), hf_logits(hf_ref(fam(preset)), ids))
         return g
 
