@@ -22,7 +22,7 @@ from tpcheck import exact_ops
 from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
 from tpcheck.coverage import DEFAULT_REQUIRE, Coverage, check_known
 from tpcheck.dump import DumpingAdapter
-from tpcheck.metrics import Scratch, compare, mismatch, row_rel_errs
+from tpcheck.metrics import compare, mismatch, row_rel_errs
 from tpcheck.progress import bar
 from tpcheck.points import all_point_names, model_point_names, split_point
 from tpcheck.reductions import Reductions
@@ -80,7 +80,6 @@ class _Run:
         self.order = {n: i for i, n in enumerate(all_point_names(num_layers))}
         self.canonical = set(all_point_names(num_layers))
         self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
-        self.scratch = Scratch()  # the statistics' float64 buffer, dropped with the run
 
     def run(self) -> list[dict]:
         rows: list[dict] = []
@@ -117,7 +116,7 @@ class _Run:
                 ref = self.ref.step(tokens, r_caches[ref_name], starts, teacher, self.with_kv, red)
                 for n, t in ref.items():
                     if n in gold and t.shape == gold[n].shape and self._selected(n):
-                        e, worst = row_rel_errs(t, gold[n], self.scratch)
+                        e, worst = row_rel_errs(t, gold[n])
                         ref_now.setdefault(n, {})[ref_name] = e
                         if math.isfinite(e) and e > level.get(n, (-1.0,))[0]:
                             level[n] = (e, ref_name, step)
@@ -178,7 +177,7 @@ class _Run:
                      "nan": 0, "inf": 0}
             row["note"] = f"shape {list(u.tensor.shape)} != golden {list(gold.shape)}"
         else:
-            stats = compare(u.tensor, gold, self.scratch)
+            stats = compare(u.tensor, gold)
         if stats["max_abs_index"]:
             r, f = stats["max_abs_index"]
             b, t = _row_index(r, row_lens, starts)

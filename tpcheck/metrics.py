@@ -15,31 +15,16 @@ K_FACTOR = {"float32": 2.0, "float64": 2.0, "bfloat16": 3.0, "float16": 3.0}
 FLOOR = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 1e-3, "float16": 1e-3}
 
 
-class Scratch:
-    """One float64 buffer that the statistics of a run reuse (``compare(..., scratch=)``). A fresh float64
-    copy of a logits point (rows x vocab) costs its page faults every time: ~5x the conversion itself."""
-
-    def __init__(self):
-        self.buf = torch.empty(0, dtype=torch.float64)
-
-    def f64(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` converted to float64 into the buffer (valid until the next call)."""
-        n = x.numel()
-        if self.buf.numel() < n or self.buf.device != x.device:
-            self.buf = torch.empty(n, dtype=torch.float64, device=x.device)
-        return self.buf[:n].view(x.shape).copy_(x.detach())
-
-
-def _f64_copy(x: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+def _f64_copy(x: torch.Tensor) -> torch.Tensor:
     """A float64 copy of ``x`` that the caller may overwrite (the one float64 buffer a statistic needs)."""
-    return scratch.f64(x) if scratch is not None else x.detach().to(torch.float64, copy=True)
+    return x.detach().to(torch.float64, copy=True)
 
 
-def row_rel_errs(x: torch.Tensor, golden: torch.Tensor, scratch: Scratch | None = None) -> tuple[float, float]:
+def row_rel_errs(x: torch.Tensor, golden: torch.Tensor) -> tuple[float, float]:
     """``(rel_err, max_row_rel_err)`` of ``[rows, features]`` tensors from one float64 difference (the noise
     floor needs both of every reference point)."""
     g64 = golden.detach().to(torch.float64)
-    d = _f64_copy(x, scratch).sub_(g64)
+    d = _f64_copy(x).sub_(g64)
     d_rows, g_rows = d.norm(dim=-1), g64.norm(dim=-1)
     d_all, g_all = float(d.norm()), float(g64.norm())  # as ``compare`` computes them: the same bits
     del d
@@ -52,7 +37,7 @@ def row_rel_errs(x: torch.Tensor, golden: torch.Tensor, scratch: Scratch | None 
 def rel_err(x: torch.Tensor, golden: torch.Tensor) -> float:
     """``||x - g|| / ||g||`` in float64 (NaN when x has a NaN): the one statistic the noise floor needs."""
     g64 = golden.detach().to(torch.float64)
-    d, ref = float(_f64_copy(x, None).sub_(g64).norm()), float(g64.norm())
+    d, ref = float(_f64_copy(x).sub_(g64).norm()), float(g64.norm())
     return d / ref if ref > 0 else d
 
 
@@ -62,17 +47,17 @@ def max_row_rel_err(x: torch.Tensor, golden: torch.Tensor) -> float:
     return row_rel_errs(x, golden)[1]
 
 
-def compare(x: torch.Tensor, golden: torch.Tensor, scratch: Scratch | None = None) -> dict:
+def compare(x: torch.Tensor, golden: torch.Tensor) -> dict:
     """Statistics of ``x`` against ``golden``, computed in float64. A NaN/Inf in ``x`` makes its
     absolute differences infinite (never "close") and its relative error NaN (never passes a gate).
 
-    One float64 buffer is used (``scratch``'s, else a fresh one: a logits point is rows x vocab, and a
-    second or third copy costs more than the arithmetic); the p99 is an in-place selection on it (numpy's
-    introselect: the value ``torch.kthvalue`` gives, at several times the speed)."""
+    One float64 buffer is allocated (a logits point is rows x vocab: a second or third copy costs more than
+    the arithmetic); the p99 is an in-place selection on it (numpy's introselect: the value
+    ``torch.kthvalue`` gives, at several times the speed)."""
     if x.shape != golden.shape:
         raise ValueError(f"shape {tuple(x.shape)} != golden shape {tuple(golden.shape)}")
     g64 = golden.detach().to(torch.float64).reshape(-1)
-    d = _f64_copy(x, scratch).reshape(-1)
+    d = _f64_copy(x).reshape(-1)
     n = d.numel()
     ref_norm, x_norm = float(g64.norm()), float(d.norm())
     dot = float(d @ g64) if n else 0.0
