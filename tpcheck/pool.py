@@ -18,7 +18,7 @@ def keep_freed_memory() -> bool:
     over 32 MiB afresh and unmaps it when freed, so a loop that allocates the same large tensors every step
     (logits, captured points, their float64 copies) pays first-touch page faults every time: measured on a
     2-core VM, 0.23 ms per MiB, 5x a float32 -> float64 conversion; a diff of qwen2.5-0.5b went from
-    1.16-1.34x its bare forwards to 1.01-1.09x. RSS then stays at its high-water mark instead of falling
+    1.16-1.34x its bare forwards to 0.97-1.09x. RSS then stays at its high-water mark instead of falling
     between steps. The ranks are left as they are (kept freed memory would count in their load footprint).
     Returns False where the C library is not glibc (nothing changed)."""
     try:
