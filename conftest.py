@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tpcheck.checkpoints import cached_checkpoint
-from tpcheck.pool import EnginePool
+from tpcheck.inputs.checkpoints import cached_checkpoint
+from tpcheck.engines.pool import EnginePool
 
-pytest_plugins = ["tpcheck.hypothesis_profiles"]  # profile from HYPOTHESIS_PROFILE; prints the example count
+pytest_plugins = ["tpcheck.inputs.hypothesis_profiles"]  # profile from HYPOTHESIS_PROFILE; prints the example count
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ _HF: dict = {}
 @pytest.fixture(scope="session")
 def hf_model():
     """``hf_model(model_dir, dtype="float32")``: the Hugging Face reference model, loaded once."""
-    from tpcheck.capture_hf import load_hf_model
+    from tpcheck.reference.hf import load_hf_model
 
     def get(model_dir, dtype: str = "float32"):
         key = (str(model_dir), dtype)

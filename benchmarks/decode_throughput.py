@@ -43,12 +43,12 @@ def set_threads(runner, n: int) -> int:
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int, repeat: int = 0) -> list[list[int]]:
-    """``n`` prompts, lengths uniform in ``[lo, hi]`` from ``seed``, token ids ``tpcheck.check.random_prompts``;
+    """``n`` prompts, lengths uniform in ``[lo, hi]`` from ``seed``, token ids ``tpcheck.pipeline.check.random_prompts``;
     each ``repeat`` has the same lengths but fresh token ids, so a repeated run cannot hit impl's prefix cache
     with the blocks of an earlier one."""
     import torch
 
-    from tpcheck.check import random_prompts
+    from tpcheck.pipeline.check import random_prompts
     lens = torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     return [p[:k] for p, k in zip(random_prompts(vocab, n, hi, seed * 7919 + repeat), lens)]
 
@@ -130,7 +130,7 @@ def first_mismatch_gap(model, llm, prompt, hf_tok, impl_tok) -> dict:
 
 
 def parse_args(argv):
-    from tpcheck.arg_types import positive_ints
+    from tpcheck.cli.arg_types import positive_ints
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(ap, seed_help="checkpoint and prompt seed")
@@ -260,7 +260,7 @@ def measure(args, model_dir: Path, vocab: int) -> dict:
     import torch
 
     from impl import LLM
-    from tpcheck.capture_hf import load_hf_model
+    from tpcheck.reference.hf import load_hf_model
     timed = {b: [make_prompts(b, args.min_len, args.max_len, vocab, args.seed * 1000 + b, rep)
                  for rep in range(args.repeats)] for b in args.batch}
     warm = {b: make_prompts(b, 8, 16, vocab, args.seed * 1000 + 500 + b) for b in args.batch}

@@ -64,11 +64,11 @@ def main() -> int:
     a = ap.parse_args()
 
     import tpcheck
-    from tpcheck.check import random_prompts
-    from tpcheck.checkpoints import cached_checkpoint
-    from tpcheck.layer_diff import hf_capture
-    from tpcheck.pool import EnginePool
-    from tpcheck.reductions import Reductions
+    from tpcheck.pipeline.check import random_prompts
+    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.pipeline.diff import hf_capture
+    from tpcheck.engines.pool import EnginePool
+    from tpcheck.reference.reductions import Reductions
     log = sys.stderr
     print(f"checkpoint {a.preset} (written once, cached)...", file=log, flush=True)
     model_dir = str(cached_checkpoint(a.preset))
@@ -79,7 +79,7 @@ def main() -> int:
         prompt = random_prompts(llm.cfg.vocab_size, 1, a.seq_len, 0)[0]
         ids = torch.tensor([prompt])
 
-        tp_ref = Reductions(a.tp)  # the noise floor's TP reference (tpcheck.reductions): a 4th pass at tp > 1
+        tp_ref = Reductions(a.tp)  # the noise floor's TP reference (tpcheck.reference.reductions): a 4th pass at tp > 1
 
         def bare():
             with torch.no_grad():

@@ -1,5 +1,5 @@
 """Peak memory and time of the float64 golden: in memory (``from_pretrained``) vs layer-streamed
-(``tpcheck.golden_streamed``), each variant in a fresh subprocess.
+(``tpcheck.reference.streamed``), each variant in a fresh subprocess.
 
 Each child imports torch, transformers and tpcheck, warms the code paths up on the ``tiny`` preset (lazy imports,
 thread pools), then samples its baseline RSS: what an idle process that imported everything holds. It resets
@@ -48,8 +48,8 @@ PROJECTIONS = {
 # ---- shapes -> bytes (float64 unless said) -------------------------------------------------------------
 def shape_bytes(c: dict, itemsize: int = 8) -> dict:
     """Weight bytes of a Qwen2 config (dict of its fields): per layer, its largest matrix, its vectors, the
-    embedding, the whole model, and the LM-head chunk ``tpcheck.golden_streamed`` uses by default."""
-    from tpcheck.golden_streamed import HEAD_ROW_ALIGN
+    embedding, the whole model, and the LM-head chunk ``tpcheck.reference.streamed`` uses by default."""
+    from tpcheck.reference.streamed import HEAD_ROW_ALIGN
     h, inter, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     d = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
@@ -105,9 +105,9 @@ def child(variant: str, model_dir: str, warm_dir: str, prompt_lens: list[int], d
 
     import torch
 
-    from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
-    from tpcheck.check import random_prompts
-    from tpcheck.golden_streamed import streamed_hf_capture
+    from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
+    from tpcheck.pipeline.check import random_prompts
+    from tpcheck.reference.streamed import streamed_hf_capture
 
     def build(d):
         return streamed_hf_capture(d, "float64") if variant == "streamed" else HFCapture(load_hf_model(d, "float64"))
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     if a.child:  # one variant in this fresh process; one JSON line on stdout
         print(json.dumps(child(a.child, a.ckpt_dir, a.warm_dir, [a.seq_len] * a.batch, a.decode_steps, a.seed)))
         return 0
-    from tpcheck.checkpoints import cached_checkpoint
+    from tpcheck.inputs.checkpoints import cached_checkpoint
     model_dir = resolve_checkpoint(ap, a, log)
     warm_dir = cached_checkpoint("tiny", root=a.cache_root)
     cfg = json.loads((model_dir / "config.json").read_text())

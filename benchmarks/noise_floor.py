@@ -24,12 +24,12 @@ import pandas as pd
 
 import tpcheck
 from impl.config import load_config
-from tpcheck.faults import FAULTS, get_fault
-from tpcheck.check import random_prompts
-from tpcheck.checkpoints import PRESETS, cached_checkpoint
-from tpcheck.fault_matrix import expected_step, prompts_for, smallest_config
-from tpcheck.metrics import FLOOR, K_FACTOR
-from tpcheck.pool import EnginePool
+from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.pipeline.check import random_prompts
+from tpcheck.inputs.checkpoints import PRESETS, cached_checkpoint
+from tpcheck.cli.fault_matrix import expected_step, prompts_for, smallest_config
+from tpcheck.measure.metrics import FLOOR, K_FACTOR
+from tpcheck.engines.pool import EnginePool
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
 

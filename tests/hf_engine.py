@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from impl.placements import Partial, Replicate, Shard
-from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
-from tpcheck.points import split_point
+from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
+from tpcheck.capture.points import split_point
 
 
 class TwoRankHF:

@@ -1,3 +1,3 @@
-from tpcheck.cli import main
+from tpcheck.cli.app import main
 import sys
 sys.exit(main())

@@ -4,7 +4,7 @@ Fixtures (names chosen not to clash with a project's own ``ckpt`` / ``engines`` 
 
 * ``tpcheck_checkpoint(preset="tiny", seed=0, dtype="float32") -> Path``: a synthetic checkpoint, written once
   per session (per xdist worker) under the session's temp dir.
-* ``tpcheck_engines``: a session ``tpcheck.pool.EnginePool`` (TP worker processes reused across tests), closed
+* ``tpcheck_engines``: a session ``tpcheck.engines.pool.EnginePool`` (TP worker processes reused across tests), closed
   at the end of the session.
 * ``tpcheck_diff(preset="tiny", tp=2, **kwargs) -> DiffResult``: ``tpcheck.diff`` on a synthetic checkpoint
   with the session's engines.
@@ -83,7 +83,7 @@ def _write_report(result, item, name: str | None) -> Path | None:
     d = _report_dir(item)
     if d is None:
         return None
-    from tpcheck.report.html import write_html
+    from tpcheck.result.report.html import write_html
     n = item.stash.get(_COUNT, 0) + 1
     item.stash[_COUNT] = n
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name or item.nodeid).strip("_.")[:150] or "tpcheck"
@@ -95,14 +95,14 @@ def assert_layers_close(result, tolerances=None, *, name: str | None = None, _it
     """Fail (``AssertionError``) unless every point of ``result`` (a ``DiffResult`` or a saved JSON path) is within
     tolerance; ``tolerances`` (``Tolerances`` or a TOML path) re-judges it first. Returns the result."""
     __tracebackhide__ = True
-    from tpcheck.result import DiffResult
+    from tpcheck.result.table import DiffResult
     if not isinstance(result, DiffResult):
-        from tpcheck.report import load_result
+        from tpcheck.result.report import load_result
         result = load_result(result)
     if tolerances is not None:
-        from tpcheck.judge import judge
-        from tpcheck.tolerances import Tolerances
-        from tpcheck.tolerances import load_tolerances
+        from tpcheck.judge.verdict import judge
+        from tpcheck.judge.tolerances import Tolerances
+        from tpcheck.judge.tolerances import load_tolerances
         result = judge(result, tolerances if isinstance(tolerances, Tolerances) else load_tolerances(tolerances))
     if result.passed:
         return result
@@ -128,7 +128,7 @@ def _assert_layers_close_fixture(request):
 @pytest.fixture(scope="session")
 def tpcheck_checkpoint(tmp_path_factory):
     """``tpcheck_checkpoint(preset="tiny", seed=0, dtype="float32") -> Path`` of a synthetic checkpoint."""
-    from tpcheck.checkpoints import cached_checkpoint
+    from tpcheck.inputs.checkpoints import cached_checkpoint
     root = tmp_path_factory.mktemp("tpcheck-checkpoints")
 
     def get(preset: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
@@ -140,7 +140,7 @@ def tpcheck_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tpcheck_engines():
     """A session ``EnginePool``: ``tpcheck_engines.get(model_dir, tp, dtype=...)``; closed after the session."""
-    from tpcheck.pool import EnginePool
+    from tpcheck.engines.pool import EnginePool
     pool = EnginePool(max_num_seqs=16)
     yield pool
     pool.close()
@@ -152,7 +152,7 @@ def tpcheck_diff(tpcheck_checkpoint, tpcheck_engines):
     (or ``model=``) with the session's engines; progress is logged to ``tpcheck`` at INFO (pytest's caplog)."""
 
     def run(preset: str = "tiny", tp: int = 2, **kwargs):
-        from tpcheck.layer_diff import diff
+        from tpcheck.pipeline.diff import diff
         kwargs.setdefault("model", None)
         if kwargs["model"] is None:
             kwargs["model"] = tpcheck_checkpoint(preset)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hf_engine import PROMPTS, TwoRankHF
-from tpcheck.layer_diff import compare_engine
+from tpcheck.pipeline.diff import compare_engine
 
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tpcheck.report.html import write_html
-from tpcheck.report.sample import sample_result
-from tpcheck.result import DiffResult
+from tpcheck.result.report.html import write_html
+from tpcheck.result.report.sample import sample_result
+from tpcheck.result.table import DiffResult
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (apt-get install -y chromium)")
@@ -260,7 +260,7 @@ def test_the_content_security_policy_blocks_fetches(browser, tmp_path):
 
 
 def test_sweep_page_renders_offline(browser, tmp_path):
-    from tpcheck.report.html import render_sweep_html
+    from tpcheck.result.report.html import render_sweep_html
     rows = [{"config": "tiny", "tp": tp, "dtype": "float32", "decode_steps": 2, "passed": tp != 2} for tp in (1, 2, 4)]
     page = tmp_path / "index.html"
     page.write_text(render_sweep_html(rows, ["a.html", "b.html", None]))

@@ -16,12 +16,12 @@ from torch import nn
 
 from fake_tp import fake_rank
 from impl.placements import Fused, Partial, Replicate, Shard
-from tpcheck import capture_impl
+from tpcheck.capture import impl as capture_impl
 from tpcheck.capture import (HF_MAP, IMPL_MAP, VLLM_MAP, VLLM_NORMS_ONLY_MAP, Rule, from_env, install)
-from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
-from tpcheck.capture_maps import vllm_gate_up_placement, vllm_qkv_placement
-from tpcheck.dump import DumpAdapter, read_dump
-from tpcheck.unshard import unshard
+from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
+from tpcheck.capture.maps import vllm_gate_up_placement, vllm_qkv_placement
+from tpcheck.capture.dump import DumpAdapter, read_dump
+from tpcheck.measure.unshard import unshard
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 7]]
 
@@ -137,7 +137,7 @@ def run_impl(runner, cap, steps=3):
 
 
 def test_from_env_writes_a_dump_tpcheck_compares(ckpt, tmp_path, monkeypatch):
-    from tpcheck.layer_diff import compare_engine
+    from tpcheck.pipeline.diff import compare_engine
     d = ckpt("tiny")
     monkeypatch.setenv("TPCHECK_DUMP", str(tmp_path / "dump"))
     monkeypatch.delenv("TPCHECK_DUMP_POINTS", raising=False)
@@ -404,7 +404,7 @@ def test_a_dtensor_output_is_read_from_the_dtensor(tmp_path):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
-    from tpcheck.capture import NameMap
+    from tpcheck.capture.core import NameMap
     if dist.is_initialized():
         pytest.skip("a process group is already up in this worker")
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from tpcheck.cli import main
+from tpcheck.cli.app import main
 
 
 def test_make_checkpoint_and_presets(tmp_path, capsys):
@@ -58,7 +58,7 @@ def test_no_arguments_runs_the_layer_by_layer_diff(monkeypatch, tmp_path, capsys
 def test_logprobs_close_is_vllms_rule():
     import torch
 
-    from tpcheck.check import logprobs_close
+    from tpcheck.pipeline.check import logprobs_close
     gold = torch.tensor([[5.0, 4.9, 1.0, 0.0], [0.0, 1.0, 2.0, 9.0]])
     near_tie = torch.tensor([[4.9, 5.0, 1.0, 0.0], [0.0, 1.0, 2.0, 9.0]])  # swapped top-2: in each other's top 2
     far = torch.tensor([[0.0, 1.0, 9.0, 0.5], [0.0, 1.0, 2.0, 9.0]])       # top token 2: not in golden's top 2

@@ -8,9 +8,9 @@ import jsonschema
 import pytest
 
 from diff_runs import run_diff
-from tpcheck import documents
-from tpcheck.cli import main
-from tpcheck.compare_results import compare_results
+from tpcheck.result import documents
+from tpcheck.cli.app import main
+from tpcheck.cli.compare_results import compare_results
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_worse_within_tolerance_is_reported_not_failed(saved):
     b = runs["clean2"]
     t = b.table.copy()
     t.loc[t["point"] == "logits", "rel_err"] *= 3  # still far under its threshold
-    from tpcheck.result import DiffResult
+    from tpcheck.result.table import DiffResult
     worse = compare_results(runs["clean"], DiffResult(t, dict(b.meta)))
     assert set(worse[worse["change"] == "worse"]["point"]) == {"logits"}
     assert not (worse["change"] == "newly failing").any()

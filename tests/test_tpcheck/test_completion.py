@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from tpcheck.cli import _parser, main
-from tpcheck.completion import bash_script
+from tpcheck.cli.app import _parser, main
+from tpcheck.cli.completion import bash_script
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from diff_runs import LAYERS, run_diff
-from tpcheck.cli import main
-from tpcheck.points import point_names
+from tpcheck.cli.app import main
+from tpcheck.capture.points import point_names
 
 run = run_diff
 
@@ -98,7 +98,7 @@ def test_generation_after_a_diff_is_what_it_was_before(ckpt, engines):
     forget what those blocks held, or the next request reuses keys of another prompt."""
     import tpcheck
     from impl.sampling_params import SamplingParams
-    from tpcheck.check import random_prompts
+    from tpcheck.pipeline.check import random_prompts
     d = str(ckpt("small"))  # tiny's greedy tokens repeat one id: they would not show stale keys
     llm = engines.get(d, 2)
     llm.reset_scheduler()  # free blocks from 0 up: the prompt's blocks are those the diff writes

@@ -9,11 +9,11 @@ import pytest
 
 import tpcheck
 from diff_runs import verdict_rows
-from tpcheck.cli import main
-from tpcheck.dump import DumpAdapter, DumpError, read_dump
-from tpcheck.fault_matrix import prompts_for, smallest_config
-from tpcheck.layer_diff import compare_engine
-from tpcheck.reductions import Reductions
+from tpcheck.cli.app import main
+from tpcheck.capture.dump import DumpAdapter, DumpError, read_dump
+from tpcheck.cli.fault_matrix import prompts_for, smallest_config
+from tpcheck.pipeline.diff import compare_engine
+from tpcheck.reference.reductions import Reductions
 
 
 
@@ -41,7 +41,7 @@ def test_live_and_dump_give_the_sameverdict_rows(ckpt, engines, tmp_path):
                                    "slot_mapping_off_by_one_at_block_boundary", "vocab_ids_not_masked"])
 def test_faults_through_dumps_keep_verdict_and_origin(ckpt, engines, tmp_path, fault):
     from impl.config import load_config
-    config = smallest_config(tpcheck.faults.get_fault(fault), ckpt)
+    config = smallest_config(tpcheck.inputs.faults.get_fault(fault), ckpt)
     prompts = prompts_for(config, load_config(ckpt(config["preset"])).vocab_size)
     live, offline = _live_and_offline(ckpt, engines, tmp_path, config["preset"], config["tp"], config["dtype"],
                                       config["decode_steps"], [fault], config["block_size"], prompts)
@@ -98,7 +98,7 @@ def test_dump_points_keeps_parts_of_a_fused_point(ckpt, engines, tmp_path):
 
 
 def test_a_second_run_into_a_dump_directory_is_refused(dumped):
-    from tpcheck.dump import DumpWriter
+    from tpcheck.capture.dump import DumpWriter
     with pytest.raises(DumpError, match="earlier run"):
         DumpWriter(dumped, 0, 2, "float32")
 

@@ -1,4 +1,4 @@
-"""tpcheck.exact_ops (``tpcheck diff --exact-ops``): clean impl's RMSNorms and residual adds are bit-identical to
+"""tpcheck.measure.exact_ops (``tpcheck diff --exact-ops``): clean impl's RMSNorms and residual adds are bit-identical to
 HF's modules on impl's own inputs at every tp, dtype and step; the RMSNorm cast-order fault, which the
 noise-floor gate cannot see, fails there; the check itself compares what it says it compares."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from diff_runs import LAYERS, run_diff
-from tpcheck import exact_ops
-from tpcheck.cli import main
-from tpcheck.gate import regate
-from tpcheck.layer_diff import hf_capture
-from tpcheck.metrics import mismatch
-from tpcheck.points import point_names, split_point
+from tpcheck.measure import exact_ops
+from tpcheck.cli.app import main
+from tpcheck.cli.gate import regate
+from tpcheck.pipeline.diff import hf_capture
+from tpcheck.measure.metrics import mismatch
+from tpcheck.capture.points import point_names, split_point
 
 
 def run(ckpt, engines, preset, tp, dtype, steps=0, isolate=False, inject=(), layer=None, exact=True):

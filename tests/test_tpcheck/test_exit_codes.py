@@ -14,10 +14,10 @@ from multiprocessing.connection import wait
 
 import pytest
 
-import tpcheck.adapter
+import tpcheck.engines.adapter
 from impl.executor import RankError
-from tpcheck.cli import _exit_code, main
-from tpcheck.layer_diff import compare_engine
+from tpcheck.cli.app import _exit_code, main
+from tpcheck.pipeline.diff import compare_engine
 from impl.placements import Replicate
 from procs import descendants
 
@@ -72,12 +72,12 @@ def test_unwritable_output_fails_before_engine_work(ckpt, tmp_path, capsys, wher
 
 
 def _patch_step(monkeypatch, before):
-    real = tpcheck.adapter.ImplAdapter.step
+    real = tpcheck.engines.adapter.ImplAdapter.step
 
     def step(self, *args):
         before(self)
         return real(self, *args)
-    monkeypatch.setattr(tpcheck.adapter.ImplAdapter, "step", step)
+    monkeypatch.setattr(tpcheck.engines.adapter.ImplAdapter, "step", step)
 
 
 def test_rank_killed_mid_diff_is_named(ckpt, monkeypatch, capsys):
@@ -180,13 +180,13 @@ def test_adapter_reporting_unknown_names_is_named(ckpt):
 
 
 def test_cli_coverage_failure_exits_3(ckpt, monkeypatch, capsys, tmp_path):
-    real = tpcheck.adapter.ImplAdapter.step
+    real = tpcheck.engines.adapter.ImplAdapter.step
 
     def no_logits(self, *args):
         points = real(self, *args)
         points.pop("logits", None)
         return points
-    monkeypatch.setattr(tpcheck.adapter.ImplAdapter, "step", no_logits)
+    monkeypatch.setattr(tpcheck.engines.adapter.ImplAdapter, "step", no_logits)
     out = tmp_path / "r.json"
     assert main(["diff", "--model", str(ckpt("tiny")), "--tp", "2", "--json", str(out)]) == 3
     _one_line_error(capsys.readouterr().err, "coverage", "logits")
@@ -194,7 +194,7 @@ def test_cli_coverage_failure_exits_3(ckpt, monkeypatch, capsys, tmp_path):
 
 
 def test_gate_keeps_a_coverage_failure(ckpt, tmp_path):
-    from tpcheck.gate import regate
+    from tpcheck.cli.gate import regate
     r = compare_engine(_Reporting([]), str(ckpt("tiny")), [[1, 2, 3]], "float32")
     r.to_json(tmp_path / "r.json")
     code, msg = regate(tmp_path / "r.json")

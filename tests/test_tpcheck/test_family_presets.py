@@ -13,19 +13,19 @@ from safetensors.torch import load_file
 import tpcheck
 from impl.config import load_config
 from impl.layers.rotary import default_inv_freq, llama3_inv_freq
-from tpcheck import checkpoints as ck
-from tpcheck import fault_matrix as M
-from tpcheck import strategies as tst
-from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
-from tpcheck.capture_maps import HF_TP_MAP, IMPL_MAP
-from tpcheck.coverage import Coverage, check_known
-from tpcheck.faults import FAULTS, get_fault
-from tpcheck.points import all_point_names, model_point_names, point_names
-from tpcheck.sweep import TINY_PRESETS
+from tpcheck.inputs import checkpoints as ck
+from tpcheck.cli import fault_matrix as M
+from tpcheck.inputs import strategies as tst
+from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
+from tpcheck.capture.maps import HF_TP_MAP, IMPL_MAP
+from tpcheck.judge.coverage import Coverage, check_known
+from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.capture.points import all_point_names, model_point_names, point_names
+from tpcheck.cli.sweep import TINY_PRESETS
 
 FAMILY_PRESETS = {"tiny-llama": "llama", "small-llama": "llama", "tiny-llama-bias": "llama",
                   "tiny-mistral": "mistral", "tiny-qwen3": "qwen3", "small-qwen3": "qwen3"}
-FAMILY_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.faults.families"]
+FAMILY_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.families"]
 
 
 def _prompts(vocab: int, lens, seed: str) -> list[list[int]]:
@@ -245,7 +245,7 @@ def test_family_faults_apply_to_their_family_only(ckpt):
 
 def _orders_qk_norm(config: dict, ckpt, engines) -> bool:
     """Whether ``tpcheck.diff`` places ``attn.q_norm`` rows in execution order (before ``attn.q_rope``): it
-    orders rows by the model-independent point list until tpcheck.layer_diff uses ``all_point_names``."""
+    orders rows by the model-independent point list until tpcheck.pipeline.diff uses ``all_point_names``."""
     t = M._diff(engines, ckpt, config, []).table
     return bool(t.loc[t["point"] == "layers.0.attn.q_norm", "order"].max()
                 < t.loc[t["point"] == "layers.0.attn.q_rope", "order"].min())
@@ -265,7 +265,7 @@ def test_family_fault_found_at_its_origin(name, ckpt, engines):
         bad = r.table[~r.table["passed"]]
         assert {"layers.0.attn.q_norm", "layers.0.attn.k_norm"} <= set(bad["point"])  # the norms' own outputs
         if not _orders_qk_norm(config, ckpt, engines):
-            pytest.xfail("tpcheck.layer_diff orders rows by point_names() without the q/k norm points: "
+            pytest.xfail("tpcheck.pipeline.diff orders rows by point_names() without the q/k norm points: "
                          f"q_norm rows sort last, so the origin reads {row['origin_point']}")
     assert (row["origin_point"], row["origin_step"]) == (origin, 0), row
     assert row["ok"]

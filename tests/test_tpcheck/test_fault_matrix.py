@@ -1,4 +1,4 @@
-"""tpcheck.fault_matrix: every fault, on the smallest configuration where it shows, is caught by its check
+"""tpcheck.cli.fault_matrix: every fault, on the smallest configuration where it shows, is caught by its check
 (``tpcheck diff`` at the expected origin and step; the memory check for the memory fault), and clean runs
 of every configuration used raise no alarm in float32 and bfloat16."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tpcheck import fault_matrix as M
-from tpcheck.faults import FAULTS, get_fault
+from tpcheck.cli import fault_matrix as M
+from tpcheck.inputs.faults import FAULTS, get_fault
 
 
 # the smallest configuration of each fault: (preset, tp, dtype, decode layout?)
@@ -38,8 +38,8 @@ SMALLEST = {
 # slot mapping: prompts of 6 and 14 tokens, block 8, cross a block boundary at decode step 3)
 STEP = {"gqa_cache_repeated_heads": 0, "decode_position_off_by_one": 1, "slot_mapping_off_by_one_at_block_boundary": 3}
 
-# the family faults (tpcheck.faults.families) run on the other families' presets: tests/test_tpcheck/test_families.py
-CATALOG = [n for n, f in FAULTS.items() if f.patch.__module__ != "tpcheck.faults.families"]
+# the family faults (tpcheck.inputs.faults.families) run on the other families' presets: tests/test_tpcheck/test_families.py
+CATALOG = [n for n, f in FAULTS.items() if f.patch.__module__ != "tpcheck.inputs.faults.families"]
 DIFF_FAULTS = [n for n in CATALOG if FAULTS[n].check == "diff"]
 # the check expected to flag each origin (the rest: the noise floor)
 BY = {"nan_causal_mask": "NaN", "rmsnorm_weight_before_cast": "exact ops", "gqa_cache_repeated_heads": "shape",

@@ -1,4 +1,4 @@
-"""tpcheck.faults: the registry (one declaration per fault, beside its patch), when a fault is silent (the
+"""tpcheck.inputs.faults: the registry (one declaration per fault, beside its patch), when a fault is silent (the
 KV layout included), and each fault injected into a live (pooled) engine breaks it as described,
 only where aimed, and a reload restores it. Every test restores its engine in a ``finally``."""
 from __future__ import annotations
@@ -11,16 +11,16 @@ import torch
 
 from impl import SamplingParams
 from impl.config import load_config
-from tpcheck import faults
-from tpcheck.faults import FAULTS, Fault, fault_names, get_fault
-from tpcheck.faults.registry import register
+from tpcheck.inputs import faults
+from tpcheck.inputs.faults import FAULTS, Fault, fault_names, get_fault
+from tpcheck.inputs.faults.registry import register
 
-APPLY = "tpcheck.faults:apply"
-DESCRIBE = "tpcheck.faults:describe"
+APPLY = "tpcheck.inputs.faults:apply"
+DESCRIBE = "tpcheck.inputs.faults:describe"
 # prefill faults that show on tiny in float32 (rope_theta_default needs rope_theta != 10000, rmsnorm a half
 # dtype: tested below; full_state_dict_every_rank changes memory, not numerics; the family faults need another
 # family's preset: test_families.py)
-FAMILY = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.faults.families"]
+FAMILY = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.families"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
            and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY)]
 
@@ -114,7 +114,7 @@ def test_each_fault_declared_once_with_its_patch():
     numbers give the listing order, and a second declaration of a name or number is refused."""
     assert [f.number for f in FAULTS.values()] == list(range(1, len(FAULTS) + 1))
     for f in FAULTS.values():
-        assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.faults."), f.name
+        assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.inputs.faults."), f.name
         assert pickle.loads(pickle.dumps(f)) == f
     rope = get_fault("rope_skipped")
     with pytest.raises(ValueError, match="duplicate fault name"):

@@ -7,10 +7,10 @@ import random
 import pytest
 
 import tpcheck
-from tpcheck import gate
-from tpcheck.report.sample import sample_result
-from tpcheck.judge import judge
-from tpcheck.tolerances import Tolerances, ToleranceError, load_tolerances, parse_tolerances
+from tpcheck.cli import gate
+from tpcheck.result.report.sample import sample_result
+from tpcheck.judge.verdict import judge
+from tpcheck.judge.tolerances import Tolerances, ToleranceError, load_tolerances, parse_tolerances
 
 
 

@@ -1,4 +1,4 @@
-"""The layer-streamed golden (tpcheck.golden_streamed) equals the in-memory one bit for bit, holds one weight
+"""The layer-streamed golden (tpcheck.reference.streamed) equals the in-memory one bit for bit, holds one weight
 matrix (or LM-head chunk) at a time, and names the tensor at fault in a checkpoint that does not fit."""
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 
 import tpcheck
 from impl.loader import LoadError
-from tpcheck import exact_ops
-from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
-from tpcheck.checkpoints import PRESETS, make_checkpoint, make_config_checkpoint
-from tpcheck.golden_streamed import HEAD_ROW_ALIGN, streamed_hf_capture
-from tpcheck.reductions import Reductions
+from tpcheck.measure import exact_ops
+from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
+from tpcheck.inputs.checkpoints import PRESETS, make_checkpoint, make_config_checkpoint
+from tpcheck.reference.streamed import HEAD_ROW_ALIGN, streamed_hf_capture
+from tpcheck.reference.reductions import Reductions
 
 STEPS = 2
 # the other families load_hf_model builds: llama3 RoPE scaling, attention biases, a sliding window, q/k norms
@@ -210,14 +210,14 @@ def test_checkpoint_errors_name_the_tensor(checkpoints, tmp_path):
 
 
 def test_cli_golden_streamed_flag(monkeypatch):
-    import tpcheck.layer_diff
-    from tpcheck.cli import main
+    import tpcheck.pipeline.diff
+    from tpcheck.cli.app import main
     seen = []
 
     def fake_diff(**kw):
         seen.append(kw["streamed"])
         raise ValueError("stop here")
-    monkeypatch.setattr(tpcheck.layer_diff, "diff", fake_diff)
+    monkeypatch.setattr(tpcheck.pipeline.diff, "diff", fake_diff)
     assert main(["diff", "--preset", "tiny", "--golden-streamed"]) == 2
     assert main(["diff", "--preset", "tiny"]) == 2
     assert seen == [True, False]

@@ -11,10 +11,10 @@ import pytest
 
 import tpcheck
 from diff_runs import verdict_rows
-from tpcheck.cli import main
-from tpcheck.dump import DumpAdapter, read_dump
-from tpcheck.layer_diff import compare_engine
-from tpcheck.reductions import Reductions
+from tpcheck.cli.app import main
+from tpcheck.capture.dump import DumpAdapter, read_dump
+from tpcheck.pipeline.diff import compare_engine
+from tpcheck.reference.reductions import Reductions
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 1, 64], [200, 11, 9]]
 
@@ -63,7 +63,7 @@ def test_hf_tp_under_torchrun_dumps_what_compare_judges(ckpt, engines, tmp_path)
     d = ckpt("tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
-           "-m", "tpcheck.hf_tp", "--model", str(d), "--dump", str(tmp_path / "dump"), "--decode-steps", "2"]
+           "-m", "tpcheck.engines.hf_tp", "--model", str(d), "--dump", str(tmp_path / "dump"), "--decode-steps", "2"]
     for p in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

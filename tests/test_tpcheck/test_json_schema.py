@@ -1,5 +1,5 @@
 """Every JSON document tpcheck writes is strict JSON (no NaN / Infinity), versioned (``schema_version``,
-``kind``, run ``meta``) and valid against the shipped schema (``tpcheck.documents.load_schema``); a saved result
+``kind``, run ``meta``) and valid against the shipped schema (``tpcheck.result.documents.load_schema``); a saved result
 read back is judged the same, and the readers refuse what they cannot read (a newer schema_version, another
 kind) by name."""
 from __future__ import annotations
@@ -18,10 +18,11 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 import tpcheck  # noqa: E402
-from tpcheck import documents, fault_matrix, gate, sweep  # noqa: E402
-from tpcheck.cli import main  # noqa: E402
-from tpcheck.report import ResultFormatError, load_result  # noqa: E402
-from tpcheck.report.sample import sample_result  # noqa: E402
+from tpcheck.result import documents  # noqa: E402
+from tpcheck.cli import fault_matrix, gate, sweep  # noqa: E402
+from tpcheck.cli.app import main  # noqa: E402
+from tpcheck.result.report import ResultFormatError, load_result  # noqa: E402
+from tpcheck.result.report.sample import sample_result  # noqa: E402
 
 
 
@@ -71,7 +72,7 @@ def test_schema_ships_and_describes_every_kind_and_column(validator):
     # the shipped file is package data, so an installed wheel has it
     text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     import tomllib
-    assert "result.schema.json" in tomllib.loads(text)["tool"]["setuptools"]["package-data"]["tpcheck"]
+    assert "result.schema.json" in tomllib.loads(text)["tool"]["setuptools"]["package-data"]["tpcheck.result"]
     # a document of an unknown kind, a newer version, or with NaN where a number goes does not validate
     doc = documents.document("diff", {"passed": True, "first_divergence": None, "rows": []}, meta={})
     assert not validator.is_valid(doc)  # no rows, no meta.dtype / model
@@ -192,7 +193,7 @@ def test_sweep_json_is_strict_and_valid(validator, engines, tmp_path, capsys):
 
 
 def test_check_json_is_strict_and_valid(validator, ckpt, engines, tmp_path):
-    from tpcheck.check import check_logits, random_prompts
+    from tpcheck.pipeline.check import check_logits, random_prompts
     model = ckpt("tiny")
     df = check_logits(model, [1, 2], "float32", random_prompts(250, 1, 6, 0), pool=engines)
     ok = bool(df["passed"].all())

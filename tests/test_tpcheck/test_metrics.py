@@ -1,10 +1,10 @@
-"""tpcheck.metrics against the textbook formulas written out plainly (fresh float64 copies, torch.kthvalue)."""
+"""tpcheck.measure.metrics against the textbook formulas written out plainly (fresh float64 copies, torch.kthvalue)."""
 import math
 
 import pytest
 import torch
 
-from tpcheck.metrics import compare, max_row_rel_err, rel_err, row_rel_errs
+from tpcheck.measure.metrics import compare, max_row_rel_err, rel_err, row_rel_errs
 
 
 def plain(x: torch.Tensor, g: torch.Tensor) -> dict:

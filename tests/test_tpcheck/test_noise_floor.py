@@ -1,4 +1,4 @@
-"""The TP-aware noise floor: HF at the dtype with the row-parallel reductions emulated (``tpcheck.reductions``)
+"""The TP-aware noise floor: HF at the dtype with the row-parallel reductions emulated (``tpcheck.reference.reductions``)
 as a second reference, the references' worst earlier row at decode steps, and the massive-activation preset
 on which a one-device floor fails a correct engine."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import tpcheck
-from tpcheck.capture_hf import HFCapture, load_hf_model, new_cache
-from tpcheck.check import random_prompts
-from tpcheck.checkpoints import outlier_channels
-from tpcheck.metrics import FLOOR, K_FACTOR, max_row_rel_err, rel_err
-from tpcheck.reductions import Reductions, row_parallel_linear
+from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
+from tpcheck.pipeline.check import random_prompts
+from tpcheck.inputs.checkpoints import outlier_channels
+from tpcheck.measure.metrics import FLOOR, K_FACTOR, max_row_rel_err, rel_err
+from tpcheck.reference.reductions import Reductions, row_parallel_linear
 
 
 
@@ -129,7 +129,7 @@ def test_tp1_has_no_tp_reference(ckpt, engines):
 def test_adapter_without_reductions_is_told(ckpt, caplog):
     from hf_engine import PROMPTS, TwoRankHF
 
-    from tpcheck.layer_diff import compare_engine
+    from tpcheck.pipeline.diff import compare_engine
     d = str(ckpt("tiny"))
     r = compare_engine(TwoRankHF(d, "float32"), d, PROMPTS, "float32")
     assert "declares no `reductions`" in caplog.text

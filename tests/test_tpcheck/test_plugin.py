@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import tpcheck.pytest_plugin  # noqa: F401  imported here, so the in-process runs below import nothing new
-import tpcheck.report.html  # noqa: F401
-import tpcheck.report.sample  # noqa: F401
-import tpcheck.tolerances  # noqa: F401
+import tpcheck.result.report.html  # noqa: F401
+import tpcheck.result.report.sample  # noqa: F401
+import tpcheck.judge.tolerances  # noqa: F401
 
 pytest_plugins = ["pytester"]
 
@@ -22,7 +22,7 @@ def _plugin_args() -> list[str]:
 
 SYNTHETIC = '''
 from tpcheck.pytest_plugin import assert_layers_close as imported_helper
-from tpcheck.report.sample import sample_result
+from tpcheck.result.report.sample import sample_result
 
 def test_clean(assert_layers_close):
     assert_layers_close(sample_result(3, 1))

@@ -1,9 +1,9 @@
-"""The harness process keeps freed memory (tpcheck.pool.keep_freed_memory)."""
+"""The harness process keeps freed memory (tpcheck.engines.pool.keep_freed_memory)."""
 import os
 
 import torch
 
-from tpcheck.pool import keep_freed_memory
+from tpcheck.engines.pool import keep_freed_memory
 
 
 def _rss() -> int:

@@ -9,7 +9,7 @@
 
 Engines come from the session pool (one per TP size per xdist worker, reloaded per drawn checkpoint);
 drawn checkpoints go to a per-worker temp dir. Example budgets scale with the Hypothesis profile
-(``tpcheck.hypothesis_profiles``: ``HYPOTHESIS_PROFILE=dev|ci|thorough``); the ``ci`` profile runs
+(``tpcheck.inputs.hypothesis_profiles``: ``HYPOTHESIS_PROFILE=dev|ci|thorough``); the ``ci`` profile runs
 ``CI_MINIMUM`` examples or more in all. A failure prints the shrunk example and a one-line ``tpcheck diff``
 command that reproduces it (recreating the drawn checkpoint if its temp dir is gone)."""
 from __future__ import annotations
@@ -22,11 +22,11 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from impl import SamplingParams
-from tpcheck import strategies as tst
-from tpcheck.config_checkpoints import config_checkpoint, recreate_command
-from tpcheck.hypothesis_profiles import PROFILE, PROFILES, examples, record_examples, recorded
-from tpcheck.property_runner import Case
-from tpcheck.tp_layout import kv_layout
+from tpcheck.inputs import strategies as tst
+from tpcheck.inputs.config_checkpoints import config_checkpoint, recreate_command
+from tpcheck.inputs.hypothesis_profiles import PROFILE, PROFILES, examples, record_examples, recorded
+from tpcheck.inputs.property_runner import Case
+from tpcheck.inputs.tp_layout import kv_layout
 
 
 # share of the profile's max_examples each property runs; ci: 50 -> 70 + 70 + 2 x 25 + 50 + 30 = 270
@@ -111,7 +111,7 @@ _HF: dict = {}
 
 
 def _hf(model_dir):
-    from tpcheck.capture_hf import load_hf_model
+    from tpcheck.reference.hf import load_hf_model
     key = str(model_dir)
     if key not in _HF:
         while len(_HF) >= 4:
@@ -211,7 +211,7 @@ def test_kv_cache_holds_unrepeated_heads(engines, root):
 def test_ci_profile_runs_at_least_250_examples():
     """The ci profile's budgets add up to >= CI_MINIMUM; when every property test ran in this process (no
     xdist split), the executed count is checked too. The total of a run is printed at its end and written to
-    reports/property_examples.txt by the tpcheck.hypothesis_profiles pytest plugin."""
+    reports/property_examples.txt by the tpcheck.inputs.hypothesis_profiles pytest plugin."""
     ci = PROFILES["ci"]["max_examples"]
     planned = sum(max(1, round(w * ci)) for w in WEIGHTS.values())
     assert planned >= CI_MINIMUM, f"ci profile plans {planned} property examples, fewer than {CI_MINIMUM}"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from impl.placements import Shard
-from tpcheck.capture_maps import VLLM_MAP
-from tpcheck.cli import main
-from tpcheck.dump import read_dump
-from tpcheck.result import load_result
+from tpcheck.capture.maps import VLLM_MAP
+from tpcheck.cli.app import main
+from tpcheck.capture.dump import read_dump
+from tpcheck.result.table import load_result
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vllm_style_tp.py"

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import tpcheck.report
-from tpcheck.report import ResultFormatError, load_result, result_from_dict
-from tpcheck.report.html import render_html, render_sweep_html, write_html
-from tpcheck.report.sample import sample_result
+import tpcheck.result.report
+from tpcheck.result.report import ResultFormatError, load_result, result_from_dict
+from tpcheck.result.report.html import render_html, render_sweep_html, write_html
+from tpcheck.result.report.sample import sample_result
 
 EVIL = "<script>alert(1)</script>"
 
@@ -165,7 +165,7 @@ def test_sweep_page_links_each_configuration_and_escapes():
 
 # ---------------------------------------------------------------------------------------------- the package's layout
 
-REPORT = Path(tpcheck.report.__file__).parent
+REPORT = Path(tpcheck.result.report.__file__).parent
 
 
 def test_the_stylesheet_and_script_are_package_data_inlined_verbatim():
@@ -186,15 +186,15 @@ def test_the_stylesheet_and_script_are_package_data_inlined_verbatim():
 def test_pyproject_ships_the_static_files():
     """An installed wheel has every file the report inlines: pyproject's package-data names them."""
     tomllib = pytest.importorskip("tomllib")
-    with open(REPORT.parent.parent / "pyproject.toml", "rb") as f:
+    with open(REPORT.parents[2] / "pyproject.toml", "rb") as f:
         data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
-    shipped = {p for glob in data["tpcheck.report"] for p in REPORT.glob(glob)}
+    shipped = {p for glob in data["tpcheck.result.report"] for p in REPORT.glob(glob)}
     assert {"report.css", "report.js"} <= {p.name for p in shipped}
     assert set((REPORT / "static").iterdir()) <= shipped
 
 
 def test_a_static_file_that_would_end_its_element_is_refused(tmp_path, monkeypatch):
-    from tpcheck.report import shell
+    from tpcheck.result.report import shell
     (tmp_path / "static").mkdir()
     (tmp_path / "static" / "report.js").write_text("var s = '</SCRIPT>';\n")
     monkeypatch.setattr(shell, "resources", SimpleNamespace(files=lambda package: tmp_path))
@@ -219,7 +219,7 @@ def test_the_report_modules_stay_small():
 
 
 def test_the_public_names_import():
-    from tpcheck.report import html, render_html as lazy_render, render_sweep_html as lazy_sweep
-    from tpcheck.report.shell import static_text
+    from tpcheck.result.report import html, render_html as lazy_render, render_sweep_html as lazy_sweep
+    from tpcheck.result.report.shell import static_text
     assert lazy_render is render_html and lazy_sweep is render_sweep_html and html.write_html is write_html
     assert static_text("report.js").lstrip().startswith("(function") and ":root" in static_text("report.css")

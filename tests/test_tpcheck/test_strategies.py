@@ -1,6 +1,6 @@
-"""tpcheck.strategies draws only valid cases and covers the layouts it promises; the drawn configs' checkpoints
-(tpcheck.config_checkpoints) and a case's reproduction command (tpcheck.property_runner) are deterministic;
-tpcheck.hypothesis_profiles selects profiles from the environment."""
+"""tpcheck.inputs.strategies draws only valid cases and covers the layouts it promises; the drawn configs' checkpoints
+(tpcheck.inputs.config_checkpoints) and a case's reproduction command (tpcheck.inputs.property_runner) are deterministic;
+tpcheck.inputs.hypothesis_profiles selects profiles from the environment."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +11,12 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from tpcheck import config_checkpoints, property_runner, tp_layout
-from tpcheck import hypothesis_profiles as hp
-from tpcheck import strategies as tst
-from tpcheck.config_checkpoints import checkpoint_key, config_checkpoint, recreate_command
-from tpcheck.property_runner import Case
-from tpcheck.tp_layout import kv_layout, tp_compatible
+from tpcheck.inputs import config_checkpoints, property_runner, tp_layout
+from tpcheck.inputs import hypothesis_profiles as hp
+from tpcheck.inputs import strategies as tst
+from tpcheck.inputs.config_checkpoints import checkpoint_key, config_checkpoint, recreate_command
+from tpcheck.inputs.property_runner import Case
+from tpcheck.inputs.tp_layout import kv_layout, tp_compatible
 
 FAST = settings(max_examples=200, deadline=None, database=None)
 
@@ -172,16 +172,16 @@ def test_repro_recreates_the_checkpoint(tmp_path):
 def test_checkpoint_key_is_stable(monkeypatch):
     """The cache key of a drawn config's checkpoint is its directory name: a changed key orphans every cached
     checkpoint and every printed reproduction path. It changes with the recipe version, and only then."""
-    import tpcheck.checkpoints
+    import tpcheck.inputs.checkpoints
     config = dict(tst._FIXED, hidden_size=16, num_attention_heads=2, num_key_value_heads=2, intermediate_size=16,
                   num_hidden_layers=1, vocab_size=32, tie_word_embeddings=False, rope_theta=10000.0,
                   rms_norm_eps=1e-6)
-    monkeypatch.setattr(tpcheck.checkpoints, "RECIPE_VERSION", 1)
+    monkeypatch.setattr(tpcheck.inputs.checkpoints, "RECIPE_VERSION", 1)
     assert checkpoint_key(config) == "cd16df317ea62b3d"
     assert checkpoint_key(config, outliers=0.0) == checkpoint_key(config)  # no outliers: the key of before them
     assert len({checkpoint_key(config, seed=1), checkpoint_key(config, bias_std=4.0), checkpoint_key(config),
                 checkpoint_key(config, dtype="bfloat16"), checkpoint_key(config, outliers=1.0)}) == 5
-    monkeypatch.setattr(tpcheck.checkpoints, "RECIPE_VERSION", 2)
+    monkeypatch.setattr(tpcheck.inputs.checkpoints, "RECIPE_VERSION", 2)
     assert checkpoint_key(config) != "cd16df317ea62b3d"
 
 
@@ -204,7 +204,7 @@ def test_tp_rules_are_impls(tmp_path):
 
 
 def test_strategies_reexports():
-    """``tpcheck.strategies`` still names what moved out of it (sweep, user tests, printed repro lines)."""
+    """``tpcheck.inputs.strategies`` still names what moved out of it (sweep, user tests, printed repro lines)."""
     assert tst.Case is property_runner.Case
     assert tst.config_checkpoint is config_checkpoints.config_checkpoint
     assert tst.recreate_command is config_checkpoints.recreate_command

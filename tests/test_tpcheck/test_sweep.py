@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from tpcheck import strategies as tst
-from tpcheck import sweep
+from tpcheck.inputs import strategies as tst
+from tpcheck.cli import sweep
 
 
 

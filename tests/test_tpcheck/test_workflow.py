@@ -11,10 +11,10 @@ import pytest
 
 import tpcheck
 from diff_runs import COLS
-from tpcheck.arg_types import int_ranges
-from tpcheck.cli import main
-from tpcheck.golden_store import GoldenError
-from tpcheck.layer_diff import selection
+from tpcheck.cli.arg_types import int_ranges
+from tpcheck.cli.app import main
+from tpcheck.reference.saved import GoldenError
+from tpcheck.pipeline.diff import selection
 
 PROMPTS = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
 
@@ -88,7 +88,7 @@ def test_selection_and_layer_lists():
 
 
 def test_impl_ranks_capture_only_the_selection(ckpt, engines):
-    from tpcheck.adapter import ImplAdapter
+    from tpcheck.engines.adapter import ImplAdapter
     llm = engines.get(ckpt("tiny"), 2, "float32")
     for sel, want in ((r"layers\.0\..*", lambda n: n.startswith("layers.0.")), (None, lambda n: True)):
         adapter = ImplAdapter(llm, points=sel)

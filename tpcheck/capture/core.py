@@ -1,0 +1,421 @@
+"""Engine-side capture: forward hooks driven by a *name map*, importable inside any rank of any engine.
+
+A name map (``NameMap``) is a list of ``Rule``: a module-name pattern (``{layer}`` stands for the layer index)
+→ a canonical point (``tpcheck.capture.points``), taken from the module's output or its input, with the placement
+that says how the rank's local tensor makes the full one (``impl.placements``). Ready maps (defined in
+``tpcheck.capture.maps``, importable from here): ``IMPL_MAP`` (impl), ``HF_MAP`` (Hugging Face
+``Qwen2ForCausalLM``, tp 1), ``HF_TP_MAP`` (the same under transformers' ``tp_plan``), ``VLLM_MAP`` (vLLM / SGLang module names; read its docstring for what a fused
+add + RMSNorm engine reports).
+
+Turning it on — one call, or one environment variable::
+
+    cap = tpcheck.capture.install(model, VLLM_MAP, writer=DumpWriter(dir, rank, tp, "bfloat16", "vllm"))
+    ...                                     # one forward (one engine step)
+    cap.step_done(step, tokens, starts)     # the step's points go to the writer; the capture is cleared
+    cap.remove()                            # every hook removed
+
+    cap = tpcheck.capture.from_env(model, VLLM_MAP, rank, tp, "bfloat16", "vllm")   # None unless TPCHECK_DUMP
+
+``from_env`` registers nothing and returns None when ``TPCHECK_DUMP`` is unset or empty (no hook: no cost);
+with ``TPCHECK_DUMP=DIR`` it writes ``DIR/rank{r}/step{s}.{json,safetensors}`` (``tpcheck.capture.dump``) and also reads
+``TPCHECK_DUMP_POINTS`` (a regex of point names to keep; hooks are registered only where a kept point can come
+from) and ``TPCHECK_DUMP_BUDGET_MB`` (a bound on the bytes written per rank: past it the capture stops, logs why
+and removes its hooks, so a debugging dump never kills the serving run).
+
+How a hook picks, copies and shapes a tensor, and what vLLM / SGLang need (eager mode): docs/adapters.md,
+"Capturing inside your engine".
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from impl.placements import Fused, Partial, Replicate, Shard
+from tpcheck.capture.points import all_point_names, point_names
+
+logger = logging.getLogger("tpcheck.capture")
+
+ENV_DIR, ENV_POINTS, ENV_BUDGET = "TPCHECK_DUMP", "TPCHECK_DUMP_POINTS", "TPCHECK_DUMP_BUDGET_MB"
+_LAYER_GROUP = "{layer}"
+_FORMAT_KEYS = re.compile(r"\{(\w*)\}")
+
+PlacementSpec = object  # a Placement, or a callable (module, parent module) -> Placement, read at each call
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One capture site. ``module``: a regex fullmatched against a module's qualified name (as
+    ``model.named_modules()`` names it); ``{layer}`` stands for the layer index (``\\d+``). ``point``: the
+    canonical name it gives, a template over ``{layer}``, ``{prev}`` (layer - 1: sites at a layer's input
+    that carry the previous layer's output) and ``{last}`` (the last layer: sites after the decoder stack);
+    a name ending in ``.`` is a fused output whose ``parts`` (the ``Fused`` placement's part names, in order)
+    complete it (``layers.{layer}.attn.`` + ``q``/``k``/``v``). ``placement``: a ``Placement``, or a callable
+    ``(module, parent) -> Placement`` read at every call (``declared()``, ``of_sibling(...)``). ``input``:
+    take the module's input (a forward pre-hook) instead of its output. ``index``: which input (position, or
+    keyword name) or which element of a tuple output (position) / attribute of an object output (name); a
+    plain tensor output is element 0, and has no other element (the site then gives nothing that call)."""
+
+    module: str
+    point: str
+    placement: PlacementSpec = Replicate()
+    input: bool = False
+    index: int | str = 0
+    parts: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        keys = set(_FORMAT_KEYS.findall(self.point)) - {"layer", "prev", "last"}
+        if keys:
+            raise ValueError(f"rule {self.module!r}: point {self.point!r} uses {sorted(keys)}; only "
+                             "{layer}, {prev}, {last}")
+        if (("{layer}" in self.point or "{prev}" in self.point) and _LAYER_GROUP not in self.module):
+            raise ValueError(f"rule {self.module!r}: point {self.point!r} needs {{layer}} in the module pattern")
+        if self.point.endswith(".") != bool(self.parts):
+            raise ValueError(f"rule {self.module!r}: a fused point ends with '.' and names its parts "
+                             f"(point {self.point!r}, parts {self.parts!r})")
+        for name in self.names(3, 5):  # a point name tpcheck does not know is a misconfigured map
+            if name not in _CANONICAL:
+                raise ValueError(f"rule {self.module!r}: {name!r} is not a canonical point (tpcheck.capture.points)")
+
+    @property
+    def pattern(self) -> re.Pattern:
+        return re.compile(self.module.replace(_LAYER_GROUP, r"(?P<layer>\d+)"))
+
+    def name(self, layer: int | None, last: int | None) -> str | None:
+        """The point name at a site of layer ``layer`` (None where the site gives none: ``{prev}`` of layer 0,
+        ``{last}`` of a model without layers)."""
+        keys = {"layer": layer, "prev": None if layer is None or layer == 0 else layer - 1, "last": last}
+        used = _FORMAT_KEYS.findall(self.point)
+        if any(keys[k] is None for k in used):
+            return None
+        return self.point.format(**keys)
+
+    def names(self, layer: int | None, last: int | None) -> list[str]:
+        """The canonical names a site gives (fused: one per part)."""
+        n = self.name(layer, last)
+        return [] if n is None else [n + p for p in self.parts] if self.parts else [n]
+
+
+_CANONICAL = set(all_point_names(6))  # every family's names (Qwen3's q/k norms too)
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """The rules of one engine's module tree. ``token_dims``: how many leading dims of a captured tensor are
+    rows (1: ``[tokens, ...]``; 2: ``[batch, seq, ...]``, Hugging Face)."""
+
+    name: str
+    rules: tuple[Rule, ...]
+    token_dims: int = 1
+    doc: str = ""
+
+    def reports(self, num_layers: int, qk_norm: bool = False) -> list[str]:
+        """The canonical points this map gives for a model of ``num_layers`` layers, in execution order;
+        ``qk_norm``: a model with per-head q/k norms (Qwen3), where the maps' ``attn.q_norm`` rules match."""
+        got = set()
+        for rule in self.rules:
+            layers = range(num_layers) if _LAYER_GROUP in rule.module else [None]
+            for i in layers:
+                got.update(rule.names(i, num_layers - 1 if num_layers else None))
+        return [n for n in point_names(num_layers, with_kv=True, qk_norm=qk_norm) if n in got]
+
+    def not_reported(self, num_layers: int, with_kv: bool = False) -> list[str]:
+        """The canonical points this map never gives (what ``tpcheck.judge.coverage`` will list as not reported)."""
+        got = set(self.reports(num_layers))
+        return [n for n in point_names(num_layers, with_kv) if n not in got]
+
+    def without(self, *points: str) -> "NameMap":
+        """This map less the rules whose point template is one of ``points`` (e.g. ``"layers.{prev}.out"``)."""
+        return replace(self, rules=tuple(r for r in self.rules if r.point not in points))
+
+    def with_placement(self, point: str, placement: PlacementSpec) -> "NameMap":
+        """This map with the rules of point template ``point`` given another placement (e.g.
+        ``VLLM_MAP.with_placement("layers.{layer}.attn.out", Partial())`` for an o_proj that does not
+        all-reduce)."""
+        if not any(r.point == point for r in self.rules):
+            raise KeyError(f"{self.name}: no rule gives {point!r}")
+        return replace(self, rules=tuple(replace(r, placement=placement) if r.point == point else r
+                                         for r in self.rules))
+
+
+def declared(attr: str = "output_placement") -> Callable:
+    """Placement spec: the matched module's own attribute (impl's declared ``output_placement``)."""
+    return lambda module, parent: getattr(module, attr)
+
+
+def of_sibling(path: str, attr: str = "output_placement") -> Callable:
+    """Placement spec: an attribute of a sibling module (``path`` relative to the matched module's parent),
+    for a point captured from a module's input but produced by its sibling."""
+    return lambda module, parent: getattr(parent.get_submodule(path), attr)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
+
+
+def dtensor_placement(t):
+    """The ``impl.placements`` placement of a 1-D-mesh DTensor's local tensor: ``Shard(d)`` on the last dim
+    → ``Shard(-1)``, ``Replicate`` → ``Replicate()``, ``Partial`` → ``Partial()``. Captured tensors are
+    ``[rows, features]``: a shard along any other dim has no meaning there and is refused."""
+    (p,) = t.placements  # tensor parallelism alone: a 1-D device mesh
+    if p.is_replicate():
+        return Replicate()
+    if p.is_partial():
+        return Partial()
+    if p.is_shard() and p.dim in (-1, t.ndim - 1):
+        return Shard(-1)
+    raise ValueError(f"tpcheck.capture: a DTensor sharded as {p} (shape {tuple(t.shape)}): only the last dim "
+                     "maps onto captured [rows, features]")
+
+
+def weight_placement(side: str = "out") -> Callable:
+    """Placement spec for a linear layer sharded by its weight, as transformers' ``tp_plan`` shards it (the
+    weight a DTensor, the activations plain local tensors): ``side="out"``: a weight ``Shard(0)``
+    (column-parallel) gives an output ``Shard(-1)``, anything else a full output (row-parallel outputs are
+    all-reduced); ``side="in"``: a weight ``Shard(1)`` (row-parallel) takes its input ``Shard(-1)``."""
+    want = 0 if side == "out" else 1
+
+    def spec(module, parent):
+        w = getattr(module, "weight", None)
+        if _is_dtensor(w) and any(p.is_shard() and p.dim == want for p in w.placements):
+            return Shard(-1)
+        return Replicate()
+    return spec
+
+
+def _select(value, index: int | str, kwargs: dict | None = None):
+    if isinstance(index, str):
+        if kwargs is not None:
+            return kwargs.get(index)
+        return getattr(value, index, None)
+    if isinstance(value, torch.Tensor):
+        return value if index == 0 else None
+    if isinstance(value, (tuple, list)):
+        return value[index] if -len(value) <= index < len(value) else None
+    return None
+
+
+def as_rows(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
+    """A CPU copy of ``t`` as ``[rows, features]``: its first ``token_dims`` dims are the rows."""
+    rows = 1
+    for d in t.shape[:token_dims]:
+        rows *= d
+    return t.detach().reshape(rows, -1).to("cpu", copy=True)
+
+
+@dataclass
+class _Site:
+    module_name: str
+    rule: Rule
+    name: str          # the point name (fused: the prefix, ending in ".")
+    parent: nn.Module = field(repr=False)
+
+
+@dataclass
+class Capture:
+    """Hooks installed by ``install``. ``sites``: what is hooked; ``dropped``: points ``step_done`` dropped,
+    with why; ``error``: why the capture stopped (a dump past its budget), or None."""
+
+    model: nn.Module = field(repr=False)
+    name_map: NameMap = field(repr=False)
+    writer: object = None
+    keep: re.Pattern | None = None
+    on_error: str = "raise"
+    sites: list[_Site] = field(default_factory=list, repr=False)
+    dropped: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+    step: int = 0
+    _pending: dict = field(default_factory=dict, repr=False)
+    _handles: list = field(default_factory=list, repr=False)
+
+    @property
+    def names(self) -> list[str]:
+        """Every canonical point name the installed hooks can give (fused outputs by part)."""
+        out = []
+        for s in self.sites:
+            out += [s.name + p for p in s.rule.parts] if s.rule.parts else [s.name]
+        return out
+
+    def _put(self, site: _Site, module: nn.Module, value) -> None:
+        if value is None:
+            return
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"tpcheck.capture: {site.module_name} ({site.rule.point}) gave a "
+                            f"{type(value).__name__}, not a tensor: fix the rule's index")
+        spec = site.rule.placement
+        placement = spec(module, site.parent) if callable(spec) else spec
+        if _is_dtensor(value):  # a DTensor says itself how it is laid out: that wins over the rule
+            placement, value = dtensor_placement(value), value.to_local()
+        if site.rule.parts:
+            names = tuple(p for p, _, _ in placement.parts) if isinstance(placement, Fused) else None
+            if names != site.rule.parts:
+                raise ValueError(f"tpcheck.capture: {site.module_name}: fused point {site.name!r} wants a Fused "
+                                 f"placement with parts {site.rule.parts}, got {placement}")
+        entry = self._pending.setdefault(site.name, (placement, []))
+        entry[1].append(as_rows(value, self.name_map.token_dims))
+
+    def _hook_out(self, sites: list[_Site]):
+        def hook(module, args, output):
+            for s in sites:
+                self._put(s, module, _select(output, s.rule.index))
+        return hook
+
+    def _hook_in(self, sites: list[_Site]):
+        def hook(module, args, kwargs):
+            for s in sites:
+                idx = s.rule.index
+                self._put(s, module, _select(args, idx) if isinstance(idx, int) else kwargs.get(idx))
+        return hook
+
+    def _kept(self, name: str, placement, t: torch.Tensor) -> list[tuple[str, object, torch.Tensor]]:
+        """The point (or, when only some parts of a fused point are kept, those parts) the filter keeps."""
+        if self.keep is None:
+            return [(name, placement, t)]
+        if isinstance(placement, Fused):
+            parts = [(part, sub) for part, _, sub in placement.parts]
+            wanted = [self.keep.fullmatch(name + part) is not None for part, _ in parts]
+            if all(wanted):
+                return [(name, placement, t)]
+            pieces = t.split([w for _, w, _ in placement.parts], dim=-1)
+            return [(name + part, sub, piece.contiguous()) for (part, sub), piece, w in zip(parts, pieces, wanted)
+                    if w]
+        return [(name, placement, t)] if self.keep.fullmatch(name) else []
+
+    def step_done(self, step: int | None = None, tokens: list[list[int]] | None = None,
+                  starts: list[int] | None = None) -> dict:
+        """Close one step: ``{name: (placement, local [rows, features] tensor)}`` of every point captured
+        since the last call (fused outputs whole, under their ``.``-ending name, unless ``keep`` keeps only
+        some parts), handed to the writer (``tpcheck.capture.dump.DumpWriter``) as step ``step`` (default: a counter
+        from 0) and returned; the capture is then cleared. ``tokens``: per prompt, the token ids this step
+        consumed; ``starts``: their first positions (the writer needs both)."""
+        step = self.step if step is None else step
+        self.step = step + 1
+        pending, self._pending = self._pending, {}
+        rows = None if tokens is None else sum(len(t) for t in tokens)
+        points = {}
+        for name, (placement, ts) in pending.items():
+            t = ts[0] if len(ts) == 1 else torch.cat(ts)
+            if rows is not None and t.shape[0] != rows:
+                why = f"step {step}: {t.shape[0]} rows, the step has {rows} tokens"
+                if name not in self.dropped:
+                    logger.info(f"tpcheck.capture: {name} dropped ({why})")
+                self.dropped[name] = why
+                continue
+            for n, p, x in self._kept(name, placement, t):
+                points[n] = (p, x)
+        if self.writer is not None and self.error is None:
+            if tokens is None or starts is None:
+                raise ValueError("step_done: a writer needs the step's tokens and starts")
+            try:
+                self.writer.write(step, tokens, starts, points)
+            except Exception as e:
+                if self.on_error == "raise":
+                    raise
+                self.error = f"step {step}: {e}"
+                logger.error(f"tpcheck.capture: dump stopped, hooks removed ({self.error})")
+                self.remove()
+        return points
+
+    def clear(self) -> None:
+        """Forget what was captured since the last ``step_done`` (a warm-up or profiling forward)."""
+        self._pending = {}
+
+    def remove(self) -> None:
+        """Remove every hook this capture registered."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._pending = {}
+
+
+def install(model: nn.Module, name_map: NameMap, writer=None, points: str | None = None,
+            on_error: str = "raise") -> Capture:
+    """Register the map's hooks on ``model`` and return the ``Capture``. ``points``: a regex of point names
+    to keep (fullmatched; a fused output is kept whole when all its parts are kept, else split into the kept
+    parts); sites that cannot give a kept point get no hook. ``on_error``: ``"raise"`` a writer's error from
+    ``step_done``, or ``"stop"``: log it, remove the hooks and carry on. A map that matches no module of the
+    model is a ValueError (a misconfigured map must not pass silently)."""
+    if on_error not in ("raise", "stop"):
+        raise ValueError(f"on_error must be 'raise' or 'stop', got {on_error!r}")
+    keep = re.compile(points) if points else None
+    modules = dict(model.named_modules())
+    matches: list[tuple[str, Rule, int | None]] = []
+    layers: set[int] = set()
+    for mname in modules:
+        for rule in name_map.rules:
+            m = rule.pattern.fullmatch(mname)
+            if m:
+                layer = int(m.group("layer")) if "layer" in m.groupdict() else None
+                matches.append((mname, rule, layer))
+                if layer is not None:
+                    layers.add(layer)
+    if not matches:
+        sample = [n for n in modules if n][:6]
+        raise ValueError(f"tpcheck.capture: {name_map.name} matches no module of {type(model).__name__} "
+                         f"(its modules are named like {sample})")
+    last = max(layers) if layers else None
+    cap = Capture(model, name_map, writer, keep, on_error)
+    by_module: dict[tuple[str, bool], list[_Site]] = {}  # one hook per module and direction, rules in map order
+    for mname, rule, layer in matches:
+        name = rule.name(layer, last)
+        if name is None:
+            continue
+        if keep is not None and not any(keep.fullmatch(n) for n in rule.names(layer, last)):
+            continue
+        parent = modules[mname.rpartition(".")[0]]
+        site = _Site(mname, rule, name, parent)
+        cap.sites.append(site)
+        by_module.setdefault((mname, rule.input), []).append(site)
+    for (mname, is_input), sites in by_module.items():
+        mod = modules[mname]
+        if is_input:
+            cap._handles.append(mod.register_forward_pre_hook(cap._hook_in(sites), with_kwargs=True))
+        else:
+            cap._handles.append(mod.register_forward_hook(cap._hook_out(sites)))
+    return cap
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: int | None = None,
+             dtype: str | torch.dtype = "float32", engine: str = "?") -> Capture | None:
+    """``install`` with a ``tpcheck.capture.dump.DumpWriter`` when ``TPCHECK_DUMP=DIR`` is set; None (and no hook)
+    otherwise. ``TPCHECK_DUMP_POINTS``: the ``points`` regex; ``TPCHECK_DUMP_BUDGET_MB``: the writer's budget
+    (past it the capture stops and logs why). ``rank`` / ``tp`` default to torch.distributed's."""
+    root = os.environ.get(ENV_DIR, "")
+    if not root:
+        return None
+    points = os.environ.get(ENV_POINTS) or None
+    if points is not None:
+        try:
+            re.compile(points)
+        except re.error as e:
+            raise ValueError(f"{ENV_POINTS}={points!r} is not a regular expression: {e}") from None
+    budget = os.environ.get(ENV_BUDGET) or None
+    if budget is not None:
+        try:
+            budget = int(float(budget) * 2**20)
+        except ValueError:
+            raise ValueError(f"{ENV_BUDGET}={budget!r} is not a number of MiB") from None
+    if rank is None or tp is None:
+        import torch.distributed as dist
+        on = dist.is_available() and dist.is_initialized()
+        rank = rank if rank is not None else (dist.get_rank() if on else 0)
+        tp = tp if tp is not None else (dist.get_world_size() if on else 1)
+    from tpcheck.capture.dump import DumpWriter
+    writer = DumpWriter(root, rank, tp, _dtype_name(dtype), engine, budget_bytes=budget)
+    cap = install(model, name_map, writer, points=points, on_error="stop")
+    logger.info(f"tpcheck.capture: {name_map.name} dump of rank {rank}/{tp} to {root} "
+                f"({len(cap.sites)} sites{', points ' + points if points else ''})")
+    return cap
+
+
+__all__ = ["Rule", "NameMap", "Capture", "install", "from_env", "declared", "of_sibling", "weight_placement",
+           "dtensor_placement"]

@@ -1,0 +1,100 @@
+"""The impl side of the adapter, run inside each TP rank through ``LLM.call(capture_impl.step, ...)``.
+
+The hooks are ``tpcheck.capture`` with ``IMPL_MAP`` (see ``tpcheck/capture/core/maps.py`` for which module gives
+which point and placement; a fused output such as ``layers.0.attn.`` comes whole with its ``Fused``
+placement and the harness splits it). This module adds what only a live engine offers: the teacher inputs
+of ``--isolate`` and the KV cache read back from its paged blocks. Tensors are ``[rows, features]`` on CPU,
+in the engine's dtype."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from impl.placements import Shard
+from tpcheck.capture.core import as_rows, install
+from tpcheck.capture.maps import IMPL_MAP
+
+_STATE = "_tpcheck"
+
+
+def setup(runner, num_blocks: int | None, block_size: int, dump: dict | None = None,
+          points: str | None = None) -> None:
+    """Allocate a KV cache of the given layout (``num_blocks`` None: the engine's own cache serves, blocks of
+    ``block_size``) and install the capture hooks (once per loaded model): the
+    points of ``tpcheck.capture.IMPL_MAP`` (the same hooks an engine installs for dumps), plus the teacher
+    pre-hooks that ``--isolate`` uses. ``dump``: ``tpcheck.capture.dump.DumpWriter`` keywords (``root``, ``dtype``,
+    ``points``, ``budget_bytes``): this rank also writes every propagated step's points there itself.
+    ``points``: a regex of the points to capture (``--points`` / ``--layers``): hooks only where they come from,
+    and only the selected layers' KV cache read back."""
+    if num_blocks is not None:
+        runner.allocate_kv_cache(num_blocks, block_size)
+    elif runner.block_size != block_size:
+        raise ValueError(f"the engine's KV cache has blocks of {runner.block_size} tokens, not {block_size}")
+    st = getattr(runner.model, _STATE, None)
+    if st is None:
+        st = {"capture": install(runner.model, IMPL_MAP, points=points), "teacher": None, "points": points}
+        setattr(runner.model, _STATE, st)
+        _teacher_hooks(runner, st)
+    elif st["points"] != points:  # another selection: the hooks of this one
+        st["capture"].remove()
+        st["capture"], st["points"] = install(runner.model, IMPL_MAP, points=points), points
+    st["writer"], st["step"] = None, 0
+    if dump is not None:
+        from impl.distributed import get_tp_rank, get_tp_size
+        from tpcheck.capture.dump import DumpWriter
+        st["writer"] = DumpWriter(rank=get_tp_rank(), tp=get_tp_size(), engine="impl", **dump)
+
+
+def _teacher_hooks(runner, st: dict) -> None:
+    m = runner.model.model
+
+    def teach(i):
+        def hook(mod, args):
+            if st["teacher"] is None:
+                return None
+            x = st["teacher"][i].to(dtype=runner.dtype, device=runner.device)
+            return (args[0], x) if len(args) == 2 else (x,)
+        return hook
+
+    for i, layer in enumerate(m.layers):
+        layer.register_forward_pre_hook(teach(i))
+    m.norm.register_forward_pre_hook(teach(len(m.layers)))
+
+
+def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None = None) -> dict:
+    """Run one step (``ModelRunner.step`` with every token's logits) and return its points
+    ``{name: (placement, tensor)}``; with ``kv_lens``, also each layer's cache contents for every prompt."""
+    st = getattr(runner.model, _STATE)
+    cap = st["capture"]
+    cap.clear()
+    st["teacher"] = teacher
+    try:
+        runner.step(batch, all_logits=True)
+        points = cap.step_done()
+    finally:
+        st["teacher"] = None
+        cap.clear()
+    if kv_lens is not None:
+        keep = None if st["points"] is None else re.compile(st["points"])
+        kv = read_kv(runner, [table for _, _, table in batch], kv_lens)
+        points.update({n: v for n, v in kv.items() if keep is None or keep.fullmatch(n)})
+    if st.get("writer") is not None and teacher is None:  # a dump records the propagated run
+        st["writer"].write(st["step"], [list(t) for t, _, _ in batch], [s for _, s, _ in batch], points)
+        st["step"] += 1
+    return points
+
+
+def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
+    """Each layer's cached keys/values of every prompt, read back from the paged blocks."""
+    from impl.layers.attention import block_slots
+    out = {}
+    for i, layer in enumerate(runner.model.model.layers):
+        attn = layer.self_attn.attn
+        kv = Shard(-1, layer.self_attn.qkv_proj.kv_replicas)
+        bs = attn.k_cache.shape[1]
+        heads = attn.k_cache.shape[2]  # what the cache actually holds (a faulty cache may hold more heads)
+        slots = torch.cat([block_slots(torch.tensor([t]), bs, n)[0] for t, n in zip(tables, lens)])
+        for name, cache in (("k", attn.k_cache), ("v", attn.v_cache)):
+            out[f"layers.{i}.kv.{name}"] = (kv, as_rows(cache.view(-1, heads, cache.shape[3])[slots]))
+    return out

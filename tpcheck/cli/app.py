@@ -1,0 +1,397 @@
+"""``tpcheck`` command line.
+
+Exit codes, the same for every subcommand:
+  0  pass: every check passed
+  1  diverged: a point left the noise floor (the origin is named)
+  2  bad input: a file, config field, flag or path (named)
+  3  the engine or the harness failed: a rank died, hung or raised (named, with its last words), the engine
+     did not report what the verdict needs (coverage), or an I/O error (the path)
+One line on stderr for 2 and 3; the traceback only with --debug (or TPCHECK_DEBUG=1).
+
+With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+import traceback
+from pathlib import Path
+
+from tpcheck.inputs import checkpoints
+from tpcheck.engines.adapter import ENGINES
+from tpcheck.cli.arg_types import int_list, int_ranges, regex
+from tpcheck.judge.coverage import DEFAULT_REQUIRE, CoverageError
+from tpcheck.result.documents import package_version
+
+
+def _add_outputs(p: argparse.ArgumentParser) -> None:
+    """The verdict's outputs and gate options, shared by diff and compare."""
+    p.add_argument("--require-points", type=regex, default=DEFAULT_REQUIRE, metavar="REGEX",
+                   help="canonical points the engine must report, else exit 3 (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
+    p.add_argument("--csv", type=Path, help="write every row as CSV")
+    p.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
+    p.add_argument("--parquet", type=Path, help="write every row as Parquet (needs pyarrow)")
+    p.add_argument("--html", type=Path, help="write the self-contained HTML report")
+    p.add_argument("--tolerances", type=Path, metavar="FILE.toml",
+                   help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tpcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
+    ap.add_argument("--version", action="version", version=f"tpcheck {package_version('tpcheck') or 'unknown (not installed)'}")
+    sub = ap.add_subparsers(dest="cmd")
+
+    mk = sub.add_parser("make-checkpoint", help="write a synthetic Hugging Face Qwen2 checkpoint")
+    mk.add_argument("--preset", required=True, choices=checkpoints.preset_names())
+    mk.add_argument("--out", required=True, type=Path)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--dtype", default="float32", choices=sorted(checkpoints.DTYPES))
+    mk.add_argument("--shards", type=int, default=1, help="number of safetensors files (>1 writes an index)")
+
+    sub.add_parser("presets", help="list the synthetic checkpoint presets")
+    sub.add_parser("schema", help="print the JSON Schema (draft 2020-12) of the --json documents")
+    fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
+    fsub = fl.add_subparsers(dest="action", required=True)
+    fsub.add_parser("list", help="each fault: description, where it shows, expected origin")
+    from tpcheck.cli import fault_matrix
+    fault_matrix.register(fsub)
+
+    ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
+    src = ck.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="a Hugging Face Qwen2 checkpoint directory")
+    src.add_argument("--preset", default="tiny", choices=checkpoints.preset_names(),
+                     help="synthetic checkpoint used when --model is not given (default: tiny)")
+    ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
+    ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ck.add_argument("--prompt-ids", type=int_list, action="append", help="a prompt as token ids (repeatable)")
+    ck.add_argument("--seq-len", type=int, default=64)
+    ck.add_argument("--batch", type=int, default=2)
+    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--logprobs-topk", type=int, metavar="K", default=None,
+                    help="also require vLLM's check_logprobs_close rule: where the top tokens differ, each is in "
+                         "the other side's top K (reported per prompt either way, with K=5 when not given)")
+    ck.add_argument("--json", type=Path, help="write the table as JSON")
+    df = sub.add_parser("diff", help="layer-by-layer differential run: where the engine leaves the noise floor")
+    df.add_argument("--layer-by-layer", action="store_true", help="(the only mode; accepted for clarity)")
+    src = df.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="a Hugging Face Qwen2 checkpoint directory")
+    src.add_argument("--preset", default="small", choices=checkpoints.preset_names(),
+                     help="synthetic checkpoint used when --model is not given (default: small)")
+    df.add_argument("--engine", default="impl", choices=list(ENGINES),
+                    help="the engine under test: " + "; ".join(f"{k}: {v}" for k, v in ENGINES.items()))
+    df.add_argument("--tp", type=int, default=2)
+    df.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    inp = df.add_mutually_exclusive_group()
+    inp.add_argument("--prompt-ids", type=int_list, action="append", help="a prompt as token ids (repeatable)")
+    inp.add_argument("--prompt", action="append", help="prompt text (needs a tokenizer in --model; repeatable)")
+    df.add_argument("--seq-len", type=int, default=32, help="random prompts: tokens each (default 32)")
+    df.add_argument("--batch", type=int, default=2, help="random prompts: how many (default 2)")
+    df.add_argument("--seed", type=int, default=0, help="random prompts: seed")
+    df.add_argument("--decode-steps", type=int, default=0)
+    df.add_argument("--isolate", action="store_true", help="also run teacher-forced: each layer's local error")
+    df.add_argument("--exact-ops", action="store_true",
+                    help="also fail any RMSNorm or residual add whose output is not bit-identical to HF's module "
+                         "applied to the engine's own input (catches arithmetic that departs from HF's yet is as "
+                         "accurate, e.g. rmsnorm_weight_before_cast; see tpcheck.measure.exact_ops)")
+    df.add_argument("--golden-streamed", action="store_true",
+                    help="read the HF references' weights from the checkpoint as the forward needs them, one "
+                         "matrix at a time (for checkpoints larger than memory; same results, slower; "
+                         "tpcheck.reference.streamed)")
+    df.add_argument("--inject", type=lambda s: [x for x in s.split(",") if x], default=[],
+                    help="faults to inject into impl (tpcheck faults list)")
+    df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
+    df.add_argument("--block-size", type=int, default=16)
+    df.add_argument("--points", type=regex, metavar="REGEX",
+                    help="compare only the points this regex fullmatches, e.g. 'layers\\.\\d+\\.(attn\\.out|out)|logits' "
+                         "(the origin is the first failing selected point)")
+    df.add_argument("--layers", type=int_ranges, metavar="LIST",
+                    help="compare only these decoder layers' points, e.g. 0,3,10-12 (with --points: both apply)")
+    df.add_argument("--fail-fast", action="store_true", help="stop after the first step with a failing point")
+    df.add_argument("--save-golden", type=Path, metavar="DIR",
+                    help="save the float64 golden's points (safetensors) for --golden to reuse")
+    df.add_argument("--golden", type=Path, metavar="DIR",
+                    help="replay a golden saved by --save-golden (same checkpoint and prompts) instead of computing it")
+    df.add_argument("--dump", type=Path, metavar="DIR",
+                    help="also write every rank's points per step to DIR (tpcheck compare DIR judges it offline)")
+    df.add_argument("--dump-points", type=regex, metavar="REGEX", help="with --dump: only these points")
+    df.add_argument("--dump-budget-mb", type=float, metavar="MB",
+                    help="with --dump: refuse a step that would take the dump past this size")
+    _add_outputs(df)
+    cp = sub.add_parser("compare", help="judge a dump (tpcheck diff --dump, tpcheck.capture in any engine) "
+                                        "against the golden, like tpcheck diff")
+    cp.add_argument("dump_dir", type=Path, metavar="DUMP_DIR")
+    cp.add_argument("--model", type=Path, required=True, help="the Hugging Face checkpoint the engine ran")
+    cp.add_argument("--reduce-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="the dtype of the engine's all-reduces (default: the dump's dtype)")
+    cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
+    _add_outputs(cp)
+    from tpcheck.cli import compare_results, completion, gate, sweep
+    gate.register(sub)
+    compare_results.register(sub)
+    sweep.register(sub)
+    completion.register(sub)
+    return ap
+
+
+def _fmt(df) -> str:
+    return df.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3g}")
+
+
+def _cmd_diff(a, argv: list[str]) -> int:
+    from tpcheck.pipeline.diff import diff
+    from tpcheck.judge.tolerances import load_tolerances
+    tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
+    prompts = a.prompt_ids
+    if a.prompt:
+        from impl.llm import load_tokenizer
+        if a.model is None:
+            raise ValueError("--prompt needs --model with a tokenizer (synthetic presets have none)")
+        tok = load_tokenizer(a.model)
+        prompts = [tok.encode(t) for t in a.prompt]
+    r = diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
+                     decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
+                     block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
+                     command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points,
+                     dump=a.dump, dump_points=a.dump_points, dump_budget_mb=a.dump_budget_mb, engine=a.engine,
+                     streamed=a.golden_streamed, points=a.points, layers=a.layers, fail_fast=a.fail_fast,
+                     golden=a.golden, save_golden=a.save_golden)
+    if a.dump:
+        print(f"dumped to {a.dump} (tpcheck compare {a.dump} --model ...)")
+    return _show(r, a)
+
+
+def _cmd_compare(a, argv: list[str]) -> int:
+    from tpcheck.capture.dump import DumpAdapter, read_dump
+    from tpcheck.pipeline.diff import compare_engine
+    from tpcheck.reference.reductions import Reductions
+    from tpcheck.judge.tolerances import load_tolerances
+    tol = load_tolerances(a.tolerances)
+    dump = read_dump(a.dump_dir)
+    engine = DumpAdapter(dump, Reductions(dump.tp, a.reduce_dtype))
+    r = compare_engine(engine, str(a.model), engine.prompts, dump.dtype, engine.decode_steps, tolerances=tol,
+                       meta={"tp": dump.tp, "dump": str(a.dump_dir), "engine": dump.engine,
+                             "command": shlex.join(["tpcheck", *argv])}, exact_ops=a.exact_ops,
+                       require_points=a.require_points)
+    a.isolate = False
+    return _show(r, a)
+
+
+def _show(r, a) -> int:
+    """Print the tables and the verdict, write the requested outputs, return the exit code."""
+    from tpcheck.result.report.html import write_html
+    for mode in ["propagated"] + (["isolated"] if a.isolate else []):
+        t = r.table[r.table["mode"] == mode]
+        shown = t.drop(columns=["order", "mode", "kind"]) if a.all_rows else r.layer_table(mode)
+        print(f"\n{mode}: {'every row' if a.all_rows else 'worst point per layer and step'}")
+        print(_fmt(shown))
+    print()
+    print(r.summary())
+    parquet = lambda p: r.table.drop(columns=["order"]).to_parquet(p, index=False)  # noqa: E731
+    for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
+                        (a.html, lambda p: write_html(r, p))):
+        if path:
+            write(path)
+            print(f"wrote {path}")
+    return exit_code(r)
+
+
+def exit_code(r) -> int:
+    """A DiffResult's exit code: 1 when a point diverged, else 3 when coverage fails the run, else 0."""
+    if not bool(r.table["passed"].all()):
+        return EXIT_DIVERGED
+    problem = r.meta.get("coverage", {}).get("problem")
+    if problem:
+        print(f"tpcheck: error: coverage: {problem}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_PASS
+
+
+def _cmd_check(a, argv: list[str]) -> int:
+    from impl.config import ConfigError, load_config
+    from tpcheck.pipeline.check import check_logits, random_prompts
+    model = a.model
+    if model is None:
+        model = checkpoints.cached_checkpoint(a.preset, seed=0, dtype="float32")
+    cfg = load_config(model)
+    if a.tp is None:
+        tps = [t for t in (1, 2, 4) if _tp_ok(cfg, t)]
+    else:
+        tps = a.tp
+        for t in tps:
+            cfg.check_tp(t)
+    prompts = a.prompt_ids or random_prompts(cfg.vocab_size, a.batch, a.seq_len, a.seed)
+    for i, p in enumerate(prompts):
+        if not p or not all(0 <= t < cfg.vocab_size for t in p):
+            raise ConfigError(f"prompt {i}: empty or a token id outside the vocab [0, {cfg.vocab_size})")
+    if a.logprobs_topk is not None and a.logprobs_topk < 1:
+        raise ValueError(f"--logprobs-topk must be >= 1, got {a.logprobs_topk}")
+    df = check_logits(model, tps, a.dtype, prompts, logprobs_topk=a.logprobs_topk)
+    print(f"model: {model}\n")
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    ok = bool(df["passed"].all())
+    worst = df.loc[(df["rel_err"] / df["ref_rel_err"].clip(lower=1e-30)).idxmax()]
+    print(f"\n{'PASS' if ok else 'FAIL'}: worst tp={worst.tp} prompt {worst.prompt}: rel_err {worst.rel_err:.3g} vs "
+          f"HF {a.dtype} {worst.ref_rel_err:.3g}")
+    if a.json:
+        from tpcheck.result.documents import write_json
+        write_json(a.json, "check", {"passed": ok, "model": str(model), "rows": df.to_dict("records")},
+                   meta={"dtype": a.dtype, "tp": tps}, command=shlex.join(["tpcheck", *argv]))
+    return 0 if ok else 1
+
+
+def _tp_ok(cfg, tp: int) -> bool:
+    try:
+        cfg.check_tp(tp)
+        return True
+    except ValueError:
+        return False
+
+
+EXIT_PASS, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_FAILED = 0, 1, 2, 3
+
+
+def check_output_paths(*paths: Path | None, allow_dir: bool = False) -> None:
+    """Fail before any engine work if an output file cannot be written: its directory is created when
+    missing; a path that is a directory (unless ``allow_dir``), or a directory that cannot be made or
+    written, is named."""
+    for path in paths:
+        if path is None:
+            continue
+        is_dir = path.is_dir() or str(path).endswith("/")
+        if is_dir and not allow_dir:
+            raise ValueError(f"output {path} is a directory, not a file")
+        folder = path if is_dir else path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"output {path}: cannot create directory {folder} ({e.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"output {path}: directory {folder} is not writable")
+
+
+def check_dump_dir(path: Path, flag: str = "--dump") -> None:
+    """A dump (or a saved golden) goes into a new or empty directory: steps of an older run must not mix in."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{flag} {path}: exists and is not an empty directory")
+    check_output_paths(path / "x")
+
+
+def _exit_code(e: BaseException) -> tuple[int, str]:
+    """(exit code, one-line message) for an error that ended a command."""
+    from impl.config import ConfigError
+    from impl.executor import RankError
+    from impl.loader import LoadError
+    from tpcheck.capture.dump import DumpError
+    first = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, (ConfigError, LoadError, DumpError)):  # a checkpoint / dump at fault, even found in a rank
+        return EXIT_BAD_INPUT, first
+    if isinstance(e, RankError) or getattr(e, "rank", None) is not None:
+        what = first if first.startswith(("TP rank", "rank")) else f"rank {e.rank}: {type(e).__name__}: {first}"
+        return EXIT_FAILED, f"the engine failed: {what}"
+    if isinstance(e, CoverageError):
+        return EXIT_FAILED, f"coverage: {first}"
+    if isinstance(e, (ValueError, FileExistsError, FileNotFoundError)):
+        return EXIT_BAD_INPUT, first
+    if isinstance(e, OSError):
+        where = f" on {e.filename}" if e.filename else ""
+        return EXIT_FAILED, f"I/O error{where}: {e.strerror or e}"
+    return EXIT_FAILED, f"internal error: {type(e).__name__}: {first}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("TPCHECK_DEBUG", "") not in ("", "0")
+    quiet = "--quiet" in argv
+    argv = [x for x in argv if x not in ("--debug", "--quiet")]  # accepted anywhere on the line
+    argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
+    a = _parser().parse_args(argv)
+    from tpcheck.progress import LogHandler
+    progress = LogHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck" (above any progress bar)
+    progress.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("tpcheck")
+    logger.addHandler(progress)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    try:
+        return _run(a, argv)
+    except KeyboardInterrupt:
+        print("tpcheck: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every error ends in one line and a documented exit code
+        code, message = _exit_code(e)
+        if debug:
+            traceback.print_exc()
+            if getattr(e, "rank_traceback", None):
+                print(f"traceback on rank {e.rank}:\n{e.rank_traceback}", file=sys.stderr)
+        print(f"tpcheck: error: {message}" + ("" if debug else " (--debug for the traceback)"
+                                               if code == EXIT_FAILED else ""), file=sys.stderr)
+        return code
+    finally:
+        logger.removeHandler(progress)
+
+
+def _run(a, argv: list[str]) -> int:
+    if a.cmd == "make-checkpoint":
+        print(checkpoints.make_checkpoint(a.preset, a.out, seed=a.seed, dtype=a.dtype, shards=a.shards))
+        return 0
+    if a.cmd == "presets":
+        for name in checkpoints.preset_names():
+            print(checkpoints.describe_preset(name))
+        return 0
+    if a.cmd == "faults":
+        if a.action == "matrix":
+            from tpcheck.cli import fault_matrix
+            check_output_paths(a.json)
+            return fault_matrix.run(a)
+        from tpcheck.inputs.faults import FAULTS
+        for f in FAULTS.values():
+            print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
+        return 0
+    if a.cmd == "check":
+        check_output_paths(a.json)
+        return _cmd_check(a, argv)
+    if a.cmd == "diff":
+        check_output_paths(a.json, a.csv, a.parquet, a.html)
+        if a.dump is not None:
+            check_dump_dir(a.dump)
+        if a.save_golden is not None:
+            if a.golden is not None:
+                raise ValueError("--save-golden and --golden: give one (a replayed golden is already saved)")
+            check_dump_dir(a.save_golden, "--save-golden")
+        return _cmd_diff(a, argv)
+    if a.cmd == "compare":
+        check_output_paths(a.json, a.csv, a.parquet, a.html)
+        return _cmd_compare(a, argv)
+    if a.cmd == "sweep":
+        from tpcheck.cli import sweep
+        check_output_paths(a.json)
+        return sweep.run(a)
+    if a.cmd == "completion":
+        from tpcheck.cli.completion import bash_script
+        if a.shell == "zsh":
+            print("autoload -U +X bashcompinit && bashcompinit")
+        print(bash_script(_parser()))
+        return 0
+    if a.cmd == "compare-results":
+        from tpcheck.cli import compare_results
+        check_output_paths(a.json)
+        return compare_results.run(a)
+    if a.cmd in ("gate", "report"):
+        from tpcheck.cli import gate
+        check_output_paths(getattr(a, "output", None), allow_dir=True)
+        return gate.run(a)
+    if a.cmd == "schema":
+        from tpcheck.result.documents import load_schema
+        print(json.dumps(load_schema(), indent=2))
+        return 0
+    _parser().print_help()
+    return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

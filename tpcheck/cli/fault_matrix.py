@@ -1,0 +1,387 @@
+"""The sensitivity table: every fault on the smallest configuration where it shows, plus clean runs.
+
+``run_matrix`` injects each fault of ``tpcheck.inputs.faults`` into impl on ``smallest_config(fault)`` and runs
+``tpcheck.diff`` with ``exact_ops`` (every decoder layer faulty, so the expected origin is in layer 0); a
+memory fault is checked by ``memory_check`` (tensor bytes each rank holds against its share of the
+checkpoint) instead. The ``by`` column says which check flagged the origin: the noise floor, exact ops
+(``tpcheck.measure.exact_ops``: the only one that sees ``rmsnorm_weight_before_cast``, which is *more* accurate
+than HF), a NaN, a shape, ranks disagreeing, or memory.
+Each distinct configuration is also run clean, in float32 and bfloat16: a clean run that fails the diff
+or the memory check is a false alarm.
+
+    tpcheck faults matrix                          # every fault; exit 0: all found where expected
+    tpcheck faults matrix --faults rope_skipped,vocab_ids_not_masked --json m.json
+"""
+from __future__ import annotations
+
+import logging
+
+import argparse
+import math
+import random
+import time
+import types
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from impl.config import load_config
+from impl.shard_plan import shard_plan
+from tpcheck.inputs.faults import FAULTS, Fault, get_fault, injected
+from tpcheck.progress import bar
+from tpcheck.inputs.checkpoints import preset_available
+
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
+
+# candidate configurations, smallest first: a fault runs on the first one where it can show. The Qwen2 presets
+# come first (every fault that any family shows keeps its Qwen2 configuration); a family fault (``shows``
+# needs q/k norms, llama3 RoPE, no q/k/v bias, a sliding window) reaches the first tiny preset of a family
+# that has the option (tpcheck.inputs.checkpoints: tiny-llama, tiny-mistral, tiny-qwen3)
+PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small",
+                "tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3")
+TP_ORDER = (1, 2, 4)
+DTYPE_ORDER = ("float32", "bfloat16")
+CLEAN_DTYPES = ("float32", "bfloat16")
+PREFILL = dict(decode_steps=0, prompt_lens=(12, 17), block_size=16)
+# decode: both prompts cross a block boundary (positions 8 and 16) at decode step 3
+DECODE = dict(decode_steps=3, prompt_lens=(6, 14), block_size=8)
+
+# impl does HF's elementwise arithmetic in HF's order, so it is held to HF's bits there (tpcheck.measure.exact_ops)
+EXACT_OPS = True
+
+# memory gate, after benchmarks/load_memory.py: a rank may hold its share of the checkpoint x 1.15, plus slack
+MEM_FACTOR = 1.15
+MEM_SLACK = 64 << 10
+
+COLUMNS = ["fault", "config", "check", "detected", "origin", "expected_origin", "origin_ok", "ok", "by", "excess",
+           "note", "preset", "tp", "dtype", "decode_steps", "prompt_lens", "block_size", "origin_point",
+           "origin_step", "expected_point", "expected_step", "seconds"]
+
+
+# ---- configurations -------------------------------------------------------------------------------------
+
+def _resolver(ckpt):
+    if ckpt is not None:
+        return ckpt
+    from tpcheck.inputs.checkpoints import cached_checkpoint
+    return cached_checkpoint
+
+
+def smallest_config(fault: Fault | str, ckpt=None) -> dict:
+    """The smallest configuration where ``fault`` can show: ``{preset, tp, dtype, decode_steps,
+    prompt_lens, block_size}`` (presets, then TP sizes, smallest first; float32 before bfloat16; the
+    decode layout for decode-only faults). ``ckpt(preset) -> checkpoint dir`` (default: the cache)."""
+    fault = get_fault(fault) if isinstance(fault, str) else fault
+    ckpt = _resolver(ckpt)
+    for dtype in DTYPE_ORDER:
+        for preset in (p for p in PRESET_ORDER if preset_available(p)):  # a family this transformers lacks: skipped
+            cfg = load_config(ckpt(preset))
+            for tp in TP_ORDER:
+                if fault.applies(cfg, tp, dtype):
+                    layout = DECODE if fault.decode_only else PREFILL
+                    return dict(preset=preset, tp=tp, dtype=dtype, **layout)
+    raise ValueError(f"{fault.name}: shows in none of the candidate configurations")
+
+
+def expected_step(fault: Fault, config: dict) -> int:
+    """The step of the fault's expected origin in ``config``."""
+    step = fault.expected_step(config["prompt_lens"], config["decode_steps"], config["block_size"])
+    if step is not None:
+        return step
+    raise ValueError(f"{fault.name}: no prompt crosses a block boundary in {describe_config(config)}")
+
+
+def describe_config(c: dict) -> str:
+    """``tiny tp=2 float32 prefill 12+17`` / ``tiny tp=1 float32 decode 3 bs8 6+14`` (prompt lengths last)."""
+    lens = "+".join(map(str, c["prompt_lens"]))
+    steps = f"decode {c['decode_steps']} bs{c['block_size']}" if c["decode_steps"] else "prefill"
+    return f"{c['preset']} tp={c['tp']} {c['dtype']} {steps} {lens}"
+
+
+def prompts_for(config: dict, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(f"fault-matrix-{config['preset']}-{config['prompt_lens']}")
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in config["prompt_lens"]]
+
+
+def _layout_key(c: dict) -> tuple:
+    return (c["preset"], c["tp"], c["decode_steps"], tuple(c["prompt_lens"]), c["block_size"])
+
+
+# ---- the memory check -----------------------------------------------------------------------------------
+
+def _tensors_reachable(root, skip: set[int]) -> dict[int, int]:
+    """``{storage pointer: bytes}`` of every tensor reachable from ``root`` through object attributes,
+    modules, dicts, lists, tuples and sets (storages in ``skip`` left out)."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            if st.data_ptr() and st.data_ptr() not in skip:
+                out[st.data_ptr()] = st.nbytes()
+        elif isinstance(o, dict):
+            stack += list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack += list(o)
+        elif hasattr(o, "__dict__") and not isinstance(o, (type, types.ModuleType, types.FunctionType,
+                                                             types.MethodType)):
+            stack += list(vars(o).values())
+    return out
+
+
+def rank_memory(runner) -> dict:
+    """Inside a rank: bytes of the tensors this rank's runner keeps referenced (parameters, buffers,
+    anything a fault hangs on it), the KV cache excepted; the parameters alone; RssAnon from /proc."""
+    kv = {t.untyped_storage().data_ptr() for a in runner.attention_layers() for t in (a.k_cache, a.v_cache)
+          if t.numel()}
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in runner.model.parameters()}
+    held = _tensors_reachable(runner, kv)
+    rss_anon = None
+    try:
+        with open("/proc/self/status") as f:
+            rss_anon = next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), None)
+    except OSError:
+        pass
+    return {"rank": runner.rank, "tensor_bytes": sum(held.values()), "param_bytes": sum(params.values()),
+            "rss_anon": rss_anon}
+
+
+def expected_share(model_dir, tp: int, dtype: str) -> tuple[int, int]:
+    """(bytes one rank should hold, bytes of the whole checkpoint), both at ``dtype``, from the checkpoint's
+    tensor names and shapes and impl's shard plan (``impl.shard_plan.ShardPlan.tensor_elements``)."""
+    from impl.loader import checkpoint_files, open_safetensors
+    cfg = load_config(model_dir)
+    plan = shard_plan(cfg, tp)
+    item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    share = total = 0
+    for fname, names in checkpoint_files(model_dir).items():
+        with open_safetensors(fname) as f:
+            for name in names:
+                shape = list(f.get_slice(name).get_shape())
+                total += math.prod(shape) * item
+                share += plan.tensor_elements(name, shape, cfg.tie_word_embeddings) * item
+    return share, total
+
+
+def memory_check(llm, inject: list[str] = (), layer: int | None = None) -> dict:
+    """Per-rank tensor bytes of ``llm`` clean and, with ``inject``, with the faults applied (the engine is
+    restored after). ``flagged``: some rank holds more than ``MEM_FACTOR`` x its share + ``MEM_SLACK``;
+    ``excess``: the largest held / that limit."""
+    share, total = expected_share(llm.model_dir, llm.tp_size, str(llm.dtype).removeprefix("torch."))
+    limit = MEM_FACTOR * share + MEM_SLACK
+    clean = llm.call("tpcheck.cli.fault_matrix:rank_memory")
+    ranks = clean
+    if inject:
+        with injected(llm, list(inject), layer):
+            ranks = llm.call("tpcheck.cli.fault_matrix:rank_memory")
+    worst = max(ranks, key=lambda r: r["tensor_bytes"])
+    return {"share_bytes": share, "checkpoint_bytes": total, "limit_bytes": limit, "clean": clean, "ranks": ranks,
+            "flagged": worst["tensor_bytes"] > limit, "excess": worst["tensor_bytes"] / limit,
+            "worst_rank": worst["rank"], "worst_over_checkpoint": worst["tensor_bytes"] / total,
+            "share_over_checkpoint": share / total}
+
+
+def _memory_note(m: dict) -> str:
+    r = m["worst_rank"]
+    held = next(x for x in m["ranks"] if x["rank"] == r)["tensor_bytes"]
+    before = next(x for x in m["clean"] if x["rank"] == r)["tensor_bytes"]
+    return (f"rank {r} holds {held / 1024:.0f} KiB = {m['worst_over_checkpoint']:.2f}x checkpoint "
+            f"(clean {before / 1024:.0f} KiB; share {m['share_over_checkpoint']:.2f}x)")
+
+
+# ---- the matrix -------------------------------------------------------------------------------------------
+
+def _diff(pool, ckpt, config: dict, inject: list[str]):
+    import tpcheck
+    d = ckpt(config["preset"])
+    prompts = prompts_for(config, load_config(d).vocab_size)
+    return tpcheck.diff(model=str(d), tp=config["tp"], dtype=config["dtype"], prompts=prompts,
+                        decode_steps=config["decode_steps"], inject=list(inject), pool=pool,
+                        block_size=config["block_size"], exact_ops=EXACT_OPS)
+
+
+def _row(name: str, config: dict, check: str, **kw) -> dict:
+    row = dict.fromkeys(COLUMNS)
+    row.update(fault=name, config=describe_config(config), check=check, preset=config["preset"], tp=config["tp"],
+               dtype=config["dtype"], decode_steps=config["decode_steps"],
+               prompt_lens=",".join(map(str, config["prompt_lens"])), block_size=config["block_size"], note="")
+    row.update(kw)
+    return row
+
+
+def _at(point, step) -> str:
+    return "-" if point is None else f"{point} @ step {step}"
+
+
+def flagged_by(fd: dict | None) -> str:
+    """Which check failed the origin row ``fd`` (``DiffResult.first_divergence``)."""
+    if fd is None:
+        return "-"
+    note = fd["note"] or ""
+    for prefix, by in (("exact-ops", "exact ops"), ("shape", "shape"), ("ranks", "ranks disagree")):
+        if note.startswith(prefix):
+            return by
+    return "NaN" if math.isnan(fd["rel_err"]) else "noise floor"
+
+
+def fault_row(name: str, pool, ckpt=None) -> dict:
+    """Inject one fault on its smallest configuration and report what the checks found."""
+    ckpt = _resolver(ckpt)
+    fault = get_fault(name)
+    config = smallest_config(fault, ckpt)
+    t0 = time.monotonic()
+    r = _diff(pool, ckpt, config, [name])
+    fd = r.first_divergence
+    if fault.check == "memory":
+        llm = pool.get(ckpt(config["preset"]), config["tp"], config["dtype"])
+        m = memory_check(llm, [name])
+        note = _memory_note(m) + ("; diff passes: numerics unchanged" if r.passed else
+                                  f"; diff FAILS at {_at(fd['point'], fd['step'])}: numerics changed")
+        ok = m["flagged"] and r.passed
+        return _row(name, config, "memory", detected=m["flagged"], origin="memory" if m["flagged"] else "-",
+                    expected_origin="memory", origin_ok=m["flagged"], ok=ok, by="memory" if m["flagged"] else "-",
+                    excess=m["excess"], note=note,
+                    origin_point="memory" if m["flagged"] else None, expected_point="memory",
+                    seconds=time.monotonic() - t0)
+    exp_point, exp_step = fault.origin(None), expected_step(fault, config)
+    detected = not r.passed
+    if detected:
+        origin_ok = (fd["point"], fd["step"]) == (exp_point, exp_step)
+        excess, note = fd["excess"], fd["note"] or ""
+    else:  # how close it came: the largest excess at the expected point
+        t = r.table[r.table["point"] == exp_point]
+        origin_ok, excess = False, float(t["excess"].max()) if len(t) else float("nan")
+        note = f"undetected: {exp_point} reached {excess:.3g}x its threshold"
+    return _row(name, config, "diff", detected=detected, origin=_at(fd and fd["point"], fd and fd["step"]),
+                expected_origin=_at(exp_point, exp_step), origin_ok=origin_ok, ok=detected and origin_ok,
+                by=flagged_by(fd), excess=excess, note=note, origin_point=fd and fd["point"], origin_step=fd and fd["step"],
+                expected_point=exp_point, expected_step=exp_step, seconds=time.monotonic() - t0)
+
+
+def clean_row(config: dict, pool, ckpt=None) -> dict:
+    """A clean run of ``config``: the diff and the memory check must both stay quiet."""
+    ckpt = _resolver(ckpt)
+    t0 = time.monotonic()
+    r = _diff(pool, ckpt, config, [])
+    m = memory_check(pool.get(ckpt(config["preset"]), config["tp"], config["dtype"]))
+    fd = r.first_divergence
+    alarms = []
+    if not r.passed:
+        alarms.append(f"diff fails at {_at(fd['point'], fd['step'])}")
+    if m["flagged"]:
+        alarms.append("memory: " + _memory_note(m))
+    worst = r.table.loc[r.table["excess"].idxmax()]
+    note = "; ".join(alarms) or (f"closest: {worst.point} @ step {worst.step} at {worst.excess:.2f}x; memory "
+                                 f"{m['excess']:.2f}x its limit")
+    return _row("(clean)", config, "diff+memory", detected=bool(alarms),
+                origin=_at(fd and fd["point"], fd and fd["step"]), expected_origin="-", origin_ok=None,
+                ok=not alarms, by=", ".join(filter(None, [flagged_by(fd) if fd else "", "memory" if m["flagged"] else ""]))
+                or "-", excess=float(worst.excess), note=note,
+                origin_point=fd and fd["point"], origin_step=fd and fd["step"], seconds=time.monotonic() - t0)
+
+
+def clean_configs(configs: list[dict], dtypes=CLEAN_DTYPES) -> list[dict]:
+    """Each distinct layout of ``configs`` (preset, tp, prompts, decode steps, block size) once per dtype."""
+    seen, out = set(), []
+    for c in configs:
+        key = _layout_key(c)
+        if key not in seen:
+            seen.add(key)
+            out += [dict(c, dtype=d) for d in dtypes]
+    return out
+
+
+def run_matrix(faults: list[str] | None = None, pool=None, ckpt=None, clean: bool = True,
+               clean_dtypes=CLEAN_DTYPES) -> pd.DataFrame:
+    """One row per fault (on its smallest configuration), then one clean row per distinct configuration
+    used and dtype. Columns: ``COLUMNS``; ``ok`` is the verdict of each row (a fault detected at its
+    expected origin and step; a clean run without alarm)."""
+    from tpcheck.engines.pool import EnginePool
+    names = list(FAULTS) if faults is None else [get_fault(n).name for n in faults]
+    ckpt = _resolver(ckpt)
+    own = pool is None
+    pool = pool or EnginePool(max_num_seqs=16)
+    rows = []
+    cleans = clean_configs([smallest_config(n, ckpt) for n in names], clean_dtypes) if clean else []
+    progress = bar(len(names) + len(cleans), "fault matrix", "run")
+    try:
+        for n in names:
+            progress.set_description(f"fault matrix: {n}")
+            logger.info(f"fault-matrix: {n} ...")
+            rows.append(fault_row(n, pool, ckpt))
+            progress.update(1)
+        for c in cleans:
+            progress.set_description(f"fault matrix: clean {describe_config(c)}")
+            logger.info(f"fault-matrix: clean {describe_config(c)} ...")
+            rows.append(clean_row(c, pool, ckpt))
+            progress.update(1)
+    finally:
+        progress.close()
+        if own:
+            pool.close()
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _fmt_excess(v, origin) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN" if origin not in (None, "-") else "-"  # the origin point itself is NaN
+    return "inf (shape)" if math.isinf(v) else f"{v:.3g}x"
+
+
+def format_table(df: pd.DataFrame) -> str:
+    """The table as ``tpcheck faults matrix`` prints it."""
+    t = df[["fault", "config", "detected", "origin", "expected_origin", "ok", "by", "excess"]].copy()
+    t["detected"] = t["detected"].map({True: "yes", False: "no"})
+    t["ok"] = t["ok"].map({True: "ok", False: "MISS"})
+    t.loc[df["fault"] == "(clean)", "ok"] = df.loc[df["fault"] == "(clean)", "ok"].map({True: "quiet", False: "ALARM"})
+    t["excess"] = [_fmt_excess(v, o) for v, o in zip(df["excess"], df["origin"])]
+    cells = [list(t.columns)] + t.astype(str).values.tolist()
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i == len(widths) - 1 else c.ljust(w)
+                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells)
+
+
+# ---- command line: tpcheck faults matrix -----------------------------------------------------------------
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``matrix`` to the ``tpcheck faults`` sub-commands."""
+    p = subparsers.add_parser("matrix", help="each fault on the smallest configuration where it shows, plus clean runs",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--faults", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="comma-separated fault names (default: all; tpcheck faults list)")
+    p.add_argument("--no-clean", action="store_true", help="skip the clean runs")
+    p.add_argument("--json", type=Path, help="write every row as JSON")
+    return p
+
+
+def run(args, pool=None, ckpt=None) -> int:
+    """``tpcheck faults matrix``: print the table; 0 when every fault is detected at its expected origin and
+    no clean run alarms, 1 otherwise. (``pool`` / ``ckpt``: engines and checkpoints to reuse, for tests.)"""
+    for n in args.faults or []:
+        get_fault(n)  # ValueError (exit 2) before any engine starts
+    df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
+    print(format_table(df))
+    print("config: preset, TP size, dtype, prefill only or decode steps and KV block size, prompt lengths; "
+          "by: the check that flagged the origin; excess: the origin's error over its threshold (clean runs: the closest any point came; memory: the "
+          "largest rank's tensor bytes over 1.15 x its share + 64 KiB)")
+    ok = bool(df["ok"].all())
+    faults_df, clean_df = df[df["fault"] != "(clean)"], df[df["fault"] == "(clean)"]
+    print(f"\n{'PASS' if ok else 'FAIL'}: {int(faults_df['ok'].sum())}/{len(faults_df)} faults found at their "
+          f"expected origin; {int((~clean_df['ok'].astype(bool)).sum())}/{len(clean_df)} clean runs alarmed")
+    for _, r in df[~df["ok"].astype(bool) | (df["check"] == "memory")].iterrows():
+        print(f"  {r.fault} ({r.config}): {r.note}")
+    if args.json:
+        from tpcheck.result.documents import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
+        write_json(args.json, "fault_matrix", {"passed": ok, "rows": df.to_dict(orient="records")},
+                   meta={"args": {k: v for k, v in vars(args).items()
+                                  if k not in ("cmd", "action", "json", "debug")}})
+        print(f"wrote {args.json}")
+    return 0 if ok else 1

@@ -1,0 +1,348 @@
+"""``tpcheck sweep``: the layer-by-layer diff over a matrix of configurations, inputs drawn by Hypothesis.
+
+One configuration = (model, tp, dtype, decode steps); the model is a named preset or, with
+``--random-configs``, a fresh model drawn per example (``tpcheck.inputs.strategies.config_and_tp`` at that tp, so
+both KV partition and replication appear). Each configuration runs ``--examples`` drawn inputs (prompts of
+ragged lengths near block boundaries, block sizes) through ``tpcheck.diff`` on one pool of engines (one per
+TP size, reloaded per checkpoint). A failing configuration is shrunk to its smallest failing example and
+printed with a one-line ``tpcheck diff`` reproduction.
+
+Output: one row per configuration (pass / fail, the worst point over all its examples and its excess over
+the noise-floor threshold: ``rel_err / (k * ref_rel_err + floor)``, above 1 fails); progress on stderr;
+``--json`` writes the rows. Exit codes as for ``diff`` (``tpcheck.cli``): 0 every configuration passed, 1 one
+diverged, 2 bad input, 3 configurations crashed and none diverged."""
+from __future__ import annotations
+
+import logging
+
+import argparse
+import dataclasses
+import hashlib
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpcheck.cli.arg_types import int_list, name_list
+from tpcheck.progress import bar
+
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
+
+# the default matrix: the tiny presets of every family (Qwen2's four, then Llama 3 RoPE, Llama biases,
+# Mistral's sliding window, Qwen3's q/k norms)
+TINY_PRESETS = ("tiny", "tiny-untied", "tiny-mha", "tiny-mqa", "tiny-llama", "tiny-llama-bias", "tiny-mistral",
+                "tiny-qwen3")
+
+
+@dataclass
+class SweepOptions:
+    """What a sweep runs (the ``tpcheck sweep`` flags, same names and defaults)."""
+
+    tp: list[int] = field(default_factory=lambda: [1, 2, 4])
+    dtype: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    decode_steps: list[int] = field(default_factory=lambda: [0, 8])
+    examples: int = 5
+    preset: list[str] | None = None  # default TINY_PRESETS (unless random_configs)
+    random_configs: bool = False
+    outliers: list[float] = field(default_factory=lambda: [0.0])
+    block_size: int | None = None
+    max_len: int = 64
+    max_batch: int = 4
+    inject: list[str] = field(default_factory=list)
+    exact_ops: bool = False
+    seed: int = 0
+    no_shrink: bool = False
+    no_pool: bool = False
+    checkpoints: Path | None = None
+    json: Path | None = None
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "SweepOptions":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``sweep`` sub-command to a ``tpcheck`` argparse ``subparsers``."""
+    sw = subparsers.add_parser(
+        "sweep", help="the layer-by-layer diff over tp x dtype x decode steps, inputs drawn by Hypothesis",
+        description="Run the layer-by-layer diff over every (model, tp, dtype, decode steps) configuration, "
+                    "--examples inputs drawn by Hypothesis each (tpcheck.inputs.strategies), on pooled engines. "
+                    "Prints one row per configuration: pass/fail, the worst point over its examples and its "
+                    "excess over the noise-floor threshold (rel_err / (k * ref_rel_err + floor); above 1 "
+                    "fails). A failing configuration is shrunk to its smallest failing example, printed with "
+                    "a one-line `tpcheck diff` reproduction. Exit 0 all passed, 1 one failed, 2 bad input.")
+    sw.add_argument("--tp", type=int_list, default=[1, 2, 4], help="TP sizes (default 1,2,4)")
+    sw.add_argument("--dtype", type=name_list, default=["float32", "bfloat16"],
+                    help="dtypes: float32, bfloat16, float16 (default float32,bfloat16)")
+    sw.add_argument("--decode-steps", type=int_list, default=[0, 8], help="decode lengths (default 0,8)")
+    sw.add_argument("--examples", type=int, default=5, help="drawn examples per configuration (default 5)")
+    src = sw.add_mutually_exclusive_group()
+    src.add_argument("--preset", type=name_list, action="extend", default=None,
+                     help=f"synthetic presets, comma-separated or repeated (default: {','.join(TINY_PRESETS)})")
+    src.add_argument("--random-configs", action="store_true",
+                     help="a fresh random model (tpcheck.inputs.strategies) per example instead of presets")
+    sw.add_argument("--outliers", type=lambda s: [float(x) for x in name_list(s)], default=[0.0],
+                    help="with --random-configs: strengths of the massive-activation recipe to draw from, "
+                         "comma-separated (0: off; 1: small-outliers' strength; default 0)")
+    sw.add_argument("--block-size", type=int, default=None, help="fix the KV block size (default: drawn)")
+    sw.add_argument("--max-len", type=int, default=64, help="longest drawn prompt (default 64; up to 300)")
+    sw.add_argument("--max-batch", type=int, default=4, help="largest drawn batch (default 4, at most 8)")
+    sw.add_argument("--inject", type=lambda s: [x for x in s.split(",") if x], default=[],
+                    help="faults to inject into impl in every example (tpcheck faults list)")
+    sw.add_argument("--exact-ops", action="store_true",
+                    help="also hold RMSNorm and the residual adds to HF's bits (tpcheck diff --exact-ops)")
+    sw.add_argument("--seed", type=int, default=0, help="Hypothesis seed (the same seed draws the same inputs)")
+    sw.add_argument("--no-shrink", action="store_true", help="report the first failing example, unshrunk")
+    sw.add_argument("--no-pool", action="store_true",
+                    help="start a fresh engine (TP worker processes) for every example: what the pool saves")
+    sw.add_argument("--checkpoints", type=Path, default=None,
+                    help="where drawn checkpoints go (default: a temp dir)")
+    sw.add_argument("--json", type=Path, help="write the rows as JSON")
+    return sw
+
+
+def _validate(opts: SweepOptions) -> list[str]:
+    from tpcheck.inputs.checkpoints import PRESETS
+    from tpcheck.inputs.faults import FAULTS
+    errors = []
+    if not opts.tp or any(t < 1 for t in opts.tp):
+        errors.append(f"--tp needs TP sizes >= 1, got {opts.tp}")
+    bad = [d for d in opts.dtype if d not in ("float32", "bfloat16", "float16")]
+    if not opts.dtype or bad:
+        errors.append(f"--dtype: {bad or 'none given'}; expected float32, bfloat16 or float16")
+    if not opts.decode_steps or any(s < 0 for s in opts.decode_steps):
+        errors.append(f"--decode-steps needs values >= 0, got {opts.decode_steps}")
+    if opts.examples < 1:
+        errors.append(f"--examples must be >= 1, got {opts.examples}")
+    for name in opts.preset or []:
+        if name not in PRESETS:
+            errors.append(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    if opts.block_size is not None and opts.block_size < 1:
+        errors.append(f"--block-size must be >= 1, got {opts.block_size}")
+    if not 1 <= opts.max_len <= 1000:
+        errors.append(f"--max-len must be in [1, 1000], got {opts.max_len}")
+    if not 1 <= opts.max_batch <= 8:
+        errors.append(f"--max-batch must be in [1, 8], got {opts.max_batch}")
+    outliers = opts.outliers
+    if not outliers or any(not 0 <= x <= 10 for x in outliers):
+        errors.append(f"--outliers needs strengths in [0, 10], got {outliers}")
+    elif any(outliers) and not opts.random_configs:
+        errors.append("--outliers applies to --random-configs (presets carry their own recipe: small-outliers)")
+    for f in opts.inject:
+        if f not in FAULTS:
+            errors.append(f"unknown fault {f!r}; known faults: {', '.join(FAULTS)}")
+    return errors
+
+
+def _row_seed(seed: int, *key) -> int:
+    return int(hashlib.sha256(repr((seed, *key)).encode()).hexdigest()[:8], 16)
+
+
+def _case_strategy(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions):
+    from hypothesis import strategies as st
+
+    from tpcheck.inputs import strategies as tst
+    from tpcheck.inputs.checkpoints import PRESETS
+    bss = (opts.block_size,) if opts.block_size else tst.DEFAULT_BLOCK_SIZES
+
+    @st.composite
+    def draw_case(draw):
+        outliers = 0.0
+        if source == "random":
+            config, _ = draw(tst.config_and_tp(tps=(tp,)))
+            preset = None
+            outliers = draw(tst.outlier_strengths(opts.outliers))
+        else:
+            config, preset = dict(PRESETS[source]), source
+        bs = draw(st.sampled_from(bss))
+        ps = draw(tst.prompts(config["vocab_size"], bs, opts.max_batch, opts.max_len, min(4, opts.max_batch)))
+        return tst.Case(config, tp, dtype, ps, steps, bs, preset=preset, exact_ops=opts.exact_ops,
+                        outliers=outliers)
+
+    return draw_case()
+
+
+def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions, pool, root: Path) -> dict:
+    """Run ``opts.examples`` drawn examples of one configuration; returns its row."""
+    from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
+
+    row = {"config": source, "tp": tp, "dtype": dtype, "decode_steps": steps, "examples": 0, "passed": True,
+           "worst_point": None, "worst_step": None, "excess": 0.0, "worst_example": None,
+           "origin": None, "failing_example": None, "repro": None, "error": None}
+    state: dict = {"fail": None}
+
+    def track(case, r) -> None:
+        t = r.table
+        if not len(t):
+            return
+        ex = t["excess"].fillna(math.inf)
+        w = t.loc[ex.idxmax()]
+        if float(ex.max()) >= row["excess"] or row["worst_point"] is None:
+            row.update(worst_point=w.point, worst_step=int(w.step), excess=float(ex.max()),
+                       worst_example=case.describe())
+
+    phases = [Phase.explicit, Phase.generate] + ([] if opts.no_shrink else [Phase.shrink])
+
+    @seed(_row_seed(opts.seed, source, tp, dtype, steps))
+    @settings(max_examples=opts.examples, deadline=None, database=None, phases=phases, verbosity=Verbosity.quiet,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False)
+    @given(_case_strategy(source, tp, dtype, steps, opts))
+    def prop(case):
+        row["examples"] += 1
+        try:
+            if opts.no_pool:
+                from tpcheck.engines.pool import EnginePool
+                fresh = EnginePool()
+                try:
+                    r = case.diff(pool=fresh, root=root, inject=opts.inject)
+                finally:
+                    fresh.close()
+            else:
+                r = case.diff(pool=pool, root=root, inject=opts.inject)
+        except Exception:
+            state["crash"] = case  # the last crashing example Hypothesis ran: the shrunk one
+            raise
+        if r.passed:
+            if state["fail"] is None:
+                track(case, r)
+            return
+        state["fail"] = (case, r)
+        raise AssertionError("diff failed")
+
+    try:
+        prop()
+    except AssertionError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a crash (a dead rank, a flaky failure) fails the configuration too
+        row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        row["passed"] = False
+        crash = state.get("crash")
+        if crash is not None and state["fail"] is None:
+            row.update(failing_example=crash.describe(), repro=crash.repro(root, opts.inject),
+                       failing_case=crash.to_dict())
+    if state["fail"] is not None:
+        case, r = state["fail"]  # the last failure Hypothesis ran: the shrunk example
+        fd = r.first_divergence or {}
+        ex = r.table["excess"].fillna(math.inf)
+        w = r.table.loc[ex.idxmax()]
+        row.update(passed=False, worst_point=w.point, worst_step=int(w.step), excess=float(ex.max()),
+                   worst_example=case.describe(), origin=fd.get("point"), failing_example=case.describe(),
+                   repro=case.repro(root, opts.inject))
+        row["failing_case"] = case.to_dict()
+    return row
+
+
+def _fmt_table(rows: list[dict]) -> str:
+    head = ["config", "tp", "dtype", "decode", "examples", "result", "worst point", "step", "excess"]
+    body = []
+    for r in rows:
+        result = "skip" if r.get("skipped") else ("pass" if r["passed"] else ("ERROR" if r.get("error") else "FAIL"))
+        body.append([r["config"], str(r["tp"]), r["dtype"], str(r["decode_steps"]), str(r["examples"]), result,
+                     r["worst_point"] or "-", "-" if r["worst_step"] is None else str(r["worst_step"]),
+                     "-" if r["worst_point"] is None else f"{r['excess']:.3g}x"])
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) if i in (1, 3, 4, 7, 8) else c.ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(head)] + [line(b) for b in body])
+
+
+def sweep(opts: SweepOptions, pool=None) -> list[dict]:
+    """Run every configuration of ``opts``; returns the rows. ``pool``: an
+    ``EnginePool`` to use (and leave open); default a new one, closed at the end."""
+    import torch
+    from impl.config import load_config
+    from tpcheck.inputs.checkpoints import PRESETS, cached_checkpoint
+    from tpcheck.engines.pool import EnginePool
+    from tpcheck.inputs.strategies import tp_compatible
+
+    sources = ["random"] if opts.random_configs else list(opts.preset or TINY_PRESETS)
+    root = Path(opts.checkpoints) if opts.checkpoints else Path(tempfile.mkdtemp(prefix="tpcheck-sweep-"))
+    plan = [(s, tp, d, n) for s in sources for d in opts.dtype for tp in opts.tp for n in opts.decode_steps]
+    rows: list[dict] = []
+    own = pool is None
+    pool = pool or EnginePool()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny HF runs and comparisons: one thread, leaving the cores to the ranks
+    progress = bar(len(plan), "sweep", "configuration")
+    try:
+        for i, (source, tp, dtype, steps) in enumerate(plan, 1):
+            progress.set_description(f"sweep {source} tp={tp} {dtype} decode {steps}")
+            t0 = time.monotonic()
+            if source != "random":
+                reason = None
+                if not tp_compatible(PRESETS[source], tp):
+                    reason = f"tp {tp} cannot split {source}"
+                elif opts.max_len + steps > PRESETS[source]["max_position_embeddings"]:
+                    reason = f"--max-len {opts.max_len} + {steps} decode steps exceed the model's positions"
+                if reason:
+                    rows.append({"config": source, "tp": tp, "dtype": dtype, "decode_steps": steps, "examples": 0,
+                                 "passed": True, "skipped": reason, "worst_point": None, "worst_step": None,
+                                 "excess": 0.0})
+                    logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: skipped ({reason})")
+                    progress.update(1)
+                    continue
+                load_config(cached_checkpoint(source, root=root))  # written once, before any example
+            row = run_configuration(source, tp, dtype, steps, opts, pool, root)
+            rows.append(row)
+            verdict = "pass" if row["passed"] else f"FAIL ({row.get('origin') or row.get('error')})"
+            logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: {row['examples']} example(s), "
+                  f"{verdict} ({time.monotonic() - t0:.1f}s)")
+            progress.update(1)
+    finally:
+        progress.close()
+        torch.set_num_threads(threads)
+        if own:
+            pool.close()
+    return rows
+
+
+def run(a: "SweepOptions | argparse.Namespace", pool=None) -> int:
+    """The ``sweep`` sub-command: 0 every configuration passed, 1 one diverged, 2 bad input, 3 a configuration
+    crashed (a dead rank, an engine error) and none diverged. ``a``: the options, or the parsed command line."""
+    opts = a if isinstance(a, SweepOptions) else SweepOptions.from_namespace(a)
+    errors = _validate(opts)
+    if errors:
+        for e in errors:
+            print(f"tpcheck sweep: error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    rows = sweep(opts, pool=pool)
+    ran = [r for r in rows if not r.get("skipped")]
+    if not ran:
+        print("tpcheck sweep: error: no configuration can run (every one was skipped)", file=sys.stderr)
+        return 2
+    print(_fmt_table(rows))
+    failed = [r for r in ran if not r["passed"]]
+    for r in failed:
+        print(f"\nFAIL {r['config']} tp={r['tp']} {r['dtype']} decode {r['decode_steps']}"
+              + (f": origin {r['origin']}" if r.get("origin") else "") + (f": {r['error']}" if r.get("error") else ""))
+        if r.get("failing_example"):
+            print(f"  shrunk example: {r['failing_example']}")
+            print(f"  reproduce: {r['repro']}")
+    n, secs = sum(r["examples"] for r in ran), time.monotonic() - t0
+    print(f"\n{'PASS' if not failed else 'FAIL'}: {len(ran) - len(failed)}/{len(ran)} configuration(s) passed, "
+          f"{n} example(s) in {secs:.0f}s ({60 * n / max(secs, 1e-9):.0f} examples/min"
+          f"{', a fresh engine per example' if opts.no_pool else ', pooled engines'})"
+          + (f"; {len(rows) - len(ran)} skipped" if len(rows) > len(ran) else ""))
+    if opts.json:
+        from tpcheck.result.documents import write_json  # strict JSON, schema_version, kind "sweep", run meta
+        write_json(opts.json, "sweep", {"passed": not failed, "rows": rows},
+                   meta={"args": {k: v for k, v in dataclasses.asdict(opts).items() if k != "json"}})
+        print(f"wrote {opts.json}")
+    if any(r.get("origin") or not r.get("error") for r in failed):
+        return 1
+    return 3 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m tpcheck.cli.sweep ...``) until the sub-command is wired into the CLI."""
+    ap = argparse.ArgumentParser(prog="tpcheck")
+    register(ap.add_subparsers(dest="cmd", required=True))
+    return run(ap.parse_args(["sweep", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

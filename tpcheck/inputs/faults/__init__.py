@@ -1,0 +1,24 @@
+"""Named, injectable tensor-parallel bugs, applied inside the rank workers of a live impl engine.
+
+Each fault is declared once, beside its patch, with ``@fault(...)`` (``registry``); the modules group them
+by where they strike: ``loading``, ``attention``, ``collectives``, ``kv_cache``, ``norm``, and ``families``
+(what the families beyond Qwen2 add: q/k norms, llama3 RoPE, biases, sliding windows). Applying them:
+``engine`` (``apply`` in a rank, ``inject`` / ``injected`` / ``restore`` from the driver). How faults
+work, how to add one, and what cannot be injected: docs/faults.md.
+
+    from tpcheck.inputs import faults
+    with faults.injected(llm, ["rope_skipped"], layer=1): ...
+    llm.call("tpcheck.inputs.faults:apply", ["gate_up_swapped"])   # every rank, every decoder layer
+"""
+from __future__ import annotations
+
+# the fault modules register their faults on import (order: their catalogue numbers)
+from tpcheck.inputs.faults import attention, collectives, families, kv_cache, loading, norm  # noqa: F401
+from tpcheck.inputs.faults.attention import DEFAULT_ROPE_THETA
+from tpcheck.inputs.faults.collectives import LOW_PRECISION_REDUCE
+from tpcheck.inputs.faults.engine import apply, describe, inject, injected, restore
+from tpcheck.inputs.faults.patching import MARK
+from tpcheck.inputs.faults.registry import FAULTS, Fault, applicable, block_boundary_step, fault, fault_names, get_fault
+
+__all__ = ["DEFAULT_ROPE_THETA", "FAULTS", "Fault", "LOW_PRECISION_REDUCE", "MARK", "applicable", "apply",
+           "block_boundary_step", "describe", "fault", "fault_names", "get_fault", "inject", "injected", "restore"]

@@ -1,0 +1,32 @@
+"""Faults that strike in the RMSNorms: arithmetic in another order than HF's."""
+from __future__ import annotations
+
+import torch
+
+from tpcheck.inputs.faults.patching import mark
+from tpcheck.inputs.faults.registry import fault
+
+
+def _half_precision(cfg, plan, dtype) -> bool:
+    return dtype in ("bfloat16", "float16")
+
+
+def _norm_weight_before_cast(norm):
+    def forward(x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+        return (norm.weight * h).to(dtype)  # HF: norm.weight * h.to(dtype)
+
+    return forward
+
+
+@fault(16, "rmsnorm_weight_before_cast",
+       "RMSNorm multiplies by its weight in float32 and casts back after (HF casts back, then multiplies)",
+       shows_when="half precision only (bfloat16, float16), and only with --exact-ops: it is closer to float64 "
+                  "than HF, so the noise-floor gate passes it",
+       expected_origin="layers.{layer}.input_norm", shows=_half_precision, needs_exact_ops=True)
+def rmsnorm_weight_before_cast(runner, i, layer):
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if mark(norm, "rmsnorm_weight_before_cast"):
+            norm.forward = _norm_weight_before_cast(norm)

@@ -1,0 +1,114 @@
+"""One drawn example (``Case``: what ``tpcheck.inputs.strategies.cases`` draws) and how it runs: its checkpoint
+(``Case.checkpoint``: a preset's cached one, or the drawn config's, ``tpcheck.inputs.config_checkpoints``), the
+layer-by-layer diff through an engine pool (``Case.diff``), the properties as assertions (``Case.check``: ranks
+agree on replicated points, every point within the noise floor), the failure report and a one-line
+reproduction (``Case.repro``) that recreates the drawn checkpoint if it is gone."""
+from __future__ import annotations
+
+import logging
+
+import os
+import pathlib
+from dataclasses import asdict, dataclass
+
+from tpcheck.inputs.config_checkpoints import config_checkpoint, default_root, recreate_command
+from tpcheck.inputs.tp_layout import kv_layout
+
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
+
+
+
+@dataclass
+class Case:
+    """One drawn example: a model (config + weight seed + bias scale), a TP size, a dtype, prompts, decode
+    steps and a KV block size."""
+
+    config: dict
+    tp: int
+    dtype: str
+    prompts: list[list[int]]
+    decode_steps: int = 0
+    block_size: int = 16
+    weight_seed: int = 0
+    bias_std: float = 0.5
+    preset: str | None = None  # a named preset (``tpcheck.inputs.checkpoints.PRESETS``): its cached checkpoint
+    exact_ops: bool = False  # also hold the elementwise ops to HF's bits (``tpcheck.measure.exact_ops``)
+    outliers: float = 0.0  # strength of the massive-activation recipe (0: off)
+
+    @property
+    def layout(self) -> str:
+        return kv_layout(self.config["num_key_value_heads"], self.tp)
+
+    def describe(self) -> str:
+        c = self.config
+        hd = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+        return (f"tp={self.tp} {self.dtype} heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv "
+                f"({self.layout}) head_dim {hd} hidden {c['hidden_size']} inter {c['intermediate_size']} "
+                f"layers {c['num_hidden_layers']} vocab {c['vocab_size']} "
+                f"{'tied' if c['tie_word_embeddings'] else 'untied'}"
+                f"{f', outliers {self.outliers:g}' if self.outliers else ''}; prompts {[len(p) for p in self.prompts]}, "
+                f"decode {self.decode_steps}, block {self.block_size}")
+
+    def checkpoint(self, root: str | os.PathLike | None = None) -> pathlib.Path:
+        """Write (once) and return the checkpoint directory of this case's model under ``root``."""
+        if self.preset is not None:
+            from tpcheck.inputs.checkpoints import cached_checkpoint
+            return cached_checkpoint(self.preset, seed=self.weight_seed, root=root)
+        return config_checkpoint(self.config, root, self.weight_seed, self.bias_std, outliers=self.outliers)
+
+    def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
+        """The ``tpcheck diff`` command line of this case (block size included)."""
+        from tpcheck.pipeline.diff import diff_command
+        by_name = self.preset is not None and self.weight_seed == 0
+        return diff_command(["--preset", self.preset] if by_name else ["--model", model_dir], self.tp, self.dtype,
+                            self.prompts, self.decode_steps, self.block_size, exact_ops=self.exact_ops, inject=inject,
+                            inject_layer=inject_layer)
+
+    def repro(self, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None) -> str:
+        """One shell line that recreates the checkpoint if needed and runs ``tpcheck diff`` on this case."""
+        if self.preset is not None and self.weight_seed == 0:
+            return self.diff_command(None, inject, inject_layer)  # tpcheck diff --preset writes its own
+        root = pathlib.Path(root) if root is not None else default_root()
+        model = f'"$({recreate_command(self.config, root, self.weight_seed, self.bias_std, self.outliers)})"'
+        cmd = self.diff_command("MODEL_DIR", inject, inject_layer)
+        return cmd.replace("MODEL_DIR", model, 1)
+
+    def diff(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
+             **kw):
+        """``tpcheck.diff`` of this case (``pool``: a ``tpcheck.engines.pool.EnginePool`` to reuse engines)."""
+        import tpcheck
+        model = self.checkpoint(root)
+        return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
+                            decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,
+                            pool=pool, block_size=self.block_size, exact_ops=self.exact_ops,
+                            command=self.diff_command(model, inject, inject_layer), **kw)
+
+    def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None):
+        """The properties of one case, as assertions: ranks agree on every replicated point (the
+        residual stream, replicated KV heads, ...) and every point of every step is within the noise
+        floor (with ``exact_ops``: and the elementwise ops match HF bit for bit). Raises AssertionError with ``failure_report``; returns the ``DiffResult``."""
+        r = self.diff(pool, root, inject, inject_layer)
+        t = r.table
+        split = t[t["note"].astype(str).str.startswith("ranks")]
+        if len(split):
+            w = split.iloc[0]
+            raise AssertionError(f"ranks disagree on replicated point {w.point} (step {w.step}): {w.note}\n"
+                                 + self.failure_report(r, root, inject))
+        if not r.passed:
+            raise AssertionError(self.failure_report(r, root, inject))
+        return r
+
+    def failure_report(self, result, root: str | os.PathLike | None = None, inject=(), limit: int = 8) -> str:
+        """The verdict, the first failing points and how to reproduce: for a failing assertion."""
+        lines = [result.summary(), f"case: {self.describe()}"]
+        if "passed" in result.table:
+            bad = result.table[~result.table["passed"]]
+            if len(bad):
+                cols = ["step", "point", "rel_err", "ref_rel_err", "excess", "note"]
+                lines.append(bad[cols].head(limit).to_string(index=False))
+        lines += [f"checkpoint: {self.checkpoint(root)}",
+                  f"reproduce (recreates the checkpoint if its temp dir is gone):\n  {self.repro(root, inject)}"]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,92 @@
+"""End-to-end logits check: impl at each TP size against an fp64 Hugging Face golden run, gated by the
+noise floor of Hugging Face at the same dtype. (The layer-by-layer diff localises; this says whether.)
+
+The verdict (``passed``) is the noise-floor gate on the logits' ``rel_err`` (``tpcheck.judge.tolerances.Tolerances``
+for the ``logits`` kind, as ``tpcheck diff`` judges its ``logits`` point) and no NaN; with ``logprobs_topk``
+also vLLM's ``check_logprobs_close`` rule (``logprobs_close``, below). ``argmax_agree`` (the engine's top token equals the golden's at every position whose golden
+top-2 gap exceeds 1e-4) is informational and not part of the verdict: the 1e-4 cut is a fixed absolute gap,
+while the legitimate error of logits at the run's dtype (what Hugging Face itself makes at that dtype: in
+bfloat16 one rounding alone is up to 2^-9 of each logit, ~1e-2 on a logit of 5) can be far larger, so a correct
+engine flips near-ties whose gap lies between the two, as Hugging Face at that dtype would. A flip is evidence
+of a fault only where the gap is wider than twice the engine's error at that position; an error that large is
+what ``rel_err`` measures against the floor. (It is an aggregate over positions: an error confined to a few
+positions is localised by ``tpcheck diff``.)
+
+``logprobs_close`` is vLLM's token-level rule (``tests/models/utils.py::check_logprobs_close``) applied to
+every position of the prompt: where the engine's top token differs from the golden's, each side's token must
+be among the other side's ``logprobs_topk`` most likely tokens. It is reported per prompt, and with
+``logprobs_topk`` set it is part of the verdict."""
+from __future__ import annotations
+
+import logging
+
+import random
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from tpcheck.measure.metrics import compare
+from tpcheck.judge.tolerances import Tolerances
+
+logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
+
+
+def random_prompts(vocab: int, batch: int, seq_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(seq_len)] for _ in range(batch)]
+
+
+def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    from tpcheck.reference.hf import load_hf_model
+    model = load_hf_model(model_dir, dtype)
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0] for p in prompts]
+
+
+def logprobs_close(got: torch.Tensor, golden: torch.Tensor, k: int) -> bool:
+    """vLLM's rule at every position of ``[positions, vocab]`` logits: where the top tokens differ, each is
+    among the other side's ``k`` most likely."""
+    a, b = got.argmax(-1), golden.argmax(-1)
+    differ = a != b
+    if not bool(differ.any()):
+        return True
+    top_got, top_gold = got[differ].topk(k, -1).indices, golden[differ].topk(k, -1).indices
+    a_in_gold = (top_gold == a[differ, None]).any(-1)
+    b_in_got = (top_got == b[differ, None]).any(-1)
+    return bool((a_in_gold & b_in_got).all())
+
+
+def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: list[list[int]],
+                 pool=None, logprobs_topk: int | None = None) -> pd.DataFrame:
+    """One row per (tp, prompt): engine and HF-at-dtype errors against the fp64 golden, and the verdict
+    (``passed``: the noise-floor gate and no NaN, and ``logprobs_close`` when ``logprobs_topk`` is given;
+    ``argmax_agree`` is informational, see the module docstring)."""
+    tol = Tolerances()
+    from tpcheck.engines.pool import EnginePool
+    logger.info(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s)...")
+    golden = hf_logits(model_dir, "float64", prompts)
+    ref = hf_logits(model_dir, dtype, prompts) if dtype != "float64" else golden
+    own = pool is None
+    pool = pool or EnginePool()
+    rows = []
+    try:
+        for tp in tps:
+            logger.info(f"impl tp={tp} {dtype}...")
+            llm = pool.get(model_dir, tp, dtype)
+            for i, p in enumerate(prompts):
+                got = llm.logits(p)
+                e, r = compare(got, golden[i]), compare(ref[i], golden[i])
+                top2 = golden[i].topk(2, dim=-1).values
+                clear = (top2[:, 0] - top2[:, 1]) > 1e-4
+                argmax_ok = bool(torch.equal(got.argmax(-1)[clear], golden[i].argmax(-1)[clear]))
+                close = logprobs_close(got.double(), golden[i], logprobs_topk or 5)
+                within = e["rel_err"] <= tol.threshold("logits", dtype, r["rel_err"])
+                rows.append({"tp": tp, "dtype": dtype, "prompt": i, "tokens": len(p), "rel_err": e["rel_err"],
+                             "ref_rel_err": r["rel_err"], "max_abs": e["max_abs"], "cosine": e["cosine"],
+                             "nan": e["nan"], "argmax_agree": argmax_ok, "logprobs_close": close,
+                             "passed": bool(within and e["nan"] == 0 and (close or logprobs_topk is None))})
+    finally:
+        if own:
+            pool.close()
+    return pd.DataFrame(rows)

@@ -1,0 +1,216 @@
+"""Capture the canonical points of Hugging Face's causal LM of a supported family (the golden run and the
+noise floor): the class ``impl.config.FAMILIES`` names for the checkpoint's ``model_type`` (``Qwen2ForCausalLM``,
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``), whose module names are the same
+(``model.layers.{i}.self_attn.q_proj`` ...; Qwen3 adds ``self_attn.q_norm`` / ``k_norm``).
+
+Forward hooks and pre-hooks on HF's own modules, plus one custom attention function registered through
+transformers' attention interface (to see the post-RoPE query/key): no fork of HF code. Each prompt runs
+as a batch of one, so no padding reaches the comparison. ``teacher`` (isolate mode) replaces each decoder
+layer's input and the final norm's input with given tensors. ``reductions`` (``tpcheck.reference.reductions``) makes
+``o_proj`` and ``down_proj`` round as a ``tp``-way row-parallel engine does: the noise floor's TP reference."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from impl.config import HF_DTYPE_KEY, load_config, parse_dtype
+from tpcheck.reference.reductions import Reductions, row_parallel_linear
+
+ATTN_NAME = "tpcheck_sdpa"
+_STATE: dict = {}
+
+
+class RopeProbe(nn.Module):
+    """An identity module the attention function calls with q and k after RoPE as ``[1, tokens, heads *
+    head_dim]`` (the new tokens only), so module hooks (``tpcheck.capture``'s ``HF_TP_MAP``) can take them."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    sink, probe = _STATE.get("sink"), getattr(module, "rope_probe", None)
+    if sink is not None or probe is not None:
+        i, n = module.layer_idx, query.shape[2]
+        q = query[0].transpose(0, 1).reshape(n, -1)
+        k = key[0, :, -n:].transpose(0, 1).reshape(n, -1)
+        if sink is not None:
+            sink(f"layers.{i}.attn.q_rope", q)
+            sink(f"layers.{i}.attn.k_rope", k)
+        if probe is not None:
+            probe(q[None], k[None])
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_attention() -> None:
+    """Register tpcheck's attention function (sdpa, plus the post-RoPE q/k) with transformers under
+    ``ATTN_NAME``; a model uses it once ``model.config._attn_implementation = ATTN_NAME``."""
+    try:
+        from transformers import AttentionInterface
+        AttentionInterface.register(ATTN_NAME, _attention)
+    except ImportError:  # transformers < 4.51: the registry is a plain dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        ALL_ATTENTION_FUNCTIONS[ATTN_NAME] = _attention
+    try:  # transformers >= 4.53 builds masks per attention implementation
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    except ImportError:
+        pass
+
+
+def hf_classes(model_dir) -> tuple[type, type]:
+    """HF's config class and causal LM class of a checkpoint directory: those ``impl.config.FAMILIES`` names for
+    its ``model_type`` (read and checked by ``impl.config.load_config``: an unsupported type, RoPE scaling or
+    activation is a ``ConfigError`` naming it). Never ``trust_remote_code``: only transformers' own classes."""
+    import transformers
+    family = load_config(model_dir).family
+    model_cls = getattr(transformers, family.hf_model_class, None)
+    if model_cls is None:
+        raise ImportError(f"transformers {transformers.__version__} has no {family.hf_model_class}")
+    return family.hf_config_class(model_dir), model_cls
+
+
+def load_hf_model(model_dir, dtype: str | torch.dtype = "float32", **kwargs) -> nn.Module:
+    """Hugging Face's causal LM of a checkpoint directory (its family's class, ``hf_classes``) in ``dtype``, in
+    eval mode (transformers 4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``); ``kwargs`` go to
+    ``from_pretrained`` (``tp_plan="auto"``: transformers' tensor parallelism)."""
+    from transformers.utils import logging as hf_logging
+    _, model_cls = hf_classes(model_dir)
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per reference model would bury tpcheck's output
+    return model_cls.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}, **kwargs).eval()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """HF ``[1, n, ...]`` -> ``[n, features]``."""
+    t = t[0] if isinstance(t, tuple) else t
+    return t[0].reshape(t.shape[1], -1)
+
+
+class HFCapture:
+    """Hooks installed once on a model; ``sink(name, tensor)`` receives every point of a forward."""
+
+    def __init__(self, model: nn.Module):
+        register_attention()
+        model.config._attn_implementation = ATTN_NAME
+        self.model, self.sink, self.teacher = model, None, None
+        self.reductions: Reductions | None = None  # set for one step by ``step(reductions=...)``
+        self.num_layers = model.config.num_hidden_layers
+        m = model.model
+        out = lambda name: (lambda mod, args, output: self._emit(name, _rows(output)))  # noqa: E731
+        pre = lambda name: (lambda mod, args: self._emit(name, _rows(args[0])))  # noqa: E731
+        m.embed_tokens.register_forward_hook(out("embed"))
+        for i, layer in enumerate(m.layers):
+            p, a, mlp = f"layers.{i}.", layer.self_attn, layer.mlp
+            layer.register_forward_pre_hook(self._teach(i), with_kwargs=True)
+            layer.input_layernorm.register_forward_hook(out(p + "input_norm"))
+            for proj, name in ((a.q_proj, "attn.q"), (a.k_proj, "attn.k"), (a.v_proj, "attn.v")):
+                proj.register_forward_hook(out(p + name))
+            # Qwen3: per-head RMSNorm of q and k ([1, n, heads, head_dim]) before RoPE
+            for module, name in (("q_norm", "attn.q_norm"), ("k_norm", "attn.k_norm")):
+                if hasattr(a, module):
+                    getattr(a, module).register_forward_hook(out(p + name))
+            a.o_proj.register_forward_pre_hook(pre(p + "attn.context"))
+            a.o_proj.register_forward_hook(out(p + "attn.out"))
+            layer.post_attention_layernorm.register_forward_pre_hook(pre(p + "attn.residual"))
+            layer.post_attention_layernorm.register_forward_hook(out(p + "post_attn_norm"))
+            mlp.gate_proj.register_forward_hook(out(p + "mlp.gate"))
+            mlp.up_proj.register_forward_hook(out(p + "mlp.up"))
+            mlp.down_proj.register_forward_pre_hook(pre(p + "mlp.act"))
+            mlp.down_proj.register_forward_hook(out(p + "mlp.out"))
+            for proj in (a.o_proj, mlp.down_proj):
+                proj.forward = self._row_parallel(proj)
+            layer.register_forward_hook(out(p + "out"))
+        m.norm.register_forward_pre_hook(self._teach(self.num_layers), with_kwargs=True)
+        m.norm.register_forward_hook(out("final_norm"))
+        model.lm_head.register_forward_hook(out("logits"))
+
+    def _emit(self, name: str, t: torch.Tensor) -> None:
+        if self.sink is not None:
+            self.sink(name, t.detach())
+
+    def _row_parallel(self, linear: nn.Linear):
+        def forward(x):
+            if self.reductions is None or not self.reductions.emulated:
+                return nn.Linear.forward(linear, x)
+            return row_parallel_linear(x, linear.weight, linear.bias, self.reductions)
+        return forward
+
+    def _teach(self, i: int):
+        return teacher_hook(self, i)
+
+    @torch.no_grad()
+    def run(self, input_ids: list[int], cache, start: int, sink, teacher: dict | None = None) -> None:
+        """One forward of one prompt's new tokens at positions ``start..``, feeding ``cache``."""
+        self.sink, self.teacher = sink, teacher
+        _STATE["sink"] = self._emit
+        try:
+            ids = torch.tensor([input_ids])
+            pos = torch.arange(start, start + len(input_ids))[None]
+            self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        finally:
+            self.sink = self.teacher = None
+            _STATE["sink"] = None
+
+    def step(self, tokens: list[list[int]], caches: list, starts: list[int], teacher: dict | None = None,
+             with_kv: bool = False, reductions: Reductions | None = None) -> dict[str, torch.Tensor]:
+        """One step of every prompt (each a batch of one: ``tokens[b]`` at positions ``starts[b]..``, into
+        ``caches[b]``): every point, rows concatenated in prompt order. ``teacher``: ``{i: [rows, hidden]}``
+        over all prompts' rows; ``with_kv``: also each layer's whole cache contents (``kv.k`` / ``kv.v``);
+        ``reductions``: row-parallel linears rounded as that TP engine rounds them (``tpcheck.reference.reductions``)."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        offset = 0
+        self.reductions = reductions
+        try:
+            for b, toks in enumerate(tokens):
+                t_b = None if teacher is None else {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
+                self.run(toks, caches[b], starts[b], lambda n, t: parts.setdefault(n, []).append(t), t_b)
+                offset += len(toks)
+        finally:
+            self.reductions = None
+        out = {n: ts[0] if len(ts) == 1 else torch.cat(ts) for n, ts in parts.items()}  # one prompt: no copy
+        if with_kv:
+            for i in range(self.num_layers):
+                ks, vs = zip(*(cache_kv(c, i) for c in caches))
+                out[f"layers.{i}.kv.k"], out[f"layers.{i}.kv.v"] = torch.cat(ks), torch.cat(vs)
+        return out
+
+
+def teacher_hook(owner, i: int):
+    """A forward pre-hook (``with_kwargs=True``) for decoder layer ``i`` (``i = num_layers``: the final norm)
+    that replaces its hidden-states input with ``owner.teacher[i]`` (``[rows, hidden]``) while ``owner.teacher``
+    is set (``--isolate``)."""
+    def hook(mod, args, kwargs):
+        if owner.teacher is None:
+            return None
+        x = owner.teacher[i].to(dtype=owner.model.dtype, device=owner.model.device)[None]
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+    return hook
+
+
+def new_cache(model):
+    """An empty ``DynamicCache`` that keeps every position of every layer. transformers 5 gives a sliding-window
+    layer (Mistral, Qwen3's sliding layers) a cache that drops the keys older than the window after each step;
+    the window is the attention mask's business either way (HF masks by position), but the KV-cache points
+    compare every cached position with the engine's cache (impl's paged cache keeps them all), so the golden
+    keeps them all too. Layers without a window are the same either way."""
+    from transformers import DynamicCache
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x: one full layer per decoder layer, created as the forward reaches it
+        return DynamicCache()
+    if any(getattr(cache, "is_sliding", ())):
+        return DynamicCache()  # no config: full DynamicLayers, created as the forward reaches them
+    return cache
+
+
+def cache_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[positions, kv_heads * head_dim]`` keys and values of one layer of a DynamicCache."""
+    if hasattr(cache, "layers"):  # transformers 5.x
+        k, v = cache.layers[layer].keys, cache.layers[layer].values
+    else:
+        k, v = cache.key_cache[layer], cache.value_cache[layer]
+    flat = lambda t: t[0].transpose(0, 1).reshape(t.shape[2], -1)  # noqa: E731
+    return flat(k), flat(v)

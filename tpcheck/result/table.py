@@ -1,0 +1,280 @@
+"""``DiffResult``: the per-point table of a diff (one ``Row`` per comparison: the only list of columns), its
+verdict, where the divergence began and how it grew; saved as a JSON document (``to_json``, the format in
+``tpcheck.result.documents``) and read back (``load_result``)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pandas as pd
+
+from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, run_meta, write_document
+from tpcheck.measure.metrics import K_FACTOR
+from tpcheck.capture.points import split_point
+
+NAN = math.nan
+
+
+@dataclass
+class Row:
+    """One comparison of one point at one step: the table's columns, in order. The diff run fills the
+    measurements and structural findings; ``tpcheck.judge`` fills ``threshold``, ``excess`` and ``passed``."""
+
+    point: str
+    layer: int | None
+    step: int
+    mode: str                      # "propagated" or "isolated" (teacher-forced)
+    kind: str                      # the point's kind, the key of per-kind tolerances ("attn.q", "logits", ...)
+    rel_err: float                 # ||engine - golden|| / ||golden||
+    # the reference error the threshold uses: the worst row (token) of the references at this point over this
+    # and earlier steps, or a reference's whole-tensor error if larger; ref_by names reference and step
+    ref_rel_err: float
+    ref_rel_err_hf: float = NAN    # HF at the dtype on one device, whole tensor, this step
+    ref_rel_err_tp: float = NAN    # HF at the dtype rounding as the engine's TP all-reduces do (NaN at tp 1)
+    ref_by: str = ""               # "hf-tp@0": the reference and step that set ref_rel_err
+    threshold: float = NAN
+    excess: float = NAN            # rel_err / threshold (or max_abs / abs_max if larger)
+    cosine: float = NAN
+    max_abs: float = NAN
+    max_abs_index: list | None = None  # (batch, token, feature) of max_abs
+    mean_abs: float = NAN
+    p99_abs: float = NAN
+    ref_norm: float = NAN
+    nan: int = 0                   # NaN / Inf elements in the engine's tensor
+    inf: int = 0
+    op_mismatch: float = NAN       # --exact-ops: fraction of elements that differ from HF's op
+    passed: bool = False
+    note: str = ""                 # a structural finding (shape, ranks disagreeing, exact ops): always fails
+    order: int = 0                 # execution order within (mode, step); not saved
+
+
+COLUMNS = [f.name for f in fields(Row)]
+FLOAT_COLUMNS = [f.name for f in fields(Row) if f.type == "float"]
+INT_COLUMNS = ("layer", "step", "nan", "inf")
+
+
+@dataclass
+class DiffResult:
+    table: pd.DataFrame
+    meta: dict
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], meta: dict, *, stamp: bool = True) -> "DiffResult":
+        """The result of ``rows`` (``COLUMNS``). ``stamp``: add ``run_meta()``'s keys to ``meta`` where it has
+        none (a new result: this process made it, now); False for a result read back from a file, whose meta
+        says where and when it was made."""
+        df = pd.DataFrame(rows, columns=COLUMNS)
+        df = df.sort_values(["mode", "step", "order"], kind="stable").reset_index(drop=True)
+        return cls(df, {**run_meta(), **meta} if stamp else dict(meta))
+
+    @property
+    def passed(self) -> bool:
+        """Every point within its threshold, and coverage met (``tpcheck.judge.coverage``): a run that compared
+        nothing, or lacks a required point, does not pass."""
+        return bool(len(self.table)) and bool(self.table["passed"].all()) and not self.coverage_problem
+
+    @property
+    def coverage_problem(self) -> str:
+        return (self.meta.get("coverage") or {}).get("problem", "")
+
+    def _failing(self, mode: str = "propagated") -> pd.DataFrame:
+        t = self.table
+        return t[(t["mode"] == mode) & ~t["passed"]]
+
+    @property
+    def first_divergence(self) -> dict | None:
+        """The first failing point in execution order (earliest step first): the origin."""
+        bad = self._failing()
+        if bad.empty:
+            bad = self._failing("isolated")
+            if bad.empty:
+                return None
+        r = bad.iloc[0]
+        return {"point": r.point, "layer": None if pd.isna(r.layer) else int(r.layer), "step": int(r.step),
+                "mode": r["mode"], "rel_err": float(r.rel_err), "ref_rel_err": float(r.ref_rel_err),
+                "ref_by": r.ref_by if isinstance(r.ref_by, str) else "",
+                "threshold": float(r.threshold), "excess": float(r.excess), "max_abs": float(r.max_abs),
+                "max_abs_index": r.max_abs_index, "note": r.note}
+
+    def layer_table(self, mode: str = "propagated") -> pd.DataFrame:
+        """The worst point (largest excess over its threshold) of each (step, layer)."""
+        t = self.table[self.table["mode"] == mode].copy()
+        t["layer_key"] = t["layer"].fillna(-1)
+        t["excess_key"] = t["excess"].fillna(math.inf)
+        idx = t.groupby(["step", "layer_key"], sort=False)["excess_key"].idxmax()
+        w = t.loc[idx].sort_values(["step", "order"])
+        return w[["step", "layer", "point", "rel_err", "ref_rel_err", "ref_by", "excess", "max_abs", "passed", "note"]]
+
+    def growth(self) -> list[dict]:
+        """With an isolated pass: each layer's local error (isolated) beside its propagated error and the
+        factor by which the propagated error grew across it."""
+        t = self.table[(self.table["kind"] == "out") & (self.table["step"] == 0)]
+        prop = t[t["mode"] == "propagated"].set_index("layer")
+        iso = t[t["mode"] == "isolated"].set_index("layer")
+        out, prev = [], None
+        for layer in prop.index:
+            e = float(prop.loc[layer, "rel_err"])
+            row = {"layer": int(layer), "propagated_rel_err": e, "amplification": (e / prev) if prev else None}
+            if layer in iso.index:
+                row["local_rel_err"] = float(iso.loc[layer, "rel_err"])
+                row["local_passed"] = bool(iso.loc[layer, "passed"])
+            out.append(row)
+            prev = e if e > 0 else None
+        return out
+
+    def summary(self) -> str:
+        cov = self.meta.get("coverage") or {}
+        missing = cov.get("not_reported") or []
+        tail = "" if not missing else (f"\nnot reported by the engine ({len(missing)}): {', '.join(missing[:12])}"
+                                       f"{' ...' if len(missing) > 12 else ''}")
+        if self.coverage_problem:
+            tail += f"\ncoverage: {self.coverage_problem}"
+        return self._verdict() + tail
+
+    def _verdict(self) -> str:
+        fd = self.first_divergence
+        m = self.meta
+        head = f"{'PASS' if self.passed else 'FAIL'}: tp={m.get('tp', '?')} {m['dtype']}, {len(self.table)} comparisons"
+        if fd is None:
+            worst = self.table.loc[self.table["excess"].idxmax()] if len(self.table) else None
+            tail = "" if worst is None else (f"; closest to its threshold: {worst.point} (step {worst.step}) at "
+                                             f"{worst.excess:.2f}x")
+            ops = ""
+            if m.get("exact_ops") and "op_mismatch" in self.table:
+                n_ops = int(self.table["op_mismatch"].notna().sum())
+                ops = f" and all {n_ops} checked ops (norms, residual adds) bit-identical to HF's"
+            return head + ", every point within the noise floor" + ops + tail
+        lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
+                       f"rel_err {fd['rel_err']:.3g} vs HF {m['dtype']} {fd['ref_rel_err']:.3g}"
+                       + (f" ({fd['ref_by']})" if fd.get("ref_by") else "") + " "
+                       f"-> {fd['excess']:.3g}x its threshold {fd['threshold']:.3g}; max |diff| {fd['max_abs']:.3g} "
+                       f"at (batch, token, feature) {fd['max_abs_index']}" + (f"; {fd['note']}" if fd["note"] else "")]
+        if m.get("isolate"):
+            g = self.growth()
+            local_bad = [r["layer"] for r in g if r.get("local_passed") is False]
+            if local_bad:
+                src = local_bad[0]
+                amp = [f"layer {r['layer']} x{r['amplification']:.3g}" for r in g
+                       if r["layer"] > src and r["amplification"] is not None]
+                lines.append(f"isolate: layer {src} creates the divergence (local rel_err "
+                             f"{next(r['local_rel_err'] for r in g if r['layer'] == src):.3g}); later layers are locally "
+                             f"{'clean' if local_bad == [src] else 'also failing: ' + str(local_bad[1:])}; growth: "
+                             + (", ".join(amp) or "none"))
+            else:
+                lines.append("isolate: every layer is locally within the noise floor (the error is in a point "
+                             "outside the decoder layers, or only in the propagated run)")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DiffResult":
+        """Read what ``to_json`` wrote (``load_result``)."""
+        return load_result(path)
+
+    def to_document(self) -> dict:
+        """The ``kind: "diff"`` JSON document (strict: see the module's null rule). Keys ``run_meta()`` adds that
+        ``meta`` lacks (a result built without ``from_rows``) are those of this process, now."""
+        rows = self.table.drop(columns=["order"]).to_dict(orient="records")
+        for r in rows:  # integer columns that pandas holds as floats beside NaN (layer: NaN outside the layers)
+            for c in INT_COLUMNS:
+                v = r.get(c)
+                if isinstance(v, float) and v.is_integer():
+                    r[c] = int(v)
+        return document("diff", {"passed": self.passed, "first_divergence": self.first_divergence, "rows": rows},
+                        meta=self.meta)
+
+    def to_json(self, path: str | Path) -> None:
+        """Write ``to_document()``: full float64 precision, non-finite values as null, ``allow_nan=False``."""
+        write_document(path, self.to_document())
+
+    def to_csv(self, path: str | Path) -> None:
+        self.table.drop(columns=["order"]).to_csv(path, index=False)
+
+
+# ---------------------------------------------------------------------------------------- reading back
+
+class ResultFormatError(ValueError):
+    """A saved result that is unreadable or malformed."""
+
+
+_REQUIRED = ("point", "step", "mode", "rel_err", "ref_rel_err")
+_DEFAULTS = {f.name: f.default for f in fields(Row) if f.name not in _REQUIRED}
+_DEFAULTS["passed"] = True  # a version-0 row without a verdict: the judge decides again
+
+
+def _num(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def result_from_dict(data, source: str = "<result>") -> DiffResult:
+    """A ``DiffResult`` from the parsed JSON of ``DiffResult.to_json``; ``source`` names it in errors."""
+    if not isinstance(data, dict):
+        raise ResultFormatError(f"{source}: expected a JSON object with 'meta' and 'rows', got {type(data).__name__}")
+    version = data.get("schema_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ResultFormatError(f"{source}: schema_version must be an integer >= 0, got {version!r}")
+    if version > SCHEMA_VERSION:
+        raise ResultFormatError(f"{source}: schema_version {version} is newer than this tpcheck "
+                                f"({_tpcheck_version()}) reads: schema_version {SCHEMA_VERSION} and older; "
+                                f"read it with a newer tpcheck")
+    kind = data.get("kind", "diff" if version == 0 else None)
+    if kind != "diff":
+        if "kind" not in data:
+            raise ResultFormatError(f"{source}: no 'kind' key (a schema_version {version} document must have one)")
+        what = f"a tpcheck {kind} result" if isinstance(kind, str) else f"kind {kind!r}"
+        raise ResultFormatError(f"{source}: {what}, not a diff result (the --json output of tpcheck diff)")
+    for key in ("meta", "rows"):
+        if key not in data:
+            raise ResultFormatError(f"{source}: no '{key}' key (is this the --json output of tpcheck diff?)")
+    meta, rows = data["meta"], data["rows"]
+    if not isinstance(meta, dict):
+        raise ResultFormatError(f"{source}: 'meta' must be an object")
+    if meta.get("dtype") not in K_FACTOR:
+        raise ResultFormatError(f"{source}: meta.dtype is {meta.get('dtype')!r}, expected one of {', '.join(K_FACTOR)}")
+    if not isinstance(rows, list) or not (rows or (meta.get("coverage") or {}).get("problem")):
+        raise ResultFormatError(f"{source}: 'rows' must be a non-empty list (empty only with meta.coverage.problem)")
+    out = []
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ResultFormatError(f"{source}: rows[{i}] is not an object")
+        missing = [c for c in _REQUIRED if c not in r]
+        if missing:
+            raise ResultFormatError(f"{source}: rows[{i}] has no {', '.join(repr(m) for m in missing)}")
+        if not isinstance(r["point"], str) or r.get("mode") not in ("propagated", "isolated"):
+            raise ResultFormatError(f"{source}: rows[{i}]: bad point {r['point']!r} or mode {r.get('mode')!r}")
+        if isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0:
+            raise ResultFormatError(f"{source}: rows[{i}].step must be an integer >= 0, got {r['step']!r}")
+        for c in FLOAT_COLUMNS:
+            if c in r and not _num(r[c]):
+                raise ResultFormatError(f"{source}: rows[{i}].{c} must be a number or null, got {r[c]!r}")
+        if "passed" in r and not isinstance(r["passed"], bool):
+            raise ResultFormatError(f"{source}: rows[{i}].passed must be true or false, got {r['passed']!r}")
+        layer, kind = split_point(r["point"])
+        row = {**_DEFAULTS, "layer": layer, "kind": kind, **{k: v for k, v in r.items() if k in COLUMNS}}
+        for c in FLOAT_COLUMNS:  # JSON null: NaN or inf that pandas wrote as null
+            if row[c] is None:
+                row[c] = math.nan
+        row["note"] = row["note"] or ""
+        row["order"] = i  # rows are saved in execution order within each (mode, step)
+        out.append(row)
+    return DiffResult.from_rows(out, meta, stamp=False)  # meta says where and when the result was made
+
+
+def _tpcheck_version() -> str:
+    return package_version("tpcheck") or "unknown"
+
+
+def load_result(path: str | Path) -> DiffResult:
+    """Read a result written by ``DiffResult.to_json`` (``tpcheck diff --json``)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ResultFormatError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ResultFormatError(f"{path}: not UTF-8 text: {e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ResultFormatError(f"{path}: not valid JSON: {e}") from None
+    return result_from_dict(data, str(path))
