@@ -214,10 +214,10 @@ def test_cli_golden_streamed_flag(monkeypatch):
     from tpcheck.cli.app import main
     seen = []
 
-    def fake_diff(**kw):
-        seen.append(kw["streamed"])
+    def fake_run(opts, *args, **kw):
+        seen.append(opts.streamed)
         raise ValueError("stop here")
-    monkeypatch.setattr(tpcheck.pipeline.diff, "diff", fake_diff)
+    monkeypatch.setattr(tpcheck.pipeline.diff, "run", fake_run)
     assert main(["diff", "--preset", "tiny", "--golden-streamed"]) == 2
     assert main(["diff", "--preset", "tiny"]) == 2
     assert seen == [True, False]

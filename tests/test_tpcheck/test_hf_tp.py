@@ -13,6 +13,7 @@ import tpcheck
 from diff_runs import verdict_rows
 from tpcheck.cli.app import main
 from tpcheck.capture.dump import DumpAdapter, read_dump
+from tpcheck.engines.hf_tp import get_adapter
 from tpcheck.pipeline.diff import compare_engine
 from tpcheck.reference.reductions import Reductions
 
@@ -35,7 +36,7 @@ def test_clean_hf_tp_passes_with_every_point_reported(ckpt, engines, preset, tp,
                                         ("hf_tp_zero_o_proj", "layers.1.attn.out")])
 def test_a_broken_hf_tp_rank_fails_at_its_origin(ckpt, engines, fn, origin):
     d = ckpt("small")
-    adapter = engines.get_hf_tp(d, 2, "float32")
+    adapter = get_adapter(engines, d, 2, "float32")
     try:
         assert adapter.call(f"worker_fns:{fn}", 1) == [False, True]
         r = compare_engine(adapter, str(d), PROMPTS, "float32", decode_steps=1, isolate=True)

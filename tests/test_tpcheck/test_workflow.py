@@ -14,7 +14,7 @@ from diff_runs import COLS
 from tpcheck.cli.arg_types import int_ranges
 from tpcheck.cli.app import main
 from tpcheck.reference.saved import GoldenError
-from tpcheck.pipeline.diff import selection
+from tpcheck.pipeline.selection import selection
 
 PROMPTS = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
 
@@ -88,7 +88,7 @@ def test_selection_and_layer_lists():
 
 
 def test_impl_ranks_capture_only_the_selection(ckpt, engines):
-    from tpcheck.engines.adapter import ImplAdapter
+    from tpcheck.engines.impl import ImplAdapter
     llm = engines.get(ckpt("tiny"), 2, "float32")
     for sel, want in ((r"layers\.0\..*", lambda n: n.startswith("layers.0.")), (None, lambda n: True)):
         adapter = ImplAdapter(llm, points=sel)

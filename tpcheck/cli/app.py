@@ -1,14 +1,5 @@
-"""``tpcheck`` command line.
-
-Exit codes, the same for every subcommand:
-  0  pass: every check passed
-  1  diverged: a point left the noise floor (the origin is named)
-  2  bad input: a file, config field, flag or path (named)
-  3  the engine or the harness failed: a rank died, hung or raised (named, with its last words), the engine
-     did not report what the verdict needs (coverage), or an I/O error (the path)
-One line on stderr for 2 and 3; the traceback only with --debug (or TPCHECK_DEBUG=1).
-
-With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2."""
+"""``tpcheck`` command line: the parser, the diff / check / compare commands, errors turned into exit codes
+(``tpcheck.cli.exit_codes``)."""
 from __future__ import annotations
 
 import argparse
@@ -20,40 +11,58 @@ import sys
 import traceback
 from pathlib import Path
 
+from tpcheck import options
+from tpcheck.cli import exit_codes
+from tpcheck.cli.exit_codes import Exit, verdict
 from tpcheck.inputs import checkpoints
-from tpcheck.engines.adapter import ENGINES
-from tpcheck.cli.arg_types import int_list, int_ranges, regex
+from tpcheck.cli.arg_types import int_list, regex
 from tpcheck.judge.coverage import DEFAULT_REQUIRE, CoverageError
 from tpcheck.result.documents import package_version
 
 
+DESCRIPTION = f"""``tpcheck`` command line.
+
+{exit_codes.__doc__}
+One line on stderr for 2 and 3; the traceback only with --debug (or TPCHECK_DEBUG=1).
+
+With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2."""
+
+
 def _add_outputs(p: argparse.ArgumentParser) -> None:
-    """The verdict's outputs and gate options, shared by diff and compare."""
-    p.add_argument("--require-points", type=regex, default=DEFAULT_REQUIRE, metavar="REGEX",
-                   help="canonical points the engine must report, else exit 3 (default: %(default)s)")
+    """The verdict's outputs, shared by diff and compare."""
     p.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
     p.add_argument("--csv", type=Path, help="write every row as CSV")
     p.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
     p.add_argument("--parquet", type=Path, help="write every row as Parquet (needs pyarrow)")
     p.add_argument("--html", type=Path, help="write the self-contained HTML report")
-    p.add_argument("--tolerances", type=Path, metavar="FILE.toml",
-                   help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tpcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="tpcheck", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
     ap.add_argument("--version", action="version", version=f"tpcheck {package_version('tpcheck') or 'unknown (not installed)'}")
     sub = ap.add_subparsers(dest="cmd")
+    _add_checkpoint_commands(sub)
+    _add_check(sub)
+    _add_diff(sub)
+    _add_compare(sub)
+    from tpcheck.cli import compare_results, completion, gate, sweep
+    gate.register(sub)
+    compare_results.register(sub)
+    sweep.register(sub)
+    completion.register(sub)
+    return ap
 
-    mk = sub.add_parser("make-checkpoint", help="write a synthetic Hugging Face Qwen2 checkpoint")
+
+def _add_checkpoint_commands(sub) -> None:
+    """make-checkpoint, presets, schema, faults."""
+    mk = sub.add_parser("make-checkpoint", help="write a synthetic Hugging Face checkpoint (any supported family)")
     mk.add_argument("--preset", required=True, choices=checkpoints.preset_names())
     mk.add_argument("--out", required=True, type=Path)
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="float32", choices=sorted(checkpoints.DTYPES))
     mk.add_argument("--shards", type=int, default=1, help="number of safetensors files (>1 writes an index)")
-
     sub.add_parser("presets", help="list the synthetic checkpoint presets")
     sub.add_parser("schema", help="print the JSON Schema (draft 2020-12) of the --json documents")
     fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
@@ -62,9 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     from tpcheck.cli import fault_matrix
     fault_matrix.register(fsub)
 
+
+def _add_check(sub) -> None:
     ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
     src = ck.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="a Hugging Face Qwen2 checkpoint directory")
+    src.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (Qwen2, Llama, Mistral, Qwen3)")
     src.add_argument("--preset", default="tiny", choices=checkpoints.preset_names(),
                      help="synthetic checkpoint used when --model is not given (default: tiny)")
     ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
@@ -77,52 +88,20 @@ def _parser() -> argparse.ArgumentParser:
                     help="also require vLLM's check_logprobs_close rule: where the top tokens differ, each is in "
                          "the other side's top K (reported per prompt either way, with K=5 when not given)")
     ck.add_argument("--json", type=Path, help="write the table as JSON")
+
+
+def _add_diff(sub) -> None:
+    """diff: its run options are ``tpcheck.options.DiffOptions``' fields (one flag each)."""
+    from tpcheck.engines.registry import ENGINES
     df = sub.add_parser("diff", help="layer-by-layer differential run: where the engine leaves the noise floor")
     df.add_argument("--layer-by-layer", action="store_true", help="(the only mode; accepted for clarity)")
-    src = df.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="a Hugging Face Qwen2 checkpoint directory")
-    src.add_argument("--preset", default="small", choices=checkpoints.preset_names(),
-                     help="synthetic checkpoint used when --model is not given (default: small)")
-    df.add_argument("--engine", default="impl", choices=list(ENGINES),
-                    help="the engine under test: " + "; ".join(f"{k}: {v}" for k, v in ENGINES.items()))
-    df.add_argument("--tp", type=int, default=2)
-    df.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    inp = df.add_mutually_exclusive_group()
-    inp.add_argument("--prompt-ids", type=int_list, action="append", help="a prompt as token ids (repeatable)")
-    inp.add_argument("--prompt", action="append", help="prompt text (needs a tokenizer in --model; repeatable)")
-    df.add_argument("--seq-len", type=int, default=32, help="random prompts: tokens each (default 32)")
-    df.add_argument("--batch", type=int, default=2, help="random prompts: how many (default 2)")
-    df.add_argument("--seed", type=int, default=0, help="random prompts: seed")
-    df.add_argument("--decode-steps", type=int, default=0)
-    df.add_argument("--isolate", action="store_true", help="also run teacher-forced: each layer's local error")
-    df.add_argument("--exact-ops", action="store_true",
-                    help="also fail any RMSNorm or residual add whose output is not bit-identical to HF's module "
-                         "applied to the engine's own input (catches arithmetic that departs from HF's yet is as "
-                         "accurate, e.g. rmsnorm_weight_before_cast; see tpcheck.measure.exact_ops)")
-    df.add_argument("--golden-streamed", action="store_true",
-                    help="read the HF references' weights from the checkpoint as the forward needs them, one "
-                         "matrix at a time (for checkpoints larger than memory; same results, slower; "
-                         "tpcheck.reference.streamed)")
-    df.add_argument("--inject", type=lambda s: [x for x in s.split(",") if x], default=[],
-                    help="faults to inject into impl (tpcheck faults list)")
-    df.add_argument("--inject-layer", type=int, default=None, help="only this decoder layer gets the faults")
-    df.add_argument("--block-size", type=int, default=16)
-    df.add_argument("--points", type=regex, metavar="REGEX",
-                    help="compare only the points this regex fullmatches, e.g. 'layers\\.\\d+\\.(attn\\.out|out)|logits' "
-                         "(the origin is the first failing selected point)")
-    df.add_argument("--layers", type=int_ranges, metavar="LIST",
-                    help="compare only these decoder layers' points, e.g. 0,3,10-12 (with --points: both apply)")
-    df.add_argument("--fail-fast", action="store_true", help="stop after the first step with a failing point")
-    df.add_argument("--save-golden", type=Path, metavar="DIR",
-                    help="save the float64 golden's points (safetensors) for --golden to reuse")
-    df.add_argument("--golden", type=Path, metavar="DIR",
-                    help="replay a golden saved by --save-golden (same checkpoint and prompts) instead of computing it")
-    df.add_argument("--dump", type=Path, metavar="DIR",
-                    help="also write every rank's points per step to DIR (tpcheck compare DIR judges it offline)")
-    df.add_argument("--dump-points", type=regex, metavar="REGEX", help="with --dump: only these points")
-    df.add_argument("--dump-budget-mb", type=float, metavar="MB",
-                    help="with --dump: refuse a step that would take the dump past this size")
+    prompt = options.add_arguments(df, choices={"preset": checkpoints.preset_names(), "engine": list(ENGINES)},
+                                   defaults={"tp": 2})
+    prompt.add_argument("--prompt", action="append", help="prompt text (needs a tokenizer in --model; repeatable)")
     _add_outputs(df)
+
+
+def _add_compare(sub) -> None:
     cp = sub.add_parser("compare", help="judge a dump (tpcheck diff --dump, tpcheck.capture in any engine) "
                                         "against the golden, like tpcheck diff")
     cp.add_argument("dump_dir", type=Path, metavar="DUMP_DIR")
@@ -130,13 +109,11 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--reduce-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the dtype of the engine's all-reduces (default: the dump's dtype)")
     cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
+    cp.add_argument("--require-points", type=regex, default=DEFAULT_REQUIRE, metavar="REGEX",
+                    help="canonical points the engine must report, else exit 3 (default: %(default)s)")
+    cp.add_argument("--tolerances", type=Path, metavar="FILE.toml",
+                    help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
     _add_outputs(cp)
-    from tpcheck.cli import compare_results, completion, gate, sweep
-    gate.register(sub)
-    compare_results.register(sub)
-    sweep.register(sub)
-    completion.register(sub)
-    return ap
 
 
 def _fmt(df) -> str:
@@ -144,23 +121,19 @@ def _fmt(df) -> str:
 
 
 def _cmd_diff(a, argv: list[str]) -> int:
-    from tpcheck.pipeline.diff import diff
+    from tpcheck.pipeline.diff import run
     from tpcheck.judge.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
-    prompts = a.prompt_ids
+    resolved = {}
     if a.prompt:
         from impl.llm import load_tokenizer
         if a.model is None:
             raise ValueError("--prompt needs --model with a tokenizer (synthetic presets have none)")
         tok = load_tokenizer(a.model)
-        prompts = [tok.encode(t) for t in a.prompt]
-    r = diff(model=a.model, preset=a.preset, tp=a.tp, dtype=a.dtype, prompts=prompts,
-                     decode_steps=a.decode_steps, isolate=a.isolate, inject=a.inject, inject_layer=a.inject_layer,
-                     block_size=a.block_size, seq_len=a.seq_len, batch=a.batch, seed=a.seed, exact_ops=a.exact_ops,
-                     command=shlex.join(["tpcheck", *argv]), tolerances=tol, require_points=a.require_points,
-                     dump=a.dump, dump_points=a.dump_points, dump_budget_mb=a.dump_budget_mb, engine=a.engine,
-                     streamed=a.golden_streamed, points=a.points, layers=a.layers, fail_fast=a.fail_fast,
-                     golden=a.golden, save_golden=a.save_golden)
+        resolved["prompts"] = [tok.encode(t) for t in a.prompt]
+    opts = options.from_args(a, **resolved)
+    # the command line as typed repeats the run (a --prompt text is tokenized the same way again)
+    r = run(opts, tol, command=shlex.join(["tpcheck", *argv]))
     if a.dump:
         print(f"dumped to {a.dump} (tpcheck compare {a.dump} --model ...)")
     return _show(r, a)
@@ -204,12 +177,12 @@ def _show(r, a) -> int:
 def exit_code(r) -> int:
     """A DiffResult's exit code: 1 when a point diverged, else 3 when coverage fails the run, else 0."""
     if not bool(r.table["passed"].all()):
-        return EXIT_DIVERGED
+        return Exit.DIVERGED
     problem = r.meta.get("coverage", {}).get("problem")
     if problem:
         print(f"tpcheck: error: coverage: {problem}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_PASS
+        return Exit.FAILED
+    return Exit.PASS
 
 
 def _cmd_check(a, argv: list[str]) -> int:
@@ -242,7 +215,7 @@ def _cmd_check(a, argv: list[str]) -> int:
         from tpcheck.result.documents import write_json
         write_json(a.json, "check", {"passed": ok, "model": str(model), "rows": df.to_dict("records")},
                    meta={"dtype": a.dtype, "tp": tps}, command=shlex.join(["tpcheck", *argv]))
-    return 0 if ok else 1
+    return verdict(ok)
 
 
 def _tp_ok(cfg, tp: int) -> bool:
@@ -251,9 +224,6 @@ def _tp_ok(cfg, tp: int) -> bool:
         return True
     except ValueError:
         return False
-
-
-EXIT_PASS, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_FAILED = 0, 1, 2, 3
 
 
 def check_output_paths(*paths: Path | None, allow_dir: bool = False) -> None:
@@ -290,18 +260,18 @@ def _exit_code(e: BaseException) -> tuple[int, str]:
     from tpcheck.capture.dump import DumpError
     first = (str(e).strip().splitlines() or [""])[0]
     if isinstance(e, (ConfigError, LoadError, DumpError)):  # a checkpoint / dump at fault, even found in a rank
-        return EXIT_BAD_INPUT, first
+        return Exit.BAD_INPUT, first
     if isinstance(e, RankError) or getattr(e, "rank", None) is not None:
         what = first if first.startswith(("TP rank", "rank")) else f"rank {e.rank}: {type(e).__name__}: {first}"
-        return EXIT_FAILED, f"the engine failed: {what}"
+        return Exit.FAILED, f"the engine failed: {what}"
     if isinstance(e, CoverageError):
-        return EXIT_FAILED, f"coverage: {first}"
+        return Exit.FAILED, f"coverage: {first}"
     if isinstance(e, (ValueError, FileExistsError, FileNotFoundError)):
-        return EXIT_BAD_INPUT, first
+        return Exit.BAD_INPUT, first
     if isinstance(e, OSError):
         where = f" on {e.filename}" if e.filename else ""
-        return EXIT_FAILED, f"I/O error{where}: {e.strerror or e}"
-    return EXIT_FAILED, f"internal error: {type(e).__name__}: {first}"
+        return Exit.FAILED, f"I/O error{where}: {e.strerror or e}"
+    return Exit.FAILED, f"internal error: {type(e).__name__}: {first}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(e, "rank_traceback", None):
                 print(f"traceback on rank {e.rank}:\n{e.rank_traceback}", file=sys.stderr)
         print(f"tpcheck: error: {message}" + ("" if debug else " (--debug for the traceback)"
-                                               if code == EXIT_FAILED else ""), file=sys.stderr)
+                                               if code == Exit.FAILED else ""), file=sys.stderr)
         return code
     finally:
         logger.removeHandler(progress)
@@ -390,7 +360,7 @@ def _run(a, argv: list[str]) -> int:
         print(json.dumps(load_schema(), indent=2))
         return 0
     _parser().print_help()
-    return EXIT_BAD_INPUT
+    return Exit.BAD_INPUT
 
 
 if __name__ == "__main__":

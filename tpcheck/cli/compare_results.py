@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from tpcheck.cli.exit_codes import verdict
 from tpcheck.judge.verdict import judge
 from tpcheck.result.table import DiffResult, load_result
 from tpcheck.judge.tolerances import Tolerances, load_tolerances
@@ -116,5 +117,5 @@ def run(args) -> int:
         from tpcheck.result.documents import write_json
         write_json(args.json, "comparison", {"regressed": regressed, "a": str(args.a), "b": str(args.b),
                                              "factor": args.factor, "rows": t.to_dict("records")})
-    return 1 if regressed else 0
+    return verdict(not regressed)
 

@@ -28,6 +28,7 @@ import torch
 
 from impl.config import load_config
 from impl.shard_plan import shard_plan
+from tpcheck.cli.exit_codes import verdict
 from tpcheck.inputs.faults import FAULTS, Fault, get_fault, injected
 from tpcheck.progress import bar
 from tpcheck.inputs.checkpoints import preset_available
@@ -276,7 +277,7 @@ def clean_row(config: dict, pool, ckpt=None) -> dict:
         alarms.append(f"diff fails at {_at(fd['point'], fd['step'])}")
     if m["flagged"]:
         alarms.append("memory: " + _memory_note(m))
-    worst = r.table.loc[r.table["excess"].idxmax()]
+    worst = r.worst()
     note = "; ".join(alarms) or (f"closest: {worst.point} @ step {worst.step} at {worst.excess:.2f}x; memory "
                                  f"{m['excess']:.2f}x its limit")
     return _row("(clean)", config, "diff+memory", detected=bool(alarms),
@@ -384,4 +385,4 @@ def run(args, pool=None, ckpt=None) -> int:
                    meta={"args": {k: v for k, v in vars(args).items()
                                   if k not in ("cmd", "action", "json", "debug")}})
         print(f"wrote {args.json}")
-    return 0 if ok else 1
+    return verdict(ok)

@@ -17,9 +17,10 @@ from pathlib import Path
 from tpcheck.result.report import ResultFormatError, load_result
 from tpcheck.result.table import DiffResult
 from tpcheck.judge.verdict import judge
+from tpcheck.cli.exit_codes import Exit
 from tpcheck.judge.tolerances import ToleranceError, Tolerances, load_tolerances
 
-PASS, FAIL, BAD_INPUT, ENGINE_FAILED = 0, 1, 2, 3  # tpcheck.cli's contract
+PASS, FAIL, BAD_INPUT, ENGINE_FAILED = Exit.PASS, Exit.DIVERGED, Exit.BAD_INPUT, Exit.FAILED
 
 
 def gate_result(result: DiffResult, tolerances: Tolerances | None = None, name: str = "result") -> tuple[int, str, DiffResult]:
@@ -29,7 +30,7 @@ def gate_result(result: DiffResult, tolerances: Tolerances | None = None, name: 
     t = r.table
     dtype = r.meta["dtype"]
     if r.passed:
-        worst = t.loc[t["excess"].fillna(0).idxmax()]
+        worst = r.worst()
         return PASS, (f"PASS {name}: all {len(t)} points within tolerance ({tol.source}); closest: {worst.point} "
                       f"(step {worst.step}, {worst['mode']}) at {worst.excess:.3g}x its threshold"), r
     fd = r.first_divergence

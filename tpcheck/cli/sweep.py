@@ -18,7 +18,6 @@ import logging
 import argparse
 import dataclasses
 import hashlib
-import math
 import sys
 import tempfile
 import time
@@ -26,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpcheck.cli.arg_types import int_list, name_list
+from tpcheck.cli.exit_codes import Exit
 from tpcheck.progress import bar
+from tpcheck.result.table import worst_key
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -178,10 +179,9 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepO
         t = r.table
         if not len(t):
             return
-        ex = t["excess"].fillna(math.inf)
-        w = t.loc[ex.idxmax()]
-        if float(ex.max()) >= row["excess"] or row["worst_point"] is None:
-            row.update(worst_point=w.point, worst_step=int(w.step), excess=float(ex.max()),
+        w = r.worst()
+        if float(worst_key(t).max()) >= row["excess"] or row["worst_point"] is None:
+            row.update(worst_point=w.point, worst_step=int(w.step), excess=float(worst_key(t).max()),
                        worst_example=case.describe())
 
     phases = [Phase.explicit, Phase.generate] + ([] if opts.no_shrink else [Phase.shrink])
@@ -226,9 +226,8 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepO
     if state["fail"] is not None:
         case, r = state["fail"]  # the last failure Hypothesis ran: the shrunk example
         fd = r.first_divergence or {}
-        ex = r.table["excess"].fillna(math.inf)
-        w = r.table.loc[ex.idxmax()]
-        row.update(passed=False, worst_point=w.point, worst_step=int(w.step), excess=float(ex.max()),
+        w = r.worst()
+        row.update(passed=False, worst_point=w.point, worst_step=int(w.step), excess=float(worst_key(r.table).max()),
                    worst_example=case.describe(), origin=fd.get("point"), failing_example=case.describe(),
                    repro=case.repro(root, opts.inject))
         row["failing_case"] = case.to_dict()
@@ -307,13 +306,13 @@ def run(a: "SweepOptions | argparse.Namespace", pool=None) -> int:
     if errors:
         for e in errors:
             print(f"tpcheck sweep: error: {e}", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     t0 = time.monotonic()
     rows = sweep(opts, pool=pool)
     ran = [r for r in rows if not r.get("skipped")]
     if not ran:
         print("tpcheck sweep: error: no configuration can run (every one was skipped)", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     print(_fmt_table(rows))
     failed = [r for r in ran if not r["passed"]]
     for r in failed:
@@ -333,8 +332,8 @@ def run(a: "SweepOptions | argparse.Namespace", pool=None) -> int:
                    meta={"args": {k: v for k, v in dataclasses.asdict(opts).items() if k != "json"}})
         print(f"wrote {opts.json}")
     if any(r.get("origin") or not r.get("error") for r in failed):
-        return 1
-    return 3 if failed else 0
+        return Exit.DIVERGED
+    return Exit.FAILED if failed else Exit.PASS
 
 
 def main(argv: list[str] | None = None) -> int:

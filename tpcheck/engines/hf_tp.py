@@ -172,6 +172,24 @@ class HFTPAdapter:
         self.executor.shutdown()
 
 
+def get_adapter(pool, model_dir: str, tp: int, dtype: str = "float32") -> HFTPAdapter:
+    """``pool``'s ``HFTPAdapter`` of ``tp`` ranks (kept; reloaded when the checkpoint or dtype changes)."""
+    return pool.acquire("hf-tp", tp, (str(model_dir), dtype),
+                        lambda: HFTPAdapter(str(model_dir), tp, dtype, device=pool.llm_kwargs.get("device", "cpu")),
+                        lambda adapter: adapter.reload(str(model_dir), dtype), close=HFTPAdapter.shutdown)
+
+
+def start(pool, opts, model_dir: str):
+    """The adapter of one diff (``tpcheck.engines.registry``); ``--dump`` is written from the driver
+    (``DumpingAdapter`` splits the budget over the ranks)."""
+    from tpcheck.capture.dump import DumpingAdapter
+    adapter = get_adapter(pool, model_dir, opts.tp, opts.dtype)
+    if opts.dump is None:
+        return adapter
+    budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)
+    return DumpingAdapter(adapter, opts.dump, opts.dtype, "hf-tp", opts.dump_points, budget)
+
+
 def _greedy_dump(rank: HFTPRank, prompts: list[list[int]], decode_steps: int, writer) -> list[list[int]]:
     """Greedy decode of every prompt, each step's points written by ``writer``; returns the generated ids."""
     rank.begin(len(prompts))

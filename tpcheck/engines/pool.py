@@ -1,15 +1,18 @@
-"""Persistent TP engines: one ``impl.LLM`` per TP size, reused across checks and test examples.
+"""Persistent TP engines: one running engine per (kind, TP size), reused across checks and test examples.
 
 Starting a rank costs a fork from impl's fork server, a process-group rendezvous and, at the first start
 in a process, the server's own torch import (~1.5 s); loading a tiny checkpoint costs milliseconds. The pool
-keeps the workers and reloads weights only when the checkpoint or cache layout changes."""
+keeps the workers and reloads weights only when the checkpoint or cache layout changes. Which engine and how it
+starts or reloads is the engine module's business (``tpcheck.engines.registry``); the pool only keeps them."""
 from __future__ import annotations
 
 import ctypes
 import os
+from typing import Callable, TypeVar
 
-from impl import LLM
 from impl.executor import start_fork_server
+
+E = TypeVar("E")
 
 
 def keep_freed_memory() -> bool:
@@ -32,54 +35,36 @@ def keep_freed_memory() -> bool:
 
 class EnginePool:
     """The engines of one harness process; creating a pool also starts impl's fork server and makes this
-    process keep freed memory (``keep_freed_memory``)."""
+    process keep freed memory (``keep_freed_memory``). ``llm_kwargs``: extra ``impl.LLM`` keywords (``device``)."""
 
     def __init__(self, **llm_kwargs):
         start_fork_server()  # its torch import overlaps the caller's work before the first engine starts
         keep_freed_memory()  # the harness allocates the same points, references and statistics every step
         self.llm_kwargs = llm_kwargs
-        self._engines: dict[int, LLM] = {}
-        self._loaded: dict[int, tuple] = {}
-        self._hf_tp: dict[int, tuple] = {}  # tp -> (HFTPAdapter, (checkpoint, dtype))
+        self._engines: dict[tuple[str, int], tuple[object, tuple, Callable]] = {}  # (kind, tp) -> (engine, key, close)
+
+    def acquire(self, kind: str, tp: int, key: tuple, start: Callable[[], E], reload: Callable[[E], None],
+                close: Callable[[E], None]) -> E:
+        """The running ``kind`` engine of ``tp`` ranks loaded as ``key``: started by ``start()`` when there is
+        none (or its ranks were torn down after a failure), ``reload(engine)`` when it holds another ``key``."""
+        engine, loaded, _ = self._engines.get((kind, tp), (None, None, close))
+        if engine is not None and engine.executor.closed:  # torn down after a rank failure: start afresh
+            engine = None
+        if engine is None:
+            engine = start()
+        elif loaded != key:
+            self._engines[(kind, tp)] = (engine, None, close)  # a reload that fails leaves it held, not loaded
+            reload(engine)
+        self._engines[(kind, tp)] = (engine, key, close)
+        return engine
 
     def get(self, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
-            num_kv_blocks: int | None = None) -> LLM:
-        key = (str(model_dir), dtype, block_size, num_kv_blocks)
-        llm = self._engines.get(tp)
-        if llm is not None and llm.executor.closed:  # torn down after a rank failure: start afresh
-            del self._engines[tp]
-            self._loaded.pop(tp, None)
-            llm = None
-        if llm is None:
-            llm = LLM(model_dir, tp_size=tp, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                      **self.llm_kwargs)
-            self._engines[tp] = llm
-        elif self._loaded.get(tp) != key:
-            self._loaded.pop(tp, None)
-            llm.load(model_dir, dtype, block_size, num_kv_blocks)
-        self._loaded[tp] = key
-        return llm
-
-    def get_hf_tp(self, model_dir: str | os.PathLike, tp: int, dtype: str = "float32"):
-        """A ``tpcheck.engines.hf_tp.HFTPAdapter`` of ``tp`` ranks (one per tp, kept; reloaded when the checkpoint or
-        dtype changes)."""
-        from tpcheck.engines.hf_tp import HFTPAdapter
-        key = (str(model_dir), dtype)
-        adapter, loaded = self._hf_tp.get(tp, (None, None))
-        if adapter is not None and adapter.executor.closed:
-            adapter = None
-        if adapter is None:
-            adapter = HFTPAdapter(str(model_dir), tp, dtype, device=self.llm_kwargs.get("device", "cpu"))
-        elif loaded != key:
-            adapter.reload(str(model_dir), dtype)
-        self._hf_tp[tp] = (adapter, key)
-        return adapter
+            num_kv_blocks: int | None = None):
+        """impl's ``LLM`` of ``tp`` ranks (``tpcheck.engines.impl.get_llm``)."""
+        from tpcheck.engines.impl import get_llm
+        return get_llm(self, model_dir, tp, dtype, block_size, num_kv_blocks)
 
     def close(self) -> None:
-        for llm in self._engines.values():
-            llm.close()
-        for adapter, _ in self._hf_tp.values():
-            adapter.shutdown()
+        for engine, _, close in self._engines.values():
+            close(engine)
         self._engines.clear()
-        self._loaded.clear()
-        self._hf_tp.clear()

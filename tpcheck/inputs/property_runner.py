@@ -58,11 +58,12 @@ class Case:
 
     def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
         """The ``tpcheck diff`` command line of this case (block size included)."""
-        from tpcheck.pipeline.diff import diff_command
+        from tpcheck.options import DiffOptions
         by_name = self.preset is not None and self.weight_seed == 0
-        return diff_command(["--preset", self.preset] if by_name else ["--model", model_dir], self.tp, self.dtype,
-                            self.prompts, self.decode_steps, self.block_size, exact_ops=self.exact_ops, inject=inject,
-                            inject_layer=inject_layer)
+        source = {"preset": self.preset} if by_name else {"model": str(model_dir)}
+        return DiffOptions(**source, tp=self.tp, dtype=self.dtype, prompts=self.prompts,
+                           decode_steps=self.decode_steps, block_size=self.block_size, exact_ops=self.exact_ops,
+                           inject=tuple(inject), inject_layer=inject_layer).command()
 
     def repro(self, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None) -> str:
         """One shell line that recreates the checkpoint if needed and runs ``tpcheck diff`` on this case."""

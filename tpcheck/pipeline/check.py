@@ -1,8 +1,8 @@
 """End-to-end logits check: impl at each TP size against an fp64 Hugging Face golden run, gated by the
 noise floor of Hugging Face at the same dtype. (The layer-by-layer diff localises; this says whether.)
 
-The verdict (``passed``) is the noise-floor gate on the logits' ``rel_err`` (``tpcheck.judge.tolerances.Tolerances``
-for the ``logits`` kind, as ``tpcheck diff`` judges its ``logits`` point) and no NaN; with ``logprobs_topk``
+The verdict (``passed``) is ``tpcheck.judge``'s on the logits (each (tp, prompt) judged as ``tpcheck diff`` judges
+its ``logits`` point: the noise-floor gate under ``tpcheck.judge.tolerances.Tolerances``, NaN never passing); with ``logprobs_topk``
 also vLLM's ``check_logprobs_close`` rule (``logprobs_close``, below). ``argmax_agree`` (the engine's top token equals the golden's at every position whose golden
 top-2 gap exceeds 1e-4) is informational and not part of the verdict: the 1e-4 cut is a fixed absolute gap,
 while the legitimate error of logits at the run's dtype (what Hugging Face itself makes at that dtype: in
@@ -26,8 +26,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from tpcheck.measure.metrics import compare
+from tpcheck.judge import judge
 from tpcheck.judge.tolerances import Tolerances
+from tpcheck.measure.metrics import compare
+from tpcheck.result.table import DiffResult, Row
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -62,7 +64,6 @@ def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: lis
     """One row per (tp, prompt): engine and HF-at-dtype errors against the fp64 golden, and the verdict
     (``passed``: the noise-floor gate and no NaN, and ``logprobs_close`` when ``logprobs_topk`` is given;
     ``argmax_agree`` is informational, see the module docstring)."""
-    tol = Tolerances()
     from tpcheck.engines.pool import EnginePool
     logger.info(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s)...")
     golden = hf_logits(model_dir, "float64", prompts)
@@ -81,7 +82,7 @@ def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: lis
                 clear = (top2[:, 0] - top2[:, 1]) > 1e-4
                 argmax_ok = bool(torch.equal(got.argmax(-1)[clear], golden[i].argmax(-1)[clear]))
                 close = logprobs_close(got.double(), golden[i], logprobs_topk or 5)
-                within = e["rel_err"] <= tol.threshold("logits", dtype, r["rel_err"])
+                within = _judged(e, r["rel_err"], dtype)
                 rows.append({"tp": tp, "dtype": dtype, "prompt": i, "tokens": len(p), "rel_err": e["rel_err"],
                              "ref_rel_err": r["rel_err"], "max_abs": e["max_abs"], "cosine": e["cosine"],
                              "nan": e["nan"], "argmax_agree": argmax_ok, "logprobs_close": close,
@@ -90,3 +91,10 @@ def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: lis
         if own:
             pool.close()
     return pd.DataFrame(rows)
+
+
+def _judged(stats: dict, ref_rel_err: float, dtype: str, tolerances: Tolerances | None = None) -> bool:
+    """The verdict ``tpcheck diff`` gives a ``logits`` point with these statistics (``tpcheck.judge``)."""
+    row = Row(point="logits", layer=None, step=0, mode="propagated", kind="logits", rel_err=stats["rel_err"],
+              ref_rel_err=ref_rel_err, max_abs=stats["max_abs"])
+    return bool(judge(DiffResult.from_rows([row], {"dtype": dtype}, stamp=False), tolerances).table["passed"][0])

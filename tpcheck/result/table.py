@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import pandas as pd
@@ -51,6 +51,11 @@ class Row:
 
 
 COLUMNS = [f.name for f in fields(Row)]
+
+
+def worst_key(table: pd.DataFrame) -> pd.Series:
+    """The one ordering of "worst point": ``excess``, a NaN (never a pass: an engine NaN) counting as infinite."""
+    return table["excess"].astype(float).fillna(math.inf)
 FLOAT_COLUMNS = [f.name for f in fields(Row) if f.type == "float"]
 INT_COLUMNS = ("layer", "step", "nan", "inf")
 
@@ -61,11 +66,11 @@ class DiffResult:
     meta: dict
 
     @classmethod
-    def from_rows(cls, rows: list[dict], meta: dict, *, stamp: bool = True) -> "DiffResult":
-        """The result of ``rows`` (``COLUMNS``). ``stamp``: add ``run_meta()``'s keys to ``meta`` where it has
-        none (a new result: this process made it, now); False for a result read back from a file, whose meta
-        says where and when it was made."""
-        df = pd.DataFrame(rows, columns=COLUMNS)
+    def from_rows(cls, rows: list[Row] | list[dict], meta: dict, *, stamp: bool = True) -> "DiffResult":
+        """The result of ``rows`` (``Row``s, or dicts of ``COLUMNS`` read back from a file). ``stamp``: add
+        ``run_meta()``'s keys to ``meta`` where it has none (a new result: this process made it, now); False for a
+        result read back from a file, whose meta says where and when it was made."""
+        df = pd.DataFrame([asdict(r) if isinstance(r, Row) else r for r in rows], columns=COLUMNS)
         df = df.sort_values(["mode", "step", "order"], kind="stable").reset_index(drop=True)
         return cls(df, {**run_meta(), **meta} if stamp else dict(meta))
 
@@ -78,6 +83,12 @@ class DiffResult:
     @property
     def coverage_problem(self) -> str:
         return (self.meta.get("coverage") or {}).get("problem", "")
+
+    def worst(self, mode: str | None = None) -> pd.Series | None:
+        """The point closest to (or furthest over) its threshold: the largest ``excess`` (``worst_key``), first in
+        table order on a tie; within ``mode`` when given; None for an empty table."""
+        t = self.table if mode is None else self.table[self.table["mode"] == mode]
+        return None if t.empty else t.loc[worst_key(t).idxmax()]
 
     def _failing(self, mode: str = "propagated") -> pd.DataFrame:
         t = self.table
@@ -102,7 +113,7 @@ class DiffResult:
         """The worst point (largest excess over its threshold) of each (step, layer)."""
         t = self.table[self.table["mode"] == mode].copy()
         t["layer_key"] = t["layer"].fillna(-1)
-        t["excess_key"] = t["excess"].fillna(math.inf)
+        t["excess_key"] = worst_key(t)
         idx = t.groupby(["step", "layer_key"], sort=False)["excess_key"].idxmax()
         w = t.loc[idx].sort_values(["step", "order"])
         return w[["step", "layer", "point", "rel_err", "ref_rel_err", "ref_by", "excess", "max_abs", "passed", "note"]]
@@ -138,7 +149,7 @@ class DiffResult:
         m = self.meta
         head = f"{'PASS' if self.passed else 'FAIL'}: tp={m.get('tp', '?')} {m['dtype']}, {len(self.table)} comparisons"
         if fd is None:
-            worst = self.table.loc[self.table["excess"].idxmax()] if len(self.table) else None
+            worst = self.worst()
             tail = "" if worst is None else (f"; closest to its threshold: {worst.point} (step {worst.step}) at "
                                              f"{worst.excess:.2f}x")
             ops = ""

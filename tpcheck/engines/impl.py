@@ -1,0 +1,84 @@
+"""impl, this project's engine, as an engine under test (``tpcheck diff --engine impl``, the default): hooks live
+in ``tpcheck.capture.impl`` inside each rank; faults (``tpcheck.inputs.faults``) can be injected."""
+from __future__ import annotations
+
+import os
+
+from impl import LLM
+from tpcheck.capture import impl as capture_impl
+from tpcheck.engines.adapter import Points, by_point
+from tpcheck.inputs import faults
+from tpcheck.reference.reductions import Reductions
+
+FAULTS = True  # --inject patches impl's modules in its ranks
+
+
+def get_llm(pool, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
+            num_kv_blocks: int | None = None) -> LLM:
+    """``pool``'s ``impl.LLM`` of ``tp`` ranks, started once and reloaded when the checkpoint or cache layout
+    changes."""
+    key = (str(model_dir), dtype, block_size, num_kv_blocks)
+
+    def start() -> LLM:
+        return LLM(model_dir, tp_size=tp, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                   **pool.llm_kwargs)
+
+    def reload(llm: LLM) -> None:
+        llm.load(model_dir, dtype, block_size, num_kv_blocks)
+
+    return pool.acquire("impl", tp, key, start, reload, close=LLM.close)
+
+
+def start(pool, opts, model_dir: str) -> "ImplAdapter":
+    """The adapter of one diff: the pool's engine, with ``opts``' faults, block size, dump and selection."""
+    from tpcheck.pipeline.selection import selection
+    budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)  # the whole dump's bound
+    # each rank writes its own points of every propagated step (--dump), its share of the budget
+    dump = None if opts.dump is None else {"root": str(opts.dump), "dtype": opts.dtype, "points": opts.dump_points,
+                                           "budget_bytes": None if budget is None else budget // opts.tp}
+    # --exact-ops reads the inputs of the checked ops: then every point is captured
+    points = None if opts.exact_ops else selection(opts.points, opts.layers)
+    return ImplAdapter(get_llm(pool, model_dir, opts.tp, opts.dtype), list(opts.inject), opts.inject_layer,
+                       opts.block_size, dump, points)
+
+
+class ImplAdapter:
+    """impl through ``impl.LLM.call``: hooks live in ``tpcheck.capture.impl`` inside each rank. Faults
+    (``tpcheck.inputs.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights.
+    ``dump``: ``tpcheck.capture.dump.DumpWriter`` keywords less rank/tp/engine; each rank writes its own points there
+    (``tpcheck diff --dump``). ``points``: a regex; the ranks capture only those points (``--points``)."""
+
+    def __init__(self, llm, inject: list[str] = (), inject_layer: int | None = None, block_size: int = 16,
+                 dump: dict | None = None, points: str | None = None):
+        self.llm, self.block_size, self.dump, self.points = llm, block_size, dump, points
+        self.reductions = Reductions(llm.tp_size)  # impl all-reduces in the activations' dtype, in place
+        self.inject, self.inject_layer = list(inject), inject_layer
+        self.tables: list[list[int]] = []
+        self.lens: list[int] = []
+        self.own_cache = False
+
+    def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
+        if self.inject:
+            self.llm.call(faults.apply, self.inject, self.inject_layer)
+        bs, self.tables, nxt = self.block_size, [], 0
+        for p in prompts:
+            n = -(-(len(p) + decode_steps) // bs)
+            self.tables.append(list(range(nxt, nxt + n)))
+            nxt += n
+        self.lens = [0] * len(prompts)
+        # the engine's own cache serves when it is large enough (a fault may change how a cache is laid out:
+        # then one is allocated after it is applied); reallocating costs ~0.7 s for a 0.5B model
+        self.own_cache = not self.inject and bs == self.llm.block_size and nxt <= self.llm.num_kv_blocks
+        self.llm.call(capture_impl.setup, None if self.own_cache else nxt, bs, self.dump, self.points)
+
+    def step(self, new_tokens, teacher, capture_kv) -> Points:
+        batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]
+        self.lens = [n + len(t) for n, t in zip(self.lens, new_tokens)]
+        return by_point(self.llm.call(capture_impl.step, batch, teacher, self.lens if capture_kv else None))
+
+    def close(self) -> None:
+        if self.inject:
+            self.llm.reload()  # undo the faults: fresh weights and module code
+        elif not self.own_cache:  # give the engine back its own cache layout
+            self.llm.executor.call("allocate_kv_cache", self.llm.num_kv_blocks, self.llm.block_size)
+        self.llm.reset_scheduler()  # the diff wrote blocks the engine's prefix cache may name

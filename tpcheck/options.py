@@ -1,0 +1,168 @@
+"""``DiffOptions``: every option of one ``tpcheck diff`` run, in one typed object that the command line and the
+Python API both build and that the pipeline takes whole (nano-vllm's one ``Config``).
+
+Each field declares its command-line flag beside its type and default, so the three views of a run cannot drift
+apart: ``add_arguments`` builds the ``diff`` subcommand's flags from the fields, ``from_args`` reads parsed flags
+back into the object, and ``to_argv`` writes the object as the flags that repeat it (the repro command recorded
+in a result's ``meta.command``). ``tests/test_tpcheck/test_options.py`` round-trips every field through
+``to_argv`` and the parser."""
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from tpcheck.cli.arg_types import int_list, int_ranges, name_list, regex
+from tpcheck.judge.coverage import DEFAULT_REQUIRE
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _opt(default, flag: str, help: str, group: str, **argparse_kw):
+    """A field with its flag: ``argparse_kw`` are ``add_argument``'s keywords (type, choices, metavar, action)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "group": group, **argparse_kw})
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    """One diff run: the inputs, the engine, the steps, what is compared, the golden, the dump, the faults and
+    the tolerances file. Defaults are the Python API's (``tpcheck.diff``); the command line sets ``tp`` 2."""
+
+    # Field order is the flag order of ``to_argv`` (the repro command); each field's group says what it is
+    # about: inputs, engine, run, selection, golden, dump, faults (impl only), tolerances.
+    model: str | None = _opt(None, "--model", "a Hugging Face checkpoint directory", "inputs", type=Path)
+    preset: str = _opt("small", "--preset", "synthetic checkpoint used when --model is not given", "inputs")
+    tp: int = _opt(1, "--tp", "tensor-parallel size", "engine", type=int)
+    dtype: str = _opt("float32", "--dtype", "the engine's and the noise floor's dtype", "engine", choices=DTYPES)
+    prompts: tuple[tuple[int, ...], ...] | None = _opt(None, "--prompt-ids", "a prompt as token ids (repeatable)",
+                                                        "inputs", type=int_list, action="append")
+    decode_steps: int = _opt(0, "--decode-steps", "one-token steps after the prefill", "run", type=int)
+    block_size: int = _opt(16, "--block-size", "the engine's KV-cache block size", "engine", type=int)
+    isolate: bool = _opt(False, "--isolate", "also run teacher-forced: each layer's local error", "run")
+    exact_ops: bool = _opt(False, "--exact-ops", "also fail any RMSNorm or residual add whose output is not "
+                           "bit-identical to HF's module applied to the engine's own input (catches arithmetic that "
+                           "departs from HF's yet is as accurate, e.g. rmsnorm_weight_before_cast; see "
+                           "tpcheck.measure.exact_ops)", "run")
+    inject: tuple[str, ...] = _opt((), "--inject", "faults to inject into impl (tpcheck faults list)", "faults",
+                                   type=name_list)
+    inject_layer: int | None = _opt(None, "--inject-layer", "only this decoder layer gets the faults", "faults",
+                                    type=int)
+    engine: str = _opt("impl", "--engine", "the engine under test (tpcheck.engines.registry)", "engine")
+    seq_len: int = _opt(32, "--seq-len", "random prompts: tokens each", "inputs", type=int)
+    batch: int = _opt(2, "--batch", "random prompts: how many", "inputs", type=int)
+    seed: int = _opt(0, "--seed", "random prompts: seed", "inputs", type=int)
+    points: str | None = _opt(None, "--points", "compare only the points this regex fullmatches, e.g. "
+                              "'layers\\.\\d+\\.(attn\\.out|out)|logits' (the origin is the first failing selected "
+                              "point)", "selection", type=regex, metavar="REGEX")
+    layers: tuple[int, ...] | None = _opt(None, "--layers", "compare only these decoder layers' points, e.g. "
+                                          "0,3,10-12 (with --points: both apply)", "selection", type=int_ranges,
+                                          metavar="LIST")
+    require_points: str = _opt(DEFAULT_REQUIRE, "--require-points", "canonical points the engine must report, "
+                               "else exit 3 (default: %(default)s)", "selection", type=regex, metavar="REGEX")
+    fail_fast: bool = _opt(False, "--fail-fast", "stop after the first step with a failing point", "selection")
+    golden: str | None = _opt(None, "--golden", "replay a golden saved by --save-golden (same checkpoint and "
+                              "prompts) instead of computing it", "golden", type=Path, metavar="DIR")
+    save_golden: str | None = _opt(None, "--save-golden", "save the float64 golden's points (safetensors) for "
+                                   "--golden to reuse", "golden", type=Path, metavar="DIR")
+    streamed: bool = _opt(False, "--golden-streamed", "read the HF references' weights from the checkpoint as the "
+                          "forward needs them, one matrix at a time (for checkpoints larger than memory; same "
+                          "results, slower; tpcheck.reference.streamed)", "golden")
+    dump: str | None = _opt(None, "--dump", "also write every rank's points per step to DIR (tpcheck compare DIR "
+                            "judges it offline)", "dump", type=Path, metavar="DIR")
+    dump_points: str | None = _opt(None, "--dump-points", "with --dump: only these points", "dump", type=regex,
+                                   metavar="REGEX")
+    dump_budget_mb: float | None = _opt(None, "--dump-budget-mb", "with --dump: refuse a step that would take the "
+                                        "dump past this size", "dump", type=float, metavar="MB")
+    tolerances: str | None = _opt(None, "--tolerances", "gate tolerances (default: [tool.tpcheck] in "
+                                  "./pyproject.toml, else the built-in ones)", "tolerances", type=Path,
+                                  metavar="FILE.toml")
+
+    def __post_init__(self):
+        # lists from argparse or a caller become tuples (the object is frozen and hashable); paths become strings
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Path):
+                object.__setattr__(self, f.name, str(v))
+            elif isinstance(v, list):
+                object.__setattr__(self, f.name, tuple(tuple(x) if isinstance(x, list) else x for x in v))
+        if self.prompts is not None:
+            object.__setattr__(self, "prompts", tuple(tuple(p) for p in self.prompts))
+
+    @classmethod
+    def of(cls, **kwargs) -> "DiffOptions":
+        """``DiffOptions(**kwargs)``, with an unknown keyword named (a typo must not be silently dropped)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown diff option(s) {unknown}; the options are {sorted(known)}")
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> "DiffOptions":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_argv(self) -> list[str]:
+        """The ``tpcheck diff`` flags that repeat this run: ``tp`` and ``dtype`` always, every other field where
+        it differs from its default, in field order."""
+        argv = ["diff", "--layer-by-layer"]
+        for f in fields(self):
+            v, flag = getattr(self, f.name), f.metadata["flag"]
+            if f.name == "preset" and self.model is not None:
+                continue  # a checkpoint directory names the model; the preset is not used
+            if f.name not in ("tp", "dtype", "preset") and v == f.default:
+                continue
+            if f.metadata.get("type") is None and isinstance(v, bool):
+                argv.append(flag)
+            elif f.name == "prompts":
+                for p in v:
+                    argv += [flag, ",".join(map(str, p))]
+            elif isinstance(v, tuple):
+                argv += [flag, ",".join(map(str, v))]
+            else:
+                argv += [flag, str(v)]
+        return argv
+
+    def command(self) -> str:
+        """``to_argv`` as one shell-quoted command line."""
+        return shlex.join(["tpcheck", *self.to_argv()])
+
+
+def add_arguments(parser: argparse.ArgumentParser, choices: dict[str, list[str]] | None = None,
+                  defaults: dict | None = None) -> argparse._MutuallyExclusiveGroup:
+    """The ``diff`` subcommand's flags, one per ``DiffOptions`` field (returns the group of the prompt flags, for
+    a front end's own way to give prompts). ``choices``: a field's allowed values
+    known only at parse time (presets, engines); ``defaults``: the command line's own defaults (``tp``: 2)."""
+    choices, defaults = choices or {}, defaults or {}
+    src = parser.add_mutually_exclusive_group()
+    prompt = parser.add_mutually_exclusive_group()
+    for f in fields(DiffOptions):
+        meta = dict(f.metadata)
+        flag, help_text = meta.pop("flag"), meta.pop("help")
+        meta.pop("group")
+        default = defaults.get(f.name, f.default)
+        default = [] if f.name == "inject" else (None if default in ((),) else default)
+        kw = {"dest": f.name, "help": help_text, "default": default, **meta}
+        if f.name in choices:
+            kw["choices"] = choices[f.name]
+        if meta.get("type") is None and "choices" not in kw and isinstance(f.default, bool):
+            kw = {"dest": f.name, "help": help_text, "action": "store_true"}
+        target = src if f.name in ("model", "preset") else prompt if f.name == "prompts" else parser
+        target.add_argument(flag, **kw)
+    return prompt
+
+
+def from_args(args: argparse.Namespace, **overrides) -> DiffOptions:
+    """The ``DiffOptions`` of parsed ``diff`` flags (``overrides``: fields the front end resolved itself, e.g.
+    prompts tokenized from ``--prompt`` text)."""
+    values = {f.name: getattr(args, f.name) for f in fields(DiffOptions) if hasattr(args, f.name)}
+    values.update(overrides)
+    values = {k: v for k, v in values.items() if not (v is None and _default(k) is not None)}
+    return DiffOptions(**values)
+
+
+def _default(name: str):
+    f = next(f for f in fields(DiffOptions) if f.name == name)
+    return None if f.default is MISSING else f.default

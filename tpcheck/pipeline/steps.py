@@ -1,0 +1,196 @@
+"""One pass of a diff (propagated, or isolated: teacher-forced) over the prefill and decode steps.
+
+Per step: the golden (HF float64, or a saved golden) runs and its points are kept for that step only; the noise
+floor's references (HF at the test dtype, and rounding like the engine's TP all-reduces) are measured against it
+(``tpcheck.judge.noise_floor``); then the engine runs and each of its points is unsharded
+(``tpcheck.measure.unshard``), measured (``tpcheck.measure.metrics``) and turned into a ``Row``, then dropped.
+Decode tokens are the golden's greedy choices (or, replaying a dump, the tokens the engine consumed), so all
+runs see the same inputs."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tpcheck.capture.points import all_point_names, split_point
+from tpcheck.judge.coverage import check_known
+from tpcheck.judge.noise_floor import NoiseFloor
+from tpcheck.measure import exact_ops
+from tpcheck.measure.metrics import compare, mismatch
+from tpcheck.measure.unshard import unshard
+from tpcheck.reference.hf import new_cache
+from tpcheck.result.table import Row
+
+logger = logging.getLogger("tpcheck.pipeline.diff")  # progress: tpcheck's CLI shows INFO on stderr
+
+
+@dataclass
+class RunContext:
+    """What every pass of one diff shares: the golden and reference captures (``tpcheck.reference``), the engine
+    adapter, the prompts, the steps and the model's depth, the noise floor's TP reduction, the selection
+    (``select``: a compiled regex, or None for every point), ``--exact-ops``, ``--fail-fast``
+    (``stop_when(rows of a step)``), ``--save-golden`` (a ``GoldenWriter``) and a progress bar of steps."""
+
+    golden: object
+    ref: object
+    engine: object
+    prompts: list[list[int]]
+    decode_steps: int
+    num_layers: int
+    dtype: torch.dtype
+    reductions: object
+    select: re.Pattern | None = None
+    exact_ops: bool = False
+    stop_when: Callable[[list[Row]], bool] | None = None
+    save_golden: object = None
+    progress: object = None
+
+
+def _row_index(flat_row: int, row_lens: list[int], starts: list[int]) -> tuple[int, int]:
+    """(prompt, position) of a row of the prompts' rows concatenated."""
+    for b, n in enumerate(row_lens):
+        if flat_row < n:
+            return b, starts[b] + flat_row
+        flat_row -= n
+    return -1, -1
+
+
+class DiffPass:
+    """One mode (propagated or isolated) over prefill + decode steps; ``run()`` returns its rows."""
+
+    def __init__(self, ctx: RunContext, isolated: bool):
+        self.ctx, self.isolated = ctx, isolated
+        self.mode = "isolated" if isolated else "propagated"
+        self.floor = NoiseFloor(ctx.reductions)
+        self.with_kv = ctx.decode_steps > 0
+        # every family's points (Qwen3's attn.q_norm / k_norm included), in execution order
+        names = all_point_names(ctx.num_layers)
+        self.order = {n: i for i, n in enumerate(names)}
+        self.canonical = set(names)
+        self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
+        self.stopped_at: int | None = None
+
+    def run(self) -> list[Row]:
+        c = self.ctx
+        # a saved golden (--golden) has no model and needs no cache
+        self.g_caches = [None if c.golden.model is None else new_cache(c.golden.model) for _ in c.prompts]
+        self.r_caches = {name: [new_cache(c.ref.model) for _ in c.prompts] for name, _ in self.floor.references}
+        c.engine.begin(c.prompts, c.decode_steps)
+        tokens, starts = [list(p) for p in c.prompts], [0] * len(c.prompts)
+        rows: list[Row] = []
+        for step in range(c.decode_steps + 1):
+            t0 = time.monotonic()
+            step_rows, nxt = self._step(step, tokens, starts)
+            rows += step_rows
+            # the next inputs: golden greedy tokens, or what a recorded run consumed (tpcheck.capture.dump)
+            starts = [s + len(t) for s, t in zip(starts, tokens)]
+            recorded = getattr(c.engine, "recorded_tokens", None)
+            tokens = recorded(step + 1) if recorded is not None and step < c.decode_steps else [[t] for t in nxt]
+            what = "prefill" if step == 0 else f"decode {step}/{c.decode_steps}"
+            logger.info(f"  [{self.mode}] {what}: {time.monotonic() - t0:.1f}s")
+            if c.progress is not None:
+                c.progress.update(1)
+            if c.stop_when is not None and c.stop_when(step_rows):
+                self.stopped_at = step
+                logger.info(f"  [{self.mode}] --fail-fast: a point failed at step {step}; the remaining steps are "
+                            "not run")
+                break
+        c.engine.close()
+        return rows
+
+    def _step(self, step: int, tokens: list[list[int]], starts: list[int]) -> tuple[list[Row], list[int]]:
+        """One step: golden, references (the floor), engine; its rows and the golden's greedy next tokens."""
+        c = self.ctx
+        gold = c.golden.step(tokens, self.g_caches, starts, None, self.with_kv)
+        if c.save_golden is not None:
+            c.save_golden.write(step, tokens, starts, gold)
+        if c.select is not None:  # hold only what is compared, plus the logits and teacher inputs it needs
+            gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
+                    (self.isolated and (n == "embed" or split_point(n)[1] == "out"))}
+        teacher = self._teacher(gold) if self.isolated else None
+        self._measure_references(step, tokens, starts, gold, teacher)
+        eng_teacher = None if teacher is None else {i: t.to(c.dtype) for i, t in teacher.items()}
+        points = c.engine.step(tokens, eng_teacher, self.with_kv)
+        rows = self._rows(step, points, gold, tokens, starts, eng_teacher)
+        row_lens = [len(t) for t in tokens]
+        last = torch.tensor(row_lens).cumsum(0) - 1
+        return rows, gold["logits"][last].argmax(-1).tolist()
+
+    def _teacher(self, gold: dict) -> dict[int, torch.Tensor]:
+        """Isolate mode: decoder layer i's input is the golden's (``embed`` or layer i-1's ``out``); the final
+        norm's (key ``num_layers``) is the last layer's output."""
+        L = self.ctx.num_layers
+        teacher = {i: gold["embed" if i == 0 else f"layers.{i - 1}.out"] for i in range(L)}
+        teacher[L] = gold[f"layers.{L - 1}.out"]
+        return teacher
+
+    def _measure_references(self, step, tokens, starts, gold, teacher) -> None:
+        c = self.ctx
+        self.floor.begin_step(step)
+        for ref_name, red in self.floor.references:
+            ref = c.ref.step(tokens, self.r_caches[ref_name], starts, teacher, self.with_kv, red)
+            for n, t in ref.items():
+                if n in gold and t.shape == gold[n].shape and self._selected(n):
+                    self.floor.observe(ref_name, n, t, gold[n])
+            del ref
+        self.floor.end_step()
+
+    def _rows(self, step, points, gold, tokens, starts, eng_teacher) -> list[Row]:
+        """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too)."""
+        row_lens = [len(t) for t in tokens]
+        kv_lens = [s + len(t) for s, t in zip(starts, tokens)]
+        held: dict[str, torch.Tensor] = {}  # --exact-ops: the engine tensors the checked ops read
+        layer_input = (lambda i, t=eng_teacher: t[i]) if eng_teacher is not None else \
+            (lambda i, h=held: h["embed" if i == 0 else f"layers.{i - 1}.out"])
+        rows: list[Row] = []
+        for name, (placement, per_rank) in points.items():
+            parts = unshard(name, placement, per_rank)
+            check_known({u.name for u in parts}, self.canonical)
+            for u in parts:
+                if u.name not in gold or not self._selected(u.name):
+                    continue
+                self.reported.add(u.name)
+                want = None
+                if self.ctx.exact_ops:
+                    if split_point(u.name)[1] in exact_ops.INPUT_KINDS:
+                        held[u.name] = u.tensor
+                    want = exact_ops.expected(self.ctx.ref.model, u.name, held.__getitem__, layer_input)
+                is_kv = ".kv." in u.name
+                rows.append(self._row(u, gold[u.name], step, kv_lens if is_kv else row_lens,
+                                      [0] * len(tokens) if is_kv else starts, want))
+        return rows
+
+    def _row(self, u, gold: torch.Tensor, step: int, row_lens: list[int], starts: list[int], want=None) -> Row:
+        layer, kind = split_point(u.name)
+        note, op_mismatch = "", float("nan")
+        if u.tensor.shape != gold.shape:
+            stats = {"rel_err": float("inf"), "cosine": float("nan"), "max_abs": float("inf"), "max_abs_index": [],
+                     "mean_abs": float("inf"), "p99_abs": float("inf"), "ref_norm": float(gold.double().norm()),
+                     "nan": 0, "inf": 0}
+            note = f"shape {list(u.tensor.shape)} != golden {list(gold.shape)}"
+        else:
+            stats = compare(u.tensor, gold)
+        if stats["max_abs_index"]:
+            r, f = stats["max_abs_index"]
+            b, t = _row_index(r, row_lens, starts)
+            stats["max_abs_index"] = [b, t, f]
+        if u.rank_mismatch:
+            note = u.rank_mismatch
+        if want is not None and not note:
+            n_bad, n = mismatch(u.tensor, want)
+            op_mismatch = n_bad / n if n else 0.0
+            if n_bad:
+                note = (f"exact-ops: {n_bad} of {n} elements differ from HF's op on the engine's input "
+                        f"(max |diff| {float((u.tensor.double() - want.double()).abs().max()):.3g})")
+        # threshold, excess and passed are the judge's (tpcheck.judge): a row holds measurements and, in its
+        # note, structural findings
+        return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind=kind, **stats,
+                   **self.floor.row_fields(u.name), op_mismatch=op_mismatch, note=note,
+                   order=self.order.get(u.name, 10**6))
+
+    def _selected(self, name: str) -> bool:
+        return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
