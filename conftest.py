@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from impl import CacheConfig
 from tpcheck.inputs.checkpoints import cached_checkpoint
 from tpcheck.engines.pool import EnginePool
 
@@ -27,7 +28,7 @@ def ckpt(tmp_path_factory):
 def engines():
     """``engines.get(model_dir, tp, dtype=..., block_size=..., num_kv_blocks=...) -> impl.LLM``; the worker
     processes of each TP size live for the whole session."""
-    pool = EnginePool(max_num_seqs=16)
+    pool = EnginePool(cache=CacheConfig(max_num_seqs=16))
     yield pool
     pool.close()
 

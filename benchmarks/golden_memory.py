@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
@@ -200,11 +201,36 @@ def parse_args(argv):
     return ap, args
 
 
-def main(argv=None) -> int:
-    ap, a = parse_args(argv)
-    if a.child:  # one variant in this fresh process; one JSON line on stdout
-        print(json.dumps(child(a.child, a.ckpt_dir, a.warm_dir, [a.seq_len] * a.batch, a.decode_steps, a.seed)))
-        return 0
+@dataclass
+class Figures:
+    """What the parent measured (every child's run) and derived from it, for the report and the JSON."""
+    model_dir: Path
+    cfg: dict
+    ckpt_bytes: int
+    sb: dict  # shape_bytes(cfg)
+    loadavg: list  # before and after the children
+    runs: dict  # variant -> its children's results
+    mem: dict  # the fastest in-memory child
+    st: dict  # the fastest streamed child
+    identical: bool
+    measured_act: int
+    counted_act: int
+    formula_act: int
+    ratio: float
+    step_ratio: float
+
+
+def _growth(r: dict) -> int:
+    """Peak growth over the idle baseline, build and steps."""
+    return max(r["build_peak_rss"], r["steps_peak_rss"]) - r["base_rss"]
+
+
+def _mib(x: float) -> str:
+    return f"{x / MiB:,.0f}"
+
+
+def measure(ap, a) -> Figures:
+    """Run ``--repeats`` children of each variant on the checkpoint and derive the figures."""
     from tpcheck.inputs.checkpoints import cached_checkpoint
     model_dir = resolve_checkpoint(ap, a, log)
     warm_dir = cached_checkpoint("tiny", root=a.cache_root)
@@ -216,61 +242,74 @@ def main(argv=None) -> int:
     load1 = os.getloadavg()
     best = {v: min(rs, key=lambda r: sum(r["step_s"])) for v, rs in runs.items()}
     mem, st = best["in-memory"], best["streamed"]
-    identical = len({r["digest"] for rs in runs.values() for r in rs}) == 1
-
-    def growth(r):  # peak growth over the idle baseline, build and steps
-        return max(r["build_peak_rss"], r["steps_peak_rss"]) - r["base_rss"]
-
     # activations: measured = what the in-memory steps add over its resident model; counted = points + cache
     measured_act = mem["steps_peak_rss"] - mem["built_rss"]
-    counted_act = mem["counted_activation_bytes"]
-    formula_act = activation_bytes(cfg, [a.seq_len] * a.batch, a.decode_steps)
-    denom = sb["layer"] + measured_act
-    ratio = growth(st) / denom
-    step_ratio = sum(st["step_s"]) / sum(mem["step_s"])
-    m = lambda x: f"{x / MiB:,.0f}"  # noqa: E731
+    return Figures(model_dir=model_dir, cfg=cfg, ckpt_bytes=ckpt_bytes, sb=sb, loadavg=[load0, load1], runs=runs,
+                   mem=mem, st=st, identical=len({r["digest"] for rs in runs.values() for r in rs}) == 1,
+                   measured_act=measured_act, counted_act=mem["counted_activation_bytes"],
+                   formula_act=activation_bytes(cfg, [a.seq_len] * a.batch, a.decode_steps),
+                   ratio=_growth(st) / (sb["layer"] + measured_act),
+                   step_ratio=sum(st["step_s"]) / sum(mem["step_s"]))
 
+
+def print_sizes(a, f: Figures) -> None:
+    """The run's header, then the checkpoint's, the weights' and the activations' sizes."""
+    m, sb, mem, st, (load0, load1) = _mib, f.sb, f.mem, f.st, f.loadavg
     print(f"# golden_memory: preset {a.preset}, float64 golden, {a.batch} prompt(s) x {a.seq_len} tokens + "
-          f"{a.decode_steps} decode step(s), with_kv; checkpoint {model_dir}")
+          f"{a.decode_steps} decode step(s), with_kv; checkpoint {f.model_dir}")
     print(f"# torch threads {mem['threads']}; load average {load0[0]:.1f} before, {load1[0]:.1f} after "
           f"({os.cpu_count()} cores); VmHWM reset between phases: {mem['hwm_reset'] and st['hwm_reset']}")
     print()
-    print(f"checkpoint on disk            {m(ckpt_bytes)} MiB ({len(list(model_dir.glob('*.safetensors')))} file(s))")
+    print(f"checkpoint on disk            {m(f.ckpt_bytes)} MiB ({len(list(f.model_dir.glob('*.safetensors')))} file(s))")
     print(f"float64 weights, whole model  {m(sb['total'])} MiB")
     print(f"one layer's float64 weights   {m(sb['layer'])} MiB (largest matrix {m(sb['largest_matrix'])} MiB)")
     print(f"embedding, float64            {m(sb['embed'])} MiB "
-          f"({'tied: also the LM head' if cfg['tie_word_embeddings'] else 'plus an LM head of the same size'})")
+          f"({'tied: also the LM head' if f.cfg['tie_word_embeddings'] else 'plus an LM head of the same size'})")
     print(f"LM-head chunk, float64        {m(sb['head_chunk'])} MiB ({st.get('head_chunk_rows', sb['head_chunk_rows'])} "
           f"vocab rows)")
-    print(f"activations (one step, max)   measured {m(measured_act)} MiB (in-memory steps' peak - its resident "
-          f"model); counted {m(counted_act)} MiB (points + KV cache; shape formula {m(formula_act)} MiB)")
+    print(f"activations (one step, max)   measured {m(f.measured_act)} MiB (in-memory steps' peak - its resident "
+          f"model); counted {m(f.counted_act)} MiB (points + KV cache; shape formula {m(f.formula_act)} MiB)")
     print()
+
+
+def print_variants(f: Figures) -> None:
+    """One row of memory and time per variant (its fastest child)."""
+    m = _mib
     print("# MiB; growth = peak VmRSS (VmHWM) - the idle baseline (torch, transformers, tpcheck imported and warmed)")
     hdr = ["variant", "baseline", "resident after build", "build peak growth", "steps peak growth", "peak growth",
            "peak RssAnon growth", "peak RssFile", "build s", "steps s", "prefill s", "decode s"]
     print_table(hdr, [[r["variant"], m(r["base_rss"]), m(r["built_rss"] - r["base_rss"]),
-                       m(r["build_peak_rss"] - r["base_rss"]), m(r["steps_peak_rss"] - r["base_rss"]), m(growth(r)),
+                       m(r["build_peak_rss"] - r["base_rss"]), m(r["steps_peak_rss"] - r["base_rss"]), m(_growth(r)),
                        m(r["peak_anon"] - r["base_anon"]), m(r["peak_file"]), f"{r['build_s']:.2f}",
                        f"{sum(r['step_s']):.2f}", f"{r['step_s'][0]:.2f}", f"{sum(r['step_s'][1:]):.2f}"]
-                      for r in (mem, st)])
+                      for r in (f.mem, f.st)])
     print()
+
+
+def print_ratios(f: Figures) -> None:
+    """Bit-identity of the variants' points, the streamed peak against its goal, and the time ratios."""
+    m, sb, mem, st, ratio, measured_act = _mib, f.sb, f.mem, f.st, f.ratio, f.measured_act
     print("# ratios")
-    print(f"points bit-identical (sha256 of every point of every step, all children): {'yes' if identical else 'NO'}")
-    print(f"streamed peak growth / (one layer's weights + measured activations) = {m(growth(st))} / "
+    print(f"points bit-identical (sha256 of every point of every step, all children): {'yes' if f.identical else 'NO'}")
+    print(f"streamed peak growth / (one layer's weights + measured activations) = {m(_growth(st))} / "
           f"({m(sb['layer'])} + {m(measured_act)}) = {ratio:.2f} (goal <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})")
-    print(f"streamed peak growth - measured activations = {m(growth(st) - measured_act)} MiB = "
-          f"{(growth(st) - measured_act) / sb['layer']:.2f} layers' weights "
+    print(f"streamed peak growth - measured activations = {m(_growth(st) - measured_act)} MiB = "
+          f"{(_growth(st) - measured_act) / sb['layer']:.2f} layers' weights "
           f"(streamer's own peak of resident weights: {m(st['streamer_peak_bytes'])} MiB, in a reused buffer of "
           f"{m(st['arena_bytes'])} MiB; resident vectors {m(st['vector_bytes'])} MiB)")
-    print(f"streamed / in-memory peak growth = {growth(st) / growth(mem):.3f}")
-    print(f"streamed / in-memory step time = {step_ratio:.2f}x (prefill {st['step_s'][0] / mem['step_s'][0]:.2f}x, "
+    print(f"streamed / in-memory peak growth = {_growth(st) / _growth(mem):.3f}")
+    print(f"streamed / in-memory step time = {f.step_ratio:.2f}x (prefill {st['step_s'][0] / mem['step_s'][0]:.2f}x, "
           f"decode {sum(st['step_s'][1:]) / max(1e-9, sum(mem['step_s'][1:])):.2f}x); build "
           f"{st['build_s']:.2f}s vs {mem['build_s']:.2f}s; streamed total / in-memory total (build + steps) = "
           f"{(st['build_s'] + sum(st['step_s'])) / (mem['build_s'] + sum(mem['step_s'])):.2f}x")
     print(f"streamed read {st['bytes_read'] / GiB:.2f} GiB of checkpoint in {sum(st['step_s']):.1f}s "
           f"({st['matrix_loads']} matrix reads; every forward reads every matrix, each prompt is its own forward)")
     print()
-    factor = measured_act / formula_act if formula_act else 1.0
+
+
+def print_projection(a, f: Figures) -> None:
+    """The same workload's float64 golden on the ``PROJECTIONS`` shapes, activations scaled as measured here."""
+    factor = f.measured_act / f.formula_act if f.formula_act else 1.0
     print(f"# projection, float64 golden, same workload; activations = shape formula x {factor:.2f} "
           f"(measured / formula here)")
     hdr = ["model", "params", "in-memory weights", "one layer", "largest matrix", "head chunk", "activations",
@@ -284,14 +323,30 @@ def main(argv=None) -> int:
                      f"{p['largest_matrix'] / GiB:.2f} GiB", f"{p['head_chunk'] / GiB:.2f} GiB", f"{act / GiB:.2f} GiB",
                      f"{est / GiB:.2f} GiB", f"{(p['total'] + act) / est:.0f}x"])
     print_table(hdr, rows)
+
+
+def write_json(a, f: Figures) -> None:
+    Path(a.json).write_text(json.dumps(dict(
+        preset=a.preset, checkpoint=str(f.model_dir), checkpoint_bytes=f.ckpt_bytes, shapes=f.sb, runs=f.runs,
+        measured_activation_bytes=f.measured_act, counted_activation_bytes=f.counted_act,
+        formula_activation_bytes=f.formula_act, ratio_to_layer_plus_activations=f.ratio, step_time_ratio=f.step_ratio,
+        bit_identical=f.identical, loadavg=f.loadavg), indent=2) + "\n")
+    log(f"wrote {a.json}")
+
+
+def main(argv=None) -> int:
+    ap, a = parse_args(argv)
+    if a.child:  # one variant in this fresh process; one JSON line on stdout
+        print(json.dumps(child(a.child, a.ckpt_dir, a.warm_dir, [a.seq_len] * a.batch, a.decode_steps, a.seed)))
+        return 0
+    f = measure(ap, a)
+    print_sizes(a, f)
+    print_variants(f)
+    print_ratios(f)
+    print_projection(a, f)
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(
-            preset=a.preset, checkpoint=str(model_dir), checkpoint_bytes=ckpt_bytes, shapes=sb, runs=runs,
-            measured_activation_bytes=measured_act, counted_activation_bytes=counted_act,
-            formula_activation_bytes=formula_act, ratio_to_layer_plus_activations=ratio, step_time_ratio=step_ratio,
-            bit_identical=identical, loadavg=[load0, load1]), indent=2) + "\n")
-        log(f"wrote {a.json}")
-    return 0 if identical else 1
+        write_json(a, f)
+    return 0 if f.identical else 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,20 +19,34 @@ from impl.sequence import Sequence
 from impl.shard_plan import shard_plan
 
 
+@dataclass(frozen=True)
+class CacheConfig:
+    """How many sequences and tokens the scheduler batches and how the paged KV cache is sized and shared; fixed
+    for an engine's life (``LLM.load`` keeps them).
+
+    ``kv_cache_bytes`` is the per-rank budget the default number of KV blocks fills, capped at what
+    ``max_num_seqs`` sequences of the model's maximum length could use; ``max_num_batched_tokens`` None means
+    ``max(8192, max_position_embeddings)``."""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+
 class LLM:
     """``with LLM(model_dir, tp_size=2) as llm: llm.logits([1, 2, 3])`` — closing it stops the workers.
 
-    ``num_kv_blocks`` defaults to what ``kv_cache_bytes`` (per rank) holds, capped at what ``max_num_seqs``
-    sequences of the model's maximum length could use."""
+    ``num_kv_blocks`` defaults to what ``cache.kv_cache_bytes`` (per rank) holds, capped at what
+    ``cache.max_num_seqs`` sequences of the model's maximum length could use (``CacheConfig``)."""
 
     def __init__(self, model_dir: str | os.PathLike, tp_size: int = 1, dtype: str = "float32", block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                 kv_cache_bytes: int = 1 << 30, enable_prefix_caching: bool = True, device: str = "cpu",
+                 num_kv_blocks: int | None = None, cache: CacheConfig | None = None, device: str = "cpu",
                  timeout_s: float = 300.0):
+        cache = cache or CacheConfig()
         self.tp_size, self.device = tp_size, device
-        self.max_num_seqs, self.kv_cache_bytes = max_num_seqs, kv_cache_bytes
-        self.enable_prefix_caching, self._tokenizer = enable_prefix_caching, None
-        self._num_kv_blocks, self._max_batched = None, max_num_batched_tokens
+        self.max_num_seqs, self.kv_cache_bytes = cache.max_num_seqs, cache.kv_cache_bytes
+        self.enable_prefix_caching, self._tokenizer = cache.enable_prefix_caching, None
+        self._num_kv_blocks, self._max_batched = None, cache.max_num_batched_tokens
         load_config(model_dir).check_tp(tp_size)  # refuse bad configs before any worker starts
         under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         self.executor = (LocalExecutor if under_torchrun else Executor)(tp_size, device=device, timeout_s=timeout_s)

@@ -140,8 +140,9 @@ def tpcheck_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tpcheck_engines():
     """A session ``EnginePool``: ``tpcheck_engines.get(model_dir, tp, dtype=...)``; closed after the session."""
+    from impl import CacheConfig
     from tpcheck.engines.pool import EnginePool
-    pool = EnginePool(max_num_seqs=16)
+    pool = EnginePool(cache=CacheConfig(max_num_seqs=16))
     yield pool
     pool.close()
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from impl import CacheConfig
 from impl.config import load_config
 from impl.shard_plan import shard_plan
 from tpcheck.cli.exit_codes import verdict
@@ -307,7 +308,7 @@ def run_matrix(faults: list[str] | None = None, pool=None, ckpt=None, clean: boo
     names = list(FAULTS) if faults is None else [get_fault(n).name for n in faults]
     ckpt = _resolver(ckpt)
     own = pool is None
-    pool = pool or EnginePool(max_num_seqs=16)
+    pool = pool or EnginePool(cache=CacheConfig(max_num_seqs=16))
     rows = []
     cleans = clean_configs([smallest_config(n, ckpt) for n in names], clean_dtypes) if clean else []
     progress = bar(len(names) + len(cleans), "fault matrix", "run")

@@ -17,10 +17,10 @@ smallest case that still fails. Everything drawn is valid for impl and for Huggi
   (batch 1-8 of ragged lengths 1-300, lengths at block boundaries +-1 drawn often), ``decode_lengths(K)``,
   ``dtypes()``, ``bias_stds()``, ``outlier_strengths()`` (massive activations, as trained weights have
   them), ``seeds()``.
-* ``cases(...)``: all of it together as a ``Case``, which writes its checkpoint (``Case.checkpoint``),
-  runs the layer-by-layer diff (``Case.diff``), asserts the properties (``Case.check``: ranks agree on
-  replicated points, every point within the noise floor) and prints a one-line reproduction
-  (``Case.repro``) that recreates the drawn checkpoint if it is gone.
+* ``cases(...)``: all of it together as a ``Case`` (what it draws from: a ``CaseSpace``), which writes its
+  checkpoint (``Case.checkpoint``), runs the layer-by-layer diff (``Case.diff``), asserts the properties
+  (``Case.check``: ranks agree on replicated points, every point within the noise floor) and prints a
+  one-line reproduction (``Case.repro``) that recreates the drawn checkpoint if it is gone.
 
 Use in your own tests::
 
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, replace
 from functools import reduce
 
 from hypothesis import strategies as st
@@ -308,18 +309,38 @@ def prompts(draw, vocab_size: int, block_size: int = 16, max_batch: int = 8, max
 
 # ---- a whole drawn case -----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class CaseSpace:
+    """What ``cases`` draws from: the TP sizes, dtypes, KV layouts, block sizes and families to pick among, and
+    the bounds of the drawn model and workload. The defaults are the whole space the strategies cover."""
+    tps: tuple[int, ...] = DEFAULT_TPS
+    dtypes: tuple[str, ...] = DEFAULT_DTYPES
+    max_decode: int = 8
+    layouts: tuple[str, ...] = ("partition", "replication")
+    block_sizes: tuple[int, ...] = DEFAULT_BLOCK_SIZES
+    max_batch: int = 8
+    common_batch: int = 4
+    max_len: int = 300
+    max_layers: int = 3
+    max_hidden: int = 128
+    max_vocab: int = 600
+    bias: tuple[float, ...] = BIAS_STDS
+    weight_seeds: bool = False
+    outliers: tuple[float, ...] = (0.0,)  # strengths to draw, e.g. ``OUTLIER_STRENGTHS``; default: none
+    families: tuple[str, ...] = FAMILIES
+
+
 @st.composite
-def cases(draw, tps=DEFAULT_TPS, dtypes=DEFAULT_DTYPES, max_decode: int = 8, layouts=("partition", "replication"),
-          block_sizes=DEFAULT_BLOCK_SIZES, max_batch: int = 8, common_batch: int = 4, max_len: int = 300,
-          max_layers: int = 3, max_hidden: int = 128, max_vocab: int = 600, bias=BIAS_STDS,
-          weight_seeds: bool = False, outliers=(0.0,), families=FAMILIES) -> Case:
-    """A whole ``Case``. Shrinks toward: tp 1, partition, few small heads, 1 layer, short prompts, no
-    decode, block size 16, the first dtype, the presets' bias recipe, the first outlier strength
-    (``outliers``: strengths to draw, e.g. ``OUTLIER_STRENGTHS``; default: none)."""
-    config, tp = draw(config_and_tp(tps, layouts, max_hidden, max_layers, max_vocab, families=families))
-    dtype = draw(st.sampled_from(tuple(dtypes)))
-    bs = draw(st.sampled_from(tuple(block_sizes)))
-    ps = draw(prompts(config["vocab_size"], bs, max_batch, max_len, common_batch))
-    steps = draw(decode_lengths(max_decode))
-    return Case(config, tp, dtype, ps, steps, bs, weight_seed=draw(st.integers(0, 3)) if weight_seeds else 0,
-                bias_std=draw(st.sampled_from(tuple(bias))), outliers=draw(outlier_strengths(outliers)))
+def cases(draw, space: CaseSpace | None = None, **fields) -> Case:
+    """A whole ``Case`` drawn from ``space`` (default ``CaseSpace()``) with ``fields`` (``CaseSpace``'s) replaced:
+    ``cases(dtypes=("bfloat16",), max_decode=4)``. Shrinks toward: tp 1, partition, few small heads, 1 layer,
+    short prompts, no decode, block size 16, the first dtype, the presets' bias recipe, the first outlier
+    strength."""
+    s = replace(space or CaseSpace(), **fields)
+    config, tp = draw(config_and_tp(s.tps, s.layouts, s.max_hidden, s.max_layers, s.max_vocab, families=s.families))
+    dtype = draw(st.sampled_from(tuple(s.dtypes)))
+    bs = draw(st.sampled_from(tuple(s.block_sizes)))
+    ps = draw(prompts(config["vocab_size"], bs, s.max_batch, s.max_len, s.common_batch))
+    steps = draw(decode_lengths(s.max_decode))
+    return Case(config, tp, dtype, ps, steps, bs, weight_seed=draw(st.integers(0, 3)) if s.weight_seeds else 0,
+                bias_std=draw(st.sampled_from(tuple(s.bias))), outliers=draw(outlier_strengths(s.outliers)))

@@ -1,0 +1,191 @@
+"""The code-size limits of ``impl/``, ``tpcheck/`` and ``benchmarks/``, read from the source with ``ast``.
+
+* no file over 400 lines;
+* no function or method over 80 lines (decorators excluded, docstring included);
+* no public function or method, and no ``__init__``, with more than 10 parameters (``self`` / ``cls`` of a method
+  not counted; ``*args`` and ``**kwargs`` count as one each);
+* no import cycle among the module-level imports of ``tpcheck.*`` and ``impl.*`` modules.
+
+The test fails listing every violation, one per line, so a change that breaks a limit names what to split.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TREES = ("impl", "tpcheck", "benchmarks")
+PACKAGES = ("impl", "tpcheck")  # the import graph is checked among these modules
+MAX_FILE_LINES = 400
+MAX_FUNC_LINES = 80
+MAX_PARAMS = 10
+
+
+def _sources() -> dict[str, str]:
+    """Repository-relative path -> source of every .py file under ``TREES``."""
+    return {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
+            for tree in TREES for p in sorted((ROOT / tree).rglob("*.py"))}
+
+
+def _module_name(rel: str) -> str:
+    parts = rel.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) -> int:
+    a = fn.args
+    names = [x.arg for x in a.posonlyargs + a.args]
+    static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+    if in_class and not static and names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return len(names) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def _function_violations(rel: str, tree: ast.Module) -> list[str]:
+    out: list[str] = []
+
+    def visit(node: ast.AST, scope: list[str], public: bool, in_class: bool, in_func: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, scope + [child.name], public and not child.name.startswith("_"), True, in_func)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = ".".join(scope + [child.name])
+                lines = child.end_lineno - child.lineno + 1
+                if lines > MAX_FUNC_LINES:
+                    out.append(f"FUNC {rel}:{child.lineno} {name}: {lines} lines > {MAX_FUNC_LINES}")
+                # public: reachable by name from outside (not underscored, not nested in a function or in a
+                # private class); __init__ is the signature of every constructor call, so it always counts
+                is_public = public and not in_func and not child.name.startswith("_")
+                n = _params(child, in_class)
+                if (is_public or child.name == "__init__") and n > MAX_PARAMS:
+                    out.append(f"PARAMS {rel}:{child.lineno} {name}: {n} parameters > {MAX_PARAMS}")
+                visit(child, scope + [child.name], False, False, True)
+            else:
+                visit(child, scope, public, in_class, in_func)
+
+    visit(tree, [], True, False, False)
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
+        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports run when the module is imported: top-level statements and those in top-level if/try blocks;
+    not those in functions or classes, nor under ``if TYPE_CHECKING:`` (never run)."""
+    out: list = []
+
+    def walk(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                out.append(node)
+            elif isinstance(node, ast.If):
+                if not _is_type_checking(node):
+                    walk(node.body)
+                walk(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                    walk(block)
+            elif isinstance(node, ast.With):
+                walk(node.body)
+
+    walk(tree.body)
+    return out
+
+
+def _import_graph(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """module -> the tpcheck / impl modules its module-level imports name; ``from pkg import name`` points at
+    ``pkg.name`` when that is a module, else at ``pkg``."""
+    modules = {_module_name(rel): rel for rel in trees if rel.split("/")[0] in PACKAGES}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, rel in modules.items():
+        is_pkg = rel.endswith("__init__.py")
+        for node in _module_level_imports(trees[rel]):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    anchor = anchor[:len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            graph[mod] |= {t for t in targets if t in modules and t != mod}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(out)
+
+
+def violations() -> list[str]:
+    """Every violation of the limits, one line each."""
+    sources = _sources()
+    trees = {rel: ast.parse(src, filename=rel) for rel, src in sources.items()}
+    out: list[str] = []
+    for rel, src in sources.items():
+        n = len(src.splitlines())
+        if n > MAX_FILE_LINES:
+            out.append(f"FILE {rel}: {n} lines > {MAX_FILE_LINES}")
+        out += _function_violations(rel, trees[rel])
+    graph = _import_graph(trees)
+    for comp in _cycles(graph):
+        edges = [f"{a} -> {b}" for a in comp for b in sorted(graph[a]) if b in comp]
+        out.append(f"CYCLE {', '.join(comp)}: {'; '.join(edges)}")
+    return out
+
+
+def test_code_size_limits():
+    found = violations()
+    assert not found, f"{len(found)} violation(s) of the code-size limits:\n" + "\n".join(found)
+
+
+def test_checker_sees_each_kind():
+    """The checker itself: each limit is caught on a small synthetic module."""
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNC_LINES))
+    src = (f"def long():\n{long_body}\n\n"
+           "def wide(a, b, c, d, e, f, g, h, i, j, *, k):\n    pass\n\n"
+           "def _private_wide(a, b, c, d, e, f, g, h, i, j, k):\n    pass\n\n"
+           "class C:\n    def __init__(self, a, b, c, d, e, f, g, h, i, j):\n        pass\n")
+    found = _function_violations("m.py", ast.parse(src))
+    assert [v.split(":")[0] for v in found] == ["FUNC m.py", "PARAMS m.py"], found
+    assert "long" in found[0] and "wide" in found[1]
+    pkg = {"tpcheck/__init__.py": "", "tpcheck/a.py": "from tpcheck import b\n",
+           "tpcheck/b.py": "from . import a\n", "tpcheck/c.py": "def f():\n    import tpcheck.a\n",
+           "tpcheck/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpcheck import c\n"}
+    graph = _import_graph({rel: ast.parse(s) for rel, s in pkg.items()})
+    assert _cycles(graph) == [["tpcheck.a", "tpcheck.b"]]

@@ -1,0 +1,193 @@
+"""The named presets of ``tpcheck.inputs.checkpoints``: one HF config's keyword dict per preset, for every family
+impl runs (Qwen2, Llama, Mistral, Qwen3), the HF config a dict makes, and the one-line description
+``tpcheck presets`` prints.
+
+Qwen2 presets (no ``model_type`` key: a preset dict is a ``Qwen2Config``'s keywords; head_dim = hidden /
+heads = 8 or 16 for the tiny ones):
+
+* ``tiny``        8 heads / 2 KV heads: KV heads are replicated at tp 4.  vocab 250 is
+                  not divisible by 4 (and not a multiple of 64): vocab padding.  Tied.
+* ``tiny-untied`` like tiny, 3 layers, odd vocab 301 (padding at tp 2 and 4), untied
+                  lm_head, rope_theta 1e6.
+* ``tiny-mha``    4 heads / 4 KV heads (plain MHA, no replication), vocab 256 divides
+                  evenly, untied.
+* ``tiny-mqa``    4 heads / 1 KV head: KV replicated at tp 2 and 4; odd vocab 203; tied.
+* ``small``       a slightly larger GQA model (4 layers, replication at tp 4), untied.
+* ``small-outliers`` trained-model statistics (6 layers, 12/2 heads, hidden 192): two residual
+                  channels grow to the hundreds with depth (``_add_outliers``), the rest stay O(1);
+                  where a one-device noise floor fails correct TP engines in bfloat16/float16.
+* ``qwen2.5-0.5b`` the real Qwen2.5-0.5B shape (14 heads / 2 KV heads, so tp 1 or 2;
+                  tied; ~2 GB in float32) with random weights, for scale tests.
+
+Other families (``model_type`` in the dict picks the family's config class; every one splits at tp 1, 2
+and 4, with KV heads replicated at tp 4):
+
+* ``tiny-llama``      Llama 3: ``rope_type: llama3`` (factor 8, low/high freq factor 1/4) with
+                      original_max_position_embeddings 32, so the remap changes 3 of the 4 frequency pairs
+                      by up to 8x and shows from the first positions; no biases; odd vocab 253; untied.
+* ``small-llama``     Llama 3.2-like: 4 layers, llama3 RoPE (factor 32, original 64 positions), tied.
+* ``tiny-llama-bias`` Llama 2 style (default RoPE) with ``attention_bias`` (q/k/v and o_proj biases) and
+                      ``mlp_bias`` (gate/up/down biases); head_dim 16 != hidden / heads = 8; tied.
+* ``tiny-mistral``    ``sliding_window`` 12: every layer attends to its 12 most recent tokens, so any prompt
+                      or generation longer than 12 tokens depends on the window; odd vocab 203; untied.
+* ``tiny-qwen3``      per-head q/k RMSNorm before RoPE; 4 heads / 1 KV head (replicated at tp 2 and 4),
+                      head_dim 32 != hidden / heads = 16; tied.
+* ``small-qwen3``     4 layers, 8 heads / 2 KV heads, head_dim 32 != 128 / 8, q/k norms; untied.
+
+What the presets' checkpoints hold (the value recipe) is in ``tpcheck.inputs.weight_recipe``; writing and caching
+them is ``tpcheck.inputs.checkpoints``, whose RECIPE_VERSION covers these dicts too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+_TINY = dict(max_position_embeddings=1024, rms_norm_eps=1e-6, use_sliding_window=False,
+             bos_token_id=1, eos_token_id=2)
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(_TINY, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                 intermediate_size=96, num_hidden_layers=2, vocab_size=250,
+                 tie_word_embeddings=True, rope_theta=10000.0),
+    "tiny-untied": dict(_TINY, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                        intermediate_size=96, num_hidden_layers=3, vocab_size=301,
+                        tie_word_embeddings=False, rope_theta=1000000.0),
+    "tiny-mha": dict(_TINY, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+                     tie_word_embeddings=False, rope_theta=10000.0),
+    "tiny-mqa": dict(_TINY, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                     intermediate_size=80, num_hidden_layers=2, vocab_size=203,
+                     tie_word_embeddings=True, rope_theta=500000.0),
+    "small": dict(_TINY, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=352, num_hidden_layers=4, vocab_size=1000,
+                  tie_word_embeddings=False, rope_theta=1000000.0,
+                  max_position_embeddings=2048),
+    "qwen2.5-0.5b": dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, num_hidden_layers=24, vocab_size=151936,
+                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         max_position_embeddings=32768, bos_token_id=151643,
+                         eos_token_id=151645, use_sliding_window=False),
+    "small-outliers": dict(_TINY, hidden_size=192, num_attention_heads=12, num_key_value_heads=2,
+                           intermediate_size=512, num_hidden_layers=6, vocab_size=1000,
+                           tie_word_embeddings=False, rope_theta=1000000.0,
+                           max_position_embeddings=2048),
+}
+
+# the other families: the same value recipe, the family's own config class (``model_type``)
+_FAMILY = dict(max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+_TINY_SHAPE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+                   num_hidden_layers=2)
+_SMALL_SHAPE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=352,
+                    num_hidden_layers=4, vocab_size=1000, max_position_embeddings=2048)
+
+
+def _llama3(factor: float, original: int) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original}
+
+
+PRESETS.update({
+    "tiny-llama": dict(_FAMILY, **_TINY_SHAPE, model_type="llama", vocab_size=253, tie_word_embeddings=False,
+                       rope_theta=500000.0, rope_scaling=_llama3(8.0, 32)),
+    "small-llama": dict(_FAMILY, **_SMALL_SHAPE, model_type="llama", tie_word_embeddings=True, rope_theta=500000.0,
+                        rope_scaling=_llama3(32.0, 64)),
+    "tiny-llama-bias": dict(_FAMILY, **_TINY_SHAPE, model_type="llama", vocab_size=250, head_dim=16,
+                            attention_bias=True, mlp_bias=True, tie_word_embeddings=True, rope_theta=10000.0),
+    "tiny-mistral": dict(_FAMILY, **_TINY_SHAPE, model_type="mistral", vocab_size=203, sliding_window=12,
+                         tie_word_embeddings=False, rope_theta=1000000.0),
+    "tiny-qwen3": dict(_FAMILY, **dict(_TINY_SHAPE, num_attention_heads=4, num_key_value_heads=1, intermediate_size=80),
+                       model_type="qwen3", vocab_size=250, head_dim=32, tie_word_embeddings=True,
+                       rope_theta=1000000.0),
+    "small-qwen3": dict(_FAMILY, **dict(_SMALL_SHAPE, intermediate_size=256), model_type="qwen3", head_dim=32,
+                        tie_word_embeddings=False, rope_theta=1000000.0),
+})
+
+# presets drawn with the massive-activation recipe (``outliers=`` of ``make_config_checkpoint``)
+OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
+
+
+def preset_names() -> list[str]:
+    """Names of the available presets, in definition order."""
+    return list(PRESETS)
+
+
+def config_family(config: dict) -> str:
+    """The ``model_type`` of a preset's or drawn config's keyword dict (``"qwen2"`` when it has none)."""
+    return config.get("model_type", "qwen2")
+
+
+def preset_family(name: str) -> str:
+    """The ``model_type`` of preset ``name`` (``qwen2``, ``llama``, ``mistral``, ``qwen3``)."""
+    return config_family(_check_preset(name))
+
+
+def preset_available(name: str) -> bool:
+    """Whether the installed transformers can read preset ``name``'s family (Qwen3 needs transformers >= 4.51)."""
+    from impl.config import FAMILIES
+    return FAMILIES[preset_family(name)].available
+
+
+def describe_preset(name: str) -> str:
+    """One line of ``tpcheck presets``: family, sizes, and what sets the preset apart."""
+    c = _check_preset(name)
+    hd = c.get("head_dim")
+    extra = [f"head_dim {hd}"] if hd else []
+    scaling = c.get("rope_scaling")
+    if scaling:
+        extra.append(f"{scaling['rope_type']} rope (original {scaling['original_max_position_embeddings']} positions)")
+    if c.get("sliding_window") is not None and config_family(c) == "mistral":
+        extra.append(f"sliding window {c['sliding_window']}")
+    biases = [b for b in ("attention_bias", "mlp_bias") if c.get(b)]
+    if biases:
+        extra.append("+".join(biases))
+    return (f"{name:15s} {config_family(c):7s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
+            f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
+            f"{'tied' if c.get('tie_word_embeddings') else 'untied'}" + "".join(f"; {e}" for e in extra))
+
+
+def _check_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _check_preset(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def preset_config(name: str, dtype: str = "float32") -> PretrainedConfig:
+    """The HF config of preset ``name`` (its family's config class: ``Qwen2Config``, ``LlamaConfig``, ...) with
+    ``dtype`` recorded in it.
+
+    Raises ValueError for an unknown preset (listing the valid names) or dtype.
+    Note: transformers 5.x stores ``rope_theta`` (and ``rope_scaling``) inside ``config.rope_parameters``.
+    """
+    return config_from_kwargs(_check_preset(name), dtype)
+
+
+def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> PretrainedConfig:
+    """An HF config from a preset's dict or one drawn by ``tpcheck.inputs.strategies``: ``model_type`` (default
+    ``qwen2``) picks the family's config class (``impl.config.FAMILIES``), the other keys are its keyword
+    arguments; ``dtype`` and the family's architecture are recorded in it."""
+    from impl.config import FAMILIES, HF_DTYPE_KEY
+    _check_dtype(dtype)
+    kwargs = dict(kwargs)
+    model_type = kwargs.pop("model_type", "qwen2")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"model_type {model_type!r} is not one of {sorted(FAMILIES)}")
+    return family.hf_config_class()(**kwargs, **{HF_DTYPE_KEY: dtype}, architectures=[family.hf_model_class])
+

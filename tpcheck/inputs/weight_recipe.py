@@ -1,0 +1,135 @@
+"""What a synthetic checkpoint's tensors hold: which tensors an HF config's model has (``_tensor_specs``, in the
+fixed draw order), the value each is drawn with (``_draw``) and the massive-activation recipe (``_add_outliers``).
+``tpcheck.inputs.checkpoints`` writes them; its RECIPE_VERSION covers everything here.
+
+Value recipe (float32 ``torch.Generator`` seeded with ``seed``, then cast to ``dtype``;
+tensors are drawn in one fixed order, so output is bit-for-bit deterministic for
+(preset, seed, dtype) and independent of ``shards``): linear weights N(0, 1/fan_in),
+embeddings N(0, 1), biases N(0, 0.5**2), norm weights ``1 + s*u`` with u ~ U(0.2, 0.6)
+and a random sign s.  Activations stay O(1)-O(10) through many layers, finite in fp16.
+``_tensor_specs`` lists the tensors each family has, in draw order; for a Qwen2 config they are the
+ones (and the order) of RECIPE_VERSION 1, so Qwen2 checkpoints are unchanged byte for byte.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+
+def _family(cfg):
+    """impl's ``Family`` of an HF config (its ``model_type``), or a ValueError naming the supported ones."""
+    from impl.config import FAMILIES
+    family = FAMILIES.get(getattr(cfg, "model_type", None))
+    if family is None:
+        raise ValueError(f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {sorted(FAMILIES)}")
+    return family
+
+
+def family_options(cfg) -> dict[str, bool]:
+    """Which optional tensors an HF config's model has, spelt as ``impl.config.Family`` says the family spells
+    them (the same reading as ``impl.config.load_config``, which ``make_config_checkpoint`` checks against):
+    ``qkv_bias``, ``o_proj_bias``, ``mlp_bias`` (gate/up/down biases) and ``qk_norm`` (per-head q/k norms)."""
+    family = _family(cfg)
+    if family.qkv_bias == "attention_bias":  # Llama, Qwen3: one flag biases q/k/v and o_proj
+        qkv = o = bool(getattr(cfg, "attention_bias", False))
+    else:
+        qkv, o = bool(family.qkv_bias), False
+    return {"qkv_bias": qkv, "o_proj_bias": o, "mlp_bias": family.mlp_bias and bool(getattr(cfg, "mlp_bias", False)),
+            "qk_norm": family.qk_norm}
+
+
+def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor of the HF config ``cfg``'s model, in the fixed generation order:
+    per layer q/k/v (each with its bias where the model has one), o_proj (+ bias), Qwen3's q_norm / k_norm,
+    gate / up / down (+ biases), the two norms. Where a family lacks an optional tensor nothing is drawn for
+    it, so a Qwen2 config draws exactly the tensors, in the order, of RECIPE_VERSION 1."""
+    opt = family_options(cfg)
+    h, v, inter = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads  # an explicit head_dim wins, as in HF
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    specs = [("model.embed_tokens.weight", (v, h), "embed")]
+
+    def linear(name: str, shape: tuple[int, int], bias: bool) -> list:
+        return [(name + ".weight", shape, "linear")] + ([(name + ".bias", (shape[0],), "bias")] if bias else [])
+
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        specs += linear(a + "q_proj", (q, h), opt["qkv_bias"]) + linear(a + "k_proj", (kv, h), opt["qkv_bias"])
+        specs += linear(a + "v_proj", (kv, h), opt["qkv_bias"]) + linear(a + "o_proj", (h, q), opt["o_proj_bias"])
+        if opt["qk_norm"]:
+            specs += [(a + "q_norm.weight", (d,), "norm"), (a + "k_norm.weight", (d,), "norm")]
+        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            specs += linear(m + name, shape, opt["mlp_bias"])
+        specs += [(f"model.layers.{i}.input_layernorm.weight", (h,), "norm"),
+                  (f"model.layers.{i}.post_attention_layernorm.weight", (h,), "norm")]
+    specs.append(("model.norm.weight", (h,), "norm"))
+    if not cfg.tie_word_embeddings:
+        specs.append(("lm_head.weight", (v, h), "linear"))
+    return specs
+
+
+def _draw(shape: tuple[int, ...], kind: str, gen: torch.Generator, bias_std: float = 0.5) -> torch.Tensor:
+    """One float32 tensor following the value recipe in the module docstring."""
+    if kind == "embed":
+        return torch.randn(shape, generator=gen)
+    if kind == "linear":
+        return torch.randn(shape, generator=gen).mul_(shape[1] ** -0.5)
+    if kind == "bias":
+        return torch.randn(shape, generator=gen).mul_(bias_std)
+    u = torch.rand(shape, generator=gen).mul_(0.4).add_(0.2)
+    sign = torch.randint(0, 2, shape, generator=gen).mul_(2).sub_(1)
+    return u.mul_(sign).add_(1.0)
+
+
+def outlier_channels(hidden: int) -> list[int]:
+    """The two residual channels the massive-activation recipe makes large."""
+    return [hidden // 3, (2 * hidden) // 3 + 1]
+
+
+def _outlier_units(layer: int, inter: int) -> list[int]:
+    """One MLP unit in each quarter of the intermediate dim, so at tp 2 and 4 every rank's down_proj
+    shard holds part of the outlier's sum (the partial products a TP engine rounds)."""
+    q = inter // 4
+    return [k * q + (layer * 7) % q for k in range(4)]
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
+
+
+def _add_outliers(name: str, t: torch.Tensor, cfg, strength: float) -> torch.Tensor:
+    """The massive-activation recipe (in place on the float32 tensor ``name``): trained LLMs carry a few
+    residual channels in the hundreds while the rest stay near 1, grown by the MLPs layer after layer and
+    kept out of the normalized activations by small norm weights on those channels.
+
+    * the embedding writes ``+2s`` / ``-1.5s`` into the two channels (``outlier_channels``) for every token;
+    * in each layer four MLP units (``_outlier_units``, one per quarter of the intermediate dim) read the
+      channels through ``post_attention_layernorm`` (weights 0.25 / -0.3 there) with gate and up weights
+      of 2 / 1.6, and ``down_proj`` writes them back with weights ``s * (1, 0.6, -0.5, 0.3)`` of mixed sign,
+      so the down_proj sum is a difference of larger partial products (the units' other down_proj weights
+      are scaled by 0.05: they write almost only into the outlier channels);
+    * ``input_layernorm`` (0.03 / 0.04) and the final norm (0.02 / -0.03) keep the channels small in what
+      attention and the LM head read."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    c = outlier_channels(h)
+    if name == "model.embed_tokens.weight":
+        t[:, c[0]] += 2.0 * strength
+        t[:, c[1]] -= 1.5 * strength
+    elif name == "model.norm.weight":
+        t[c] = torch.tensor([0.02, -0.03])
+    elif (m := _LAYER.fullmatch(name)) is not None:
+        units, rest = _outlier_units(int(m.group(1)), inter), m.group(2)
+        if rest == "input_layernorm.weight":
+            t[c] = torch.tensor([0.03, 0.04])
+        elif rest == "post_attention_layernorm.weight":
+            t[c] = torch.tensor([0.25, -0.3])
+        elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            t[units, c[0]] += 2.0
+            t[units, c[1]] += 1.6
+        elif rest == "mlp.down_proj.weight":
+            d = torch.tensor([1.0, 0.6, -0.5, 0.3]) * strength
+            t[:, units] *= 0.05  # the units write (almost) only into the outlier channels
+            t[c[0], units] += d
+            t[c[1], units] -= 0.7 * d
+    return t
