@@ -84,10 +84,9 @@ class StepDump:
 
     def close_step(self, scheduler_output) -> None:
         """Split the step's rows per request, put them in the dump's order and write the step."""
-        req_ids = list(self.runner.input_batch.req_ids)
-        counts = [int(scheduler_output.num_scheduled_tokens[r]) for r in req_ids]
+        req_ids, bounds = batch_rows(self.runner, scheduler_output)
         ids, pos = self.inputs
-        n = sum(counts)
+        n = bounds[-1][1] if bounds else 0
         if self.order is None:
             self.order = {r: i for i, r in enumerate(req_ids)}
         if set(req_ids) != set(self.order):
@@ -95,10 +94,6 @@ class StepDump:
             left = sorted(set(self.order) - set(req_ids))
             return self.stop(f"the batch changed (joined {joined}, left {left}); a dump holds one fixed set of "
                              "requests that start together (VLLM_ENABLE_V1_MULTIPROCESSING=0, same max_tokens)")
-        bounds, s = [], 0
-        for c in counts:
-            bounds.append((s, s + c))
-            s += c
         perm = [req_ids.index(r) for r in sorted(self.order, key=self.order.get)]  # dump index -> batch index
         tokens = [ids[bounds[b][0]:bounds[b][1]].tolist() for b in perm]
         starts = [int(pos[bounds[b][0]]) for b in perm]
@@ -112,6 +107,18 @@ class StepDump:
         finally:
             self.cap.writer = writer
         self.step += 1
+
+
+def batch_rows(runner, scheduler_output) -> tuple[list[str], list[tuple[int, int]]]:
+    """The request ids of a step's batch in row order (``input_batch.req_ids``) and each one's rows
+    ``(first, end)`` in the flattened batch (``num_scheduled_tokens`` per request, in that order)."""
+    req_ids = list(runner.input_batch.req_ids)
+    bounds, s = [], 0
+    for r in req_ids:
+        c = int(scheduler_output.num_scheduled_tokens[r])
+        bounds.append((s, s + c))
+        s += c
+    return req_ids, bounds
 
 
 class _Permuted:
