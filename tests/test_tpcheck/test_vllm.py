@@ -101,7 +101,7 @@ def vllm_env():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from tpcheck.checkpoints import make_config_checkpoint
+    from tpcheck.inputs.checkpoints import make_config_checkpoint
     return make_config_checkpoint(CFG, tmp_path_factory.mktemp("vllm") / "ckpt")
 
 
@@ -124,7 +124,7 @@ PLAIN_SCRIPT = textwrap.dedent("""
 def test_plugin_is_off_without_tpcheck_dump(vllm_env, monkeypatch):
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from tpcheck import vllm_plugin
+    from tpcheck.capture import vllm_plugin
     monkeypatch.delenv("TPCHECK_DUMP", raising=False)
     init = WorkerBase.__init__
     vllm_plugin.register()
@@ -159,7 +159,7 @@ def adapter(vllm_env, ckpt):
 
 
 def _diff(adapter, ckpt, faults=()):
-    from tpcheck.layer_diff import compare_engine
+    from tpcheck.pipeline.diff import compare_engine
     adapter.faults = list(faults)
     return compare_engine(adapter, str(ckpt), PROMPTS, "float32", decode_steps=3, meta={"tp": 2})
 

@@ -28,7 +28,7 @@ import uuid
 import torch
 
 from impl.placements import Shard
-from tpcheck.reductions import Reductions
+from tpcheck.reference.reductions import Reductions
 
 logger = logging.getLogger("tpcheck.engines.vllm")
 
@@ -176,7 +176,7 @@ class TPCheckWorker:
         st = getattr(self, "_tpcheck", None)
         if st is None:
             from tpcheck.capture import install
-            from tpcheck.capture_maps import VLLM_MAP
+            from tpcheck.capture.maps import VLLM_MAP
             model = runner.get_model()
             st = self._tpcheck = {"cap": install(model, VLLM_MAP), "rank": get_tensor_model_parallel_rank(),
                                   "faults": [], "runner": runner}
@@ -278,7 +278,7 @@ def _force_inputs(st: dict, args, kwargs):
     pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
     if ids is None or pos is None or st.get("sched") is None:  # not a step: a warm-up or profiling forward
         return None
-    from tpcheck.vllm_plugin import batch_rows
+    from tpcheck.capture.vllm_plugin import batch_rows
     st["batch"] = batch_rows(st["runner"], st["sched"])  # after the runner's _update_states
     st["sched"] = None
     force = st.get("force")
@@ -351,7 +351,7 @@ class VLLMAdapter:
         want_starts = [n - len(t) for n, t in zip(self.lens, new_tokens)]
         if toks != [list(t) for t in new_tokens] or starts != want_starts:
             raise RuntimeError(f"vLLM consumed {toks} at {starts}, the harness gave {new_tokens} at {want_starts}")
-        from tpcheck.adapter import by_point
+        from tpcheck.engines.adapter import by_point
         return by_point(per_rank)
 
     def close(self) -> None:

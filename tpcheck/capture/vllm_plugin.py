@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger("tpcheck.vllm_plugin")
+logger = logging.getLogger("tpcheck.capture.vllm_plugin")
 
 _PATCHED = "_tpcheck_patched"
 
@@ -138,7 +138,7 @@ def _install(worker) -> None:
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     from tpcheck import capture
-    from tpcheck.capture_maps import VLLM_MAP
+    from tpcheck.capture.maps import VLLM_MAP
     runner = worker.model_runner
     model = runner.get_model()
     dtype = str(worker.model_config.dtype).removeprefix("torch.")
