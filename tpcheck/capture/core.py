@@ -1,6 +1,6 @@
 """Engine-side capture: forward hooks driven by a *name map*, importable inside any rank of any engine.
 
-A name map (``NameMap``) is a list of ``Rule``: a module-name pattern (``{layer}`` stands for the layer index)
+A name map (``NameMap``, ``tpcheck.capture.rules``) is a list of ``Rule``: a module-name pattern (``{layer}`` stands for the layer index)
 → a canonical point (``tpcheck.capture.points``), taken from the module's output or its input, with the placement
 that says how the rank's local tensor makes the full one (``impl.placements``). Ready maps (defined in
 ``tpcheck.capture.maps``, importable from here): ``IMPL_MAP`` (impl), ``HF_MAP`` (Hugging Face
@@ -30,162 +30,20 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
-from impl.placements import Fused, Partial, Replicate, Shard
-from tpcheck.capture.points import all_point_names, point_names
+from impl.placements import Fused, Replicate
+# the rules and placement specs live in tpcheck.capture.rules; imported here so ``tpcheck.capture.core``'s names stay
+from tpcheck.capture.rules import (NameMap, PlacementSpec, Rule, _is_dtensor, declared, dtensor_placement, of_sibling,
+                                   weight_placement)
 
 logger = logging.getLogger("tpcheck.capture")
 
 ENV_DIR, ENV_POINTS, ENV_BUDGET = "TPCHECK_DUMP", "TPCHECK_DUMP_POINTS", "TPCHECK_DUMP_BUDGET_MB"
-_LAYER_GROUP = "{layer}"
-_FORMAT_KEYS = re.compile(r"\{(\w*)\}")
-
-PlacementSpec = object  # a Placement, or a callable (module, parent module) -> Placement, read at each call
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One capture site. ``module``: a regex fullmatched against a module's qualified name (as
-    ``model.named_modules()`` names it); ``{layer}`` stands for the layer index (``\\d+``). ``point``: the
-    canonical name it gives, a template over ``{layer}``, ``{prev}`` (layer - 1: sites at a layer's input
-    that carry the previous layer's output) and ``{last}`` (the last layer: sites after the decoder stack);
-    a name ending in ``.`` is a fused output whose ``parts`` (the ``Fused`` placement's part names, in order)
-    complete it (``layers.{layer}.attn.`` + ``q``/``k``/``v``). ``placement``: a ``Placement``, or a callable
-    ``(module, parent) -> Placement`` read at every call (``declared()``, ``of_sibling(...)``). ``input``:
-    take the module's input (a forward pre-hook) instead of its output. ``index``: which input (position, or
-    keyword name) or which element of a tuple output (position) / attribute of an object output (name); a
-    plain tensor output is element 0, and has no other element (the site then gives nothing that call)."""
-
-    module: str
-    point: str
-    placement: PlacementSpec = Replicate()
-    input: bool = False
-    index: int | str = 0
-    parts: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        keys = set(_FORMAT_KEYS.findall(self.point)) - {"layer", "prev", "last"}
-        if keys:
-            raise ValueError(f"rule {self.module!r}: point {self.point!r} uses {sorted(keys)}; only "
-                             "{layer}, {prev}, {last}")
-        if (("{layer}" in self.point or "{prev}" in self.point) and _LAYER_GROUP not in self.module):
-            raise ValueError(f"rule {self.module!r}: point {self.point!r} needs {{layer}} in the module pattern")
-        if self.point.endswith(".") != bool(self.parts):
-            raise ValueError(f"rule {self.module!r}: a fused point ends with '.' and names its parts "
-                             f"(point {self.point!r}, parts {self.parts!r})")
-        for name in self.names(3, 5):  # a point name tpcheck does not know is a misconfigured map
-            if name not in _CANONICAL:
-                raise ValueError(f"rule {self.module!r}: {name!r} is not a canonical point (tpcheck.capture.points)")
-
-    @property
-    def pattern(self) -> re.Pattern:
-        return re.compile(self.module.replace(_LAYER_GROUP, r"(?P<layer>\d+)"))
-
-    def name(self, layer: int | None, last: int | None) -> str | None:
-        """The point name at a site of layer ``layer`` (None where the site gives none: ``{prev}`` of layer 0,
-        ``{last}`` of a model without layers)."""
-        keys = {"layer": layer, "prev": None if layer is None or layer == 0 else layer - 1, "last": last}
-        used = _FORMAT_KEYS.findall(self.point)
-        if any(keys[k] is None for k in used):
-            return None
-        return self.point.format(**keys)
-
-    def names(self, layer: int | None, last: int | None) -> list[str]:
-        """The canonical names a site gives (fused: one per part)."""
-        n = self.name(layer, last)
-        return [] if n is None else [n + p for p in self.parts] if self.parts else [n]
-
-
-_CANONICAL = set(all_point_names(6))  # every family's names (Qwen3's q/k norms too)
-
-
-@dataclass(frozen=True)
-class NameMap:
-    """The rules of one engine's module tree. ``token_dims``: how many leading dims of a captured tensor are
-    rows (1: ``[tokens, ...]``; 2: ``[batch, seq, ...]``, Hugging Face)."""
-
-    name: str
-    rules: tuple[Rule, ...]
-    token_dims: int = 1
-    doc: str = ""
-
-    def reports(self, num_layers: int, qk_norm: bool = False) -> list[str]:
-        """The canonical points this map gives for a model of ``num_layers`` layers, in execution order;
-        ``qk_norm``: a model with per-head q/k norms (Qwen3), where the maps' ``attn.q_norm`` rules match."""
-        got = set()
-        for rule in self.rules:
-            layers = range(num_layers) if _LAYER_GROUP in rule.module else [None]
-            for i in layers:
-                got.update(rule.names(i, num_layers - 1 if num_layers else None))
-        return [n for n in point_names(num_layers, with_kv=True, qk_norm=qk_norm) if n in got]
-
-    def not_reported(self, num_layers: int, with_kv: bool = False) -> list[str]:
-        """The canonical points this map never gives (what ``tpcheck.judge.coverage`` will list as not reported)."""
-        got = set(self.reports(num_layers))
-        return [n for n in point_names(num_layers, with_kv) if n not in got]
-
-    def without(self, *points: str) -> "NameMap":
-        """This map less the rules whose point template is one of ``points`` (e.g. ``"layers.{prev}.out"``)."""
-        return replace(self, rules=tuple(r for r in self.rules if r.point not in points))
-
-    def with_placement(self, point: str, placement: PlacementSpec) -> "NameMap":
-        """This map with the rules of point template ``point`` given another placement (e.g.
-        ``VLLM_MAP.with_placement("layers.{layer}.attn.out", Partial())`` for an o_proj that does not
-        all-reduce)."""
-        if not any(r.point == point for r in self.rules):
-            raise KeyError(f"{self.name}: no rule gives {point!r}")
-        return replace(self, rules=tuple(replace(r, placement=placement) if r.point == point else r
-                                         for r in self.rules))
-
-
-def declared(attr: str = "output_placement") -> Callable:
-    """Placement spec: the matched module's own attribute (impl's declared ``output_placement``)."""
-    return lambda module, parent: getattr(module, attr)
-
-
-def of_sibling(path: str, attr: str = "output_placement") -> Callable:
-    """Placement spec: an attribute of a sibling module (``path`` relative to the matched module's parent),
-    for a point captured from a module's input but produced by its sibling."""
-    return lambda module, parent: getattr(parent.get_submodule(path), attr)
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
-
-
-def dtensor_placement(t):
-    """The ``impl.placements`` placement of a 1-D-mesh DTensor's local tensor: ``Shard(d)`` on the last dim
-    → ``Shard(-1)``, ``Replicate`` → ``Replicate()``, ``Partial`` → ``Partial()``. Captured tensors are
-    ``[rows, features]``: a shard along any other dim has no meaning there and is refused."""
-    (p,) = t.placements  # tensor parallelism alone: a 1-D device mesh
-    if p.is_replicate():
-        return Replicate()
-    if p.is_partial():
-        return Partial()
-    if p.is_shard() and p.dim in (-1, t.ndim - 1):
-        return Shard(-1)
-    raise ValueError(f"tpcheck.capture: a DTensor sharded as {p} (shape {tuple(t.shape)}): only the last dim "
-                     "maps onto captured [rows, features]")
-
-
-def weight_placement(side: str = "out") -> Callable:
-    """Placement spec for a linear layer sharded by its weight, as transformers' ``tp_plan`` shards it (the
-    weight a DTensor, the activations plain local tensors): ``side="out"``: a weight ``Shard(0)``
-    (column-parallel) gives an output ``Shard(-1)``, anything else a full output (row-parallel outputs are
-    all-reduced); ``side="in"``: a weight ``Shard(1)`` (row-parallel) takes its input ``Shard(-1)``."""
-    want = 0 if side == "out" else 1
-
-    def spec(module, parent):
-        w = getattr(module, "weight", None)
-        if _is_dtensor(w) and any(p.is_shard() and p.dim == want for p in w.placements):
-            return Shard(-1)
-        return Replicate()
-    return spec
 
 
 def _select(value, index: int | str, kwargs: dict | None = None):
@@ -200,12 +58,18 @@ def _select(value, index: int | str, kwargs: dict | None = None):
     return None
 
 
-def as_rows(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
-    """A CPU copy of ``t`` as ``[rows, features]``: its first ``token_dims`` dims are the rows."""
+def row_view(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
+    """``t`` detached as ``[rows, features]`` (a view where the layout allows): its first ``token_dims`` dims are
+    the rows."""
     rows = 1
     for d in t.shape[:token_dims]:
         rows *= d
-    return t.detach().reshape(rows, -1).to("cpu", copy=True)
+    return t.detach().reshape(rows, -1)
+
+
+def as_rows(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
+    """A CPU copy of ``t`` as ``[rows, features]``: its first ``token_dims`` dims are the rows."""
+    return row_view(t, token_dims).to("cpu", copy=True)
 
 
 @dataclass
@@ -219,7 +83,8 @@ class _Site:
 @dataclass
 class Capture:
     """Hooks installed by ``install``. ``sites``: what is hooked; ``dropped``: points ``step_done`` dropped,
-    with why; ``error``: why the capture stopped (a dump past its budget), or None."""
+    with why; ``error``: why the capture stopped (a dump past its budget), or None; ``sink``: where each tensor
+    goes as it is captured instead (``install(sink=...)``)."""
 
     model: nn.Module = field(repr=False)
     name_map: NameMap = field(repr=False)
@@ -230,6 +95,7 @@ class Capture:
     dropped: dict[str, str] = field(default_factory=dict)
     error: str | None = None
     step: int = 0
+    sink: Callable[[str, torch.Tensor], None] | None = None
     _pending: dict = field(default_factory=dict, repr=False)
     _handles: list = field(default_factory=list, repr=False)
 
@@ -260,16 +126,49 @@ class Capture:
         entry[1].append(as_rows(value, self.name_map.token_dims))
 
     def _hook_out(self, sites: list[_Site]):
+        if self.sink is not None:
+            return self._sink_hook(sites, False)
+
         def hook(module, args, output):
             for s in sites:
                 self._put(s, module, _select(output, s.rule.index))
         return hook
 
     def _hook_in(self, sites: list[_Site]):
+        if self.sink is not None:
+            return self._sink_hook(sites, True)
+
         def hook(module, args, kwargs):
             for s in sites:
                 idx = s.rule.index
                 self._put(s, module, _select(args, idx) if isinstance(idx, int) else kwargs.get(idx))
+        return hook
+
+    def _sink_hook(self, sites: list[_Site], is_input: bool):
+        # A sink's hook hands each tensor on at once: whole one-device tensors (install checked), so no placement
+        # to read and nothing pending. Lean on purpose: the Hugging Face reference runs ~15 hooks per layer per
+        # forward, and going through _put cost a small model's step ~4% (measured).
+        sink, dims = self.sink, self.name_map.token_dims
+        picks = [(s.name, s.rule.index, s) for s in sites]
+
+        def rows(site: _Site, value) -> torch.Tensor:
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"tpcheck.capture: {site.module_name} ({site.rule.point}) gave a "
+                                f"{type(value).__name__}, not a tensor: fix the rule's index")
+            return row_view(value, dims)
+
+        if is_input:
+            def hook(module, args, kwargs):
+                for name, idx, site in picks:
+                    value = _select(args, idx) if isinstance(idx, int) else kwargs.get(idx)
+                    if value is not None:
+                        sink(name, rows(site, value))
+        else:
+            def hook(module, args, output):
+                for name, idx, site in picks:
+                    value = _select(output, idx)
+                    if value is not None:
+                        sink(name, rows(site, value))
         return hook
 
     def _kept(self, name: str, placement, t: torch.Tensor) -> list[tuple[str, object, torch.Tensor]]:
@@ -334,12 +233,17 @@ class Capture:
 
 
 def install(model: nn.Module, name_map: NameMap, writer=None, points: str | None = None,
-            on_error: str = "raise") -> Capture:
+            on_error: str = "raise", sink: Callable[[str, torch.Tensor], None] | None = None) -> Capture:
     """Register the map's hooks on ``model`` and return the ``Capture``. ``points``: a regex of point names
     to keep (fullmatched; a fused output is kept whole when all its parts are kept, else split into the kept
     parts); sites that cannot give a kept point get no hook. ``on_error``: ``"raise"`` a writer's error from
     ``step_done``, or ``"stop"``: log it, remove the hooks and carry on. A map that matches no module of the
-    model is a ValueError (a misconfigured map must not pass silently)."""
+    model is a ValueError (a misconfigured map must not pass silently). ``sink``: a one-device capture that
+    calls ``sink(name, tensor)`` with each point as the forward gives it (``[rows, features]``, a view of the
+    model's tensor: neither copied nor kept) instead of collecting them for ``step_done``; every matched rule
+    must then be a whole ``Replicate()`` point (``HF_MAP``)."""
+    if sink is not None and writer is not None:
+        raise ValueError("install: a sink or a writer, not both")
     if on_error not in ("raise", "stop"):
         raise ValueError(f"on_error must be 'raise' or 'stop', got {on_error!r}")
     keep = re.compile(points) if points else None
@@ -359,7 +263,12 @@ def install(model: nn.Module, name_map: NameMap, writer=None, points: str | None
         raise ValueError(f"tpcheck.capture: {name_map.name} matches no module of {type(model).__name__} "
                          f"(its modules are named like {sample})")
     last = max(layers) if layers else None
-    cap = Capture(model, name_map, writer, keep, on_error)
+    if sink is not None:
+        bad = sorted({r.point for _, r, _ in matches if r.parts or r.placement != Replicate()})
+        if bad:
+            raise ValueError(f"tpcheck.capture: a sink takes whole one-device tensors; {name_map.name} places "
+                             f"{bad} otherwise")
+    cap = Capture(model, name_map, writer, keep, on_error, sink=sink)
     by_module: dict[tuple[str, bool], list[_Site]] = {}  # one hook per module and direction, rules in map order
     for mname, rule, layer in matches:
         name = rule.name(layer, last)
@@ -417,5 +326,5 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
     return cap
 
 
-__all__ = ["Rule", "NameMap", "Capture", "install", "from_env", "declared", "of_sibling", "weight_placement",
-           "dtensor_placement"]
+__all__ = ["Rule", "NameMap", "PlacementSpec", "Capture", "install", "from_env", "declared", "of_sibling",
+           "weight_placement", "dtensor_placement"]

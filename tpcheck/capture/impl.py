@@ -1,6 +1,6 @@
 """The impl side of the adapter, run inside each TP rank through ``LLM.call(capture_impl.step, ...)``.
 
-The hooks are ``tpcheck.capture`` with ``IMPL_MAP`` (see ``tpcheck/capture/core/maps.py`` for which module gives
+The hooks are ``tpcheck.capture`` with ``IMPL_MAP`` (see ``tpcheck/capture/maps.py`` for which module gives
 which point and placement; a fused output such as ``layers.0.attn.`` comes whole with its ``Fused``
 placement and the harness splits it). This module adds what only a live engine offers: the teacher inputs
 of ``--isolate`` and the KV cache read back from its paged blocks. Tensors are ``[rows, features]`` on CPU,
@@ -14,6 +14,7 @@ import torch
 from impl.placements import Shard
 from tpcheck.capture.core import as_rows, install
 from tpcheck.capture.maps import IMPL_MAP
+from tpcheck.capture.teacher import Teacher
 
 _STATE = "_tpcheck"
 
@@ -33,9 +34,10 @@ def setup(runner, num_blocks: int | None, block_size: int, dump: dict | None = N
         raise ValueError(f"the engine's KV cache has blocks of {runner.block_size} tokens, not {block_size}")
     st = getattr(runner.model, _STATE, None)
     if st is None:
-        st = {"capture": install(runner.model, IMPL_MAP, points=points), "teacher": None, "points": points}
+        m = runner.model.model  # impl's decoder layers take (positions, hidden states)
+        st = {"capture": install(runner.model, IMPL_MAP, points=points), "points": points,
+              "teacher": Teacher(m.layers, m.norm, like=runner, arg=1)}
         setattr(runner.model, _STATE, st)
-        _teacher_hooks(runner, st)
     elif st["points"] != points:  # another selection: the hooks of this one
         st["capture"].remove()
         st["capture"], st["points"] = install(runner.model, IMPL_MAP, points=points), points
@@ -46,34 +48,18 @@ def setup(runner, num_blocks: int | None, block_size: int, dump: dict | None = N
         st["writer"] = DumpWriter(rank=get_tp_rank(), tp=get_tp_size(), engine="impl", **dump)
 
 
-def _teacher_hooks(runner, st: dict) -> None:
-    m = runner.model.model
-
-    def teach(i):
-        def hook(mod, args):
-            if st["teacher"] is None:
-                return None
-            x = st["teacher"][i].to(dtype=runner.dtype, device=runner.device)
-            return (args[0], x) if len(args) == 2 else (x,)
-        return hook
-
-    for i, layer in enumerate(m.layers):
-        layer.register_forward_pre_hook(teach(i))
-    m.norm.register_forward_pre_hook(teach(len(m.layers)))
-
-
 def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None = None) -> dict:
     """Run one step (``ModelRunner.step`` with every token's logits) and return its points
     ``{name: (placement, tensor)}``; with ``kv_lens``, also each layer's cache contents for every prompt."""
     st = getattr(runner.model, _STATE)
     cap = st["capture"]
     cap.clear()
-    st["teacher"] = teacher
+    st["teacher"].inputs = teacher
     try:
         runner.step(batch, all_logits=True)
         points = cap.step_done()
     finally:
-        st["teacher"] = None
+        st["teacher"].inputs = None
         cap.clear()
     if kv_lens is not None:
         keep = None if st["points"] is None else re.compile(st["points"])

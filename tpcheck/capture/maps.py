@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from impl.placements import Fused, Replicate, Shard
-from tpcheck.capture.core import NameMap, Rule, declared, of_sibling, weight_placement
+from tpcheck.capture.rules import NameMap, Rule, declared, of_sibling, weight_placement
 
 _L = r"model\.layers\.{layer}\."
 _P = "layers.{layer}."

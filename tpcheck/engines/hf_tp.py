@@ -29,9 +29,9 @@ from impl.config import ConfigError, ModelConfig, load_config
 from impl.placements import Shard
 from tpcheck.engines.adapter import by_point
 from tpcheck.capture.core import as_rows, install
-from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, load_hf_model, new_cache, register_attention, \
-    teacher_hook
 from tpcheck.capture.maps import HF_TP_MAP
+from tpcheck.capture.teacher import Teacher
+from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, load_hf_model, new_cache, register_attention
 from tpcheck.reference.reductions import Reductions
 
 RUNNER = "tpcheck.engines.hf_tp:HFTPRank"
@@ -81,12 +81,10 @@ class HFTPRank:
                               "pip install accelerate)")
         self.model = load_hf_model(model_dir, dtype, **_tp_plan_kwargs(self.tp))
         self.model.config._attn_implementation = ATTN_NAME
-        self.teacher: dict | None = None
-        layers = self.model.model.layers
-        for i, layer in enumerate(layers):
+        m = self.model.model
+        for layer in m.layers:
             layer.self_attn.rope_probe = RopeProbe()
-            layer.register_forward_pre_hook(teacher_hook(self, i), with_kwargs=True)
-        self.model.model.norm.register_forward_pre_hook(teacher_hook(self, len(layers)), with_kwargs=True)
+        self.teacher = Teacher(m.layers, m.norm, like=self.model, batch_dim=True)
         self.capture = install(self.model, HF_TP_MAP)
         self.caches: list = []
 
@@ -112,7 +110,7 @@ class HFTPRank:
         offset = 0
         try:
             for b, toks in enumerate(tokens):
-                self.teacher = None if teacher is None else \
+                self.teacher.inputs = None if teacher is None else \
                     {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
                 ids = torch.tensor([toks], device=dev)
                 pos = torch.arange(starts[b], starts[b] + len(toks), device=dev)[None]
@@ -120,7 +118,7 @@ class HFTPRank:
                 offset += len(toks)
             points = self.capture.step_done()
         finally:
-            self.teacher = None
+            self.teacher.inputs = None
             self.capture.clear()
         if with_kv:  # each rank's cache holds its own KV heads: Shard(-1) over heads, no replicas
             for i in range(len(self.model.model.layers)):

@@ -3,10 +3,11 @@ noise floor): the class ``impl.config.FAMILIES`` names for the checkpoint's ``mo
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``), whose module names are the same
 (``model.layers.{i}.self_attn.q_proj`` ...; Qwen3 adds ``self_attn.q_norm`` / ``k_norm``).
 
-Forward hooks and pre-hooks on HF's own modules, plus one custom attention function registered through
-transformers' attention interface (to see the post-RoPE query/key): no fork of HF code. Each prompt runs
-as a batch of one, so no padding reaches the comparison. ``teacher`` (isolate mode) replaces each decoder
-layer's input and the final norm's input with given tensors. ``reductions`` (``tpcheck.reference.reductions``) makes
+Forward hooks and pre-hooks on HF's own modules, placed by ``tpcheck.capture.HF_MAP`` (the one description of
+which HF module gives which point), plus one custom attention function registered through transformers'
+attention interface (to see the post-RoPE query/key): no fork of HF code. Each prompt runs as a batch of one,
+so no padding reaches the comparison. ``teacher`` (isolate mode, ``tpcheck.capture.teacher``) replaces each
+decoder layer's input and the final norm's input with given tensors. ``reductions`` (``tpcheck.reference.reductions``) makes
 ``o_proj`` and ``down_proj`` round as a ``tp``-way row-parallel engine does: the noise floor's TP reference."""
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import torch
 from torch import nn
 
 from impl.config import HF_DTYPE_KEY, load_config, parse_dtype
+from tpcheck.capture.core import install
+from tpcheck.capture.maps import HF_MAP
+from tpcheck.capture.teacher import Teacher
 from tpcheck.reference.reductions import Reductions, row_parallel_linear
 
 ATTN_NAME = "tpcheck_sdpa"
@@ -35,8 +39,8 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         q = query[0].transpose(0, 1).reshape(n, -1)
         k = key[0, :, -n:].transpose(0, 1).reshape(n, -1)
         if sink is not None:
-            sink(f"layers.{i}.attn.q_rope", q)
-            sink(f"layers.{i}.attn.k_rope", k)
+            sink(f"layers.{i}.attn.q_rope", q.detach())
+            sink(f"layers.{i}.attn.k_rope", k.detach())
         if probe is not None:
             probe(q[None], k[None])
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -81,53 +85,27 @@ def load_hf_model(model_dir, dtype: str | torch.dtype = "float32", **kwargs) -> 
     return model_cls.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}, **kwargs).eval()
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """HF ``[1, n, ...]`` -> ``[n, features]``."""
-    t = t[0] if isinstance(t, tuple) else t
-    return t[0].reshape(t.shape[1], -1)
-
-
 class HFCapture:
-    """Hooks installed once on a model; ``sink(name, tensor)`` receives every point of a forward."""
+    """``HF_MAP``'s hooks (``tpcheck.capture.install`` with a sink), the post-RoPE q/k of the attention function,
+    the teacher pre-hooks (``tpcheck.capture.teacher``) and the emulated row-parallel ``o_proj`` / ``down_proj``,
+    installed once on a model; ``sink(name, tensor)`` receives every point of a forward."""
 
     def __init__(self, model: nn.Module):
         register_attention()
         model.config._attn_implementation = ATTN_NAME
-        self.model, self.sink, self.teacher = model, None, None
+        self.model, self.sink = model, None
         self.reductions: Reductions | None = None  # set for one step by ``step(reductions=...)``
         self.num_layers = model.config.num_hidden_layers
         m = model.model
-        out = lambda name: (lambda mod, args, output: self._emit(name, _rows(output)))  # noqa: E731
-        pre = lambda name: (lambda mod, args: self._emit(name, _rows(args[0])))  # noqa: E731
-        m.embed_tokens.register_forward_hook(out("embed"))
-        for i, layer in enumerate(m.layers):
-            p, a, mlp = f"layers.{i}.", layer.self_attn, layer.mlp
-            layer.register_forward_pre_hook(self._teach(i), with_kwargs=True)
-            layer.input_layernorm.register_forward_hook(out(p + "input_norm"))
-            for proj, name in ((a.q_proj, "attn.q"), (a.k_proj, "attn.k"), (a.v_proj, "attn.v")):
-                proj.register_forward_hook(out(p + name))
-            # Qwen3: per-head RMSNorm of q and k ([1, n, heads, head_dim]) before RoPE
-            for module, name in (("q_norm", "attn.q_norm"), ("k_norm", "attn.k_norm")):
-                if hasattr(a, module):
-                    getattr(a, module).register_forward_hook(out(p + name))
-            a.o_proj.register_forward_pre_hook(pre(p + "attn.context"))
-            a.o_proj.register_forward_hook(out(p + "attn.out"))
-            layer.post_attention_layernorm.register_forward_pre_hook(pre(p + "attn.residual"))
-            layer.post_attention_layernorm.register_forward_hook(out(p + "post_attn_norm"))
-            mlp.gate_proj.register_forward_hook(out(p + "mlp.gate"))
-            mlp.up_proj.register_forward_hook(out(p + "mlp.up"))
-            mlp.down_proj.register_forward_pre_hook(pre(p + "mlp.act"))
-            mlp.down_proj.register_forward_hook(out(p + "mlp.out"))
-            for proj in (a.o_proj, mlp.down_proj):
+        self.teacher = Teacher(m.layers, m.norm, like=model, batch_dim=True)
+        for layer in m.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 proj.forward = self._row_parallel(proj)
-            layer.register_forward_hook(out(p + "out"))
-        m.norm.register_forward_pre_hook(self._teach(self.num_layers), with_kwargs=True)
-        m.norm.register_forward_hook(out("final_norm"))
-        model.lm_head.register_forward_hook(out("logits"))
+        self.capture = install(model, HF_MAP, sink=self._emit)
 
     def _emit(self, name: str, t: torch.Tensor) -> None:
         if self.sink is not None:
-            self.sink(name, t.detach())
+            self.sink(name, t)
 
     def _row_parallel(self, linear: nn.Linear):
         def forward(x):
@@ -136,20 +114,17 @@ class HFCapture:
             return row_parallel_linear(x, linear.weight, linear.bias, self.reductions)
         return forward
 
-    def _teach(self, i: int):
-        return teacher_hook(self, i)
-
     @torch.no_grad()
     def run(self, input_ids: list[int], cache, start: int, sink, teacher: dict | None = None) -> None:
         """One forward of one prompt's new tokens at positions ``start..``, feeding ``cache``."""
-        self.sink, self.teacher = sink, teacher
+        self.sink, self.teacher.inputs = sink, teacher
         _STATE["sink"] = self._emit
         try:
             ids = torch.tensor([input_ids])
             pos = torch.arange(start, start + len(input_ids))[None]
             self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
         finally:
-            self.sink = self.teacher = None
+            self.sink = self.teacher.inputs = None
             _STATE["sink"] = None
 
     def step(self, tokens: list[list[int]], caches: list, starts: list[int], teacher: dict | None = None,
@@ -174,20 +149,6 @@ class HFCapture:
                 ks, vs = zip(*(cache_kv(c, i) for c in caches))
                 out[f"layers.{i}.kv.k"], out[f"layers.{i}.kv.v"] = torch.cat(ks), torch.cat(vs)
         return out
-
-
-def teacher_hook(owner, i: int):
-    """A forward pre-hook (``with_kwargs=True``) for decoder layer ``i`` (``i = num_layers``: the final norm)
-    that replaces its hidden-states input with ``owner.teacher[i]`` (``[rows, hidden]``) while ``owner.teacher``
-    is set (``--isolate``)."""
-    def hook(mod, args, kwargs):
-        if owner.teacher is None:
-            return None
-        x = owner.teacher[i].to(dtype=owner.model.dtype, device=owner.model.device)[None]
-        if args:
-            return (x, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": x}
-    return hook
 
 
 def new_cache(model):
