@@ -27,12 +27,12 @@ from common import PeakRSS  # noqa: E402
 
 # (file suffix, function) -> part of a diff; cumulative times from one profiled run
 PARTS = {
-    "HF references: golden, dtype, TP (forward + hooks)": [("capture_hf.py", "step")],
-    "engine step (ranks' forward + hooks + transfer)": [("adapter.py", "step")],
+    "HF references: golden, dtype, TP (forward + hooks)": [("reference/hf.py", "step")],
+    "engine step (ranks' forward + hooks + transfer)": [("engines/impl.py", "step")],
     "unsharding": [("unshard.py", "unshard")],
-    # the engine's points (compare) and the noise floor's references (row_rel_errs), which layer_diff calls
+    # the engine's points (compare) and the noise floor's references (row_rel_errs), which pipeline.steps calls
     "statistics (float64 errors, worst rows)": [("metrics.py", "compare"), ("metrics.py", "row_rel_errs")],
-    "judging": [("judge.py", "judge")],
+    "judging": [("judge/verdict.py", "judge")],
 }
 
 
@@ -66,7 +66,7 @@ def main() -> int:
     import tpcheck
     from tpcheck.pipeline.check import random_prompts
     from tpcheck.inputs.checkpoints import cached_checkpoint
-    from tpcheck.pipeline.diff import hf_capture
+    from tpcheck.reference.hf import hf_capture
     from tpcheck.engines.pool import EnginePool
     from tpcheck.reference.reductions import Reductions
     log = sys.stderr

@@ -13,7 +13,7 @@ from diff_runs import LAYERS, run_diff
 from tpcheck.measure import exact_ops
 from tpcheck.cli.app import main
 from tpcheck.cli.gate import regate
-from tpcheck.pipeline.diff import hf_capture
+from tpcheck.reference.hf import hf_capture
 from tpcheck.measure.metrics import mismatch
 from tpcheck.capture.points import point_names, split_point
 

@@ -22,30 +22,11 @@ from tpcheck.options import DiffOptions
 from tpcheck.pipeline.selection import selection
 from tpcheck.pipeline.steps import DiffPass, RunContext
 from tpcheck.progress import bar
-from tpcheck.reference.hf import HFCapture, load_hf_model
+from tpcheck.reference.hf import hf_capture
 from tpcheck.reference.reductions import Reductions
 from tpcheck.result.table import DiffResult
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
-
-_HF: dict = {}
-
-
-def hf_capture(model_dir: str, dtype: str, streamed: bool = False) -> HFCapture:
-    """HF model with capture hooks, cached per (checkpoint, dtype, streamed) in this process (at most 4 kept).
-    ``streamed``: weights read from the checkpoint as the forward needs them, one matrix resident at a time
-    (``tpcheck.reference.streamed``: for checkpoints larger than memory; the same points bit for bit)."""
-    key = (str(model_dir), dtype, streamed)
-    if key not in _HF:
-        while len(_HF) >= 4:
-            _HF.pop(next(iter(_HF)))
-        if streamed:
-            from tpcheck.reference.streamed import streamed_hf_capture
-            _HF[key] = streamed_hf_capture(model_dir, dtype)
-        else:
-            _HF[key] = HFCapture(load_hf_model(model_dir, dtype))
-    return _HF[key]
-
 
 def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts: list[list[int]] | None = None,
          decode_steps: int = 0, isolate: bool = False, *, tolerances: Tolerances | None = None, pool=None,
