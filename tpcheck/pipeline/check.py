@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import logging
 
-import random
 from pathlib import Path
 
 import pandas as pd
 import torch
 
+from tpcheck.inputs.prompts import random_prompts  # noqa: F401 - the logits check's prompts, importable here
 from tpcheck.judge import judge
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure.metrics import compare
 from tpcheck.result.table import DiffResult, Row
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
-
-
-def random_prompts(vocab: int, batch: int, seq_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(seq_len)] for _ in range(batch)]
 
 
 def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -15,6 +15,11 @@ import re
 
 from impl.config import load_config, parse_dtype
 from tpcheck.capture.points import model_point_names
+from tpcheck.engines.pool import EnginePool
+from tpcheck.engines.registry import engine as engine_entry
+from tpcheck.inputs.checkpoints import cached_checkpoint
+from tpcheck.inputs.faults import get_fault
+from tpcheck.inputs.prompts import random_prompts
 from tpcheck.judge import judge
 from tpcheck.judge.coverage import Coverage
 from tpcheck.judge.tolerances import Tolerances
@@ -24,6 +29,7 @@ from tpcheck.pipeline.steps import DiffPass, RunContext
 from tpcheck.progress import bar
 from tpcheck.reference.hf import hf_capture
 from tpcheck.reference.reductions import Reductions
+from tpcheck.reference.saved import GoldenWriter, SavedGolden
 from tpcheck.result.table import DiffResult
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
@@ -49,9 +55,6 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
 
 def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, command: str | None = None) -> DiffResult:
     """``diff`` on a ``DiffOptions``: resolve inputs and engine, run, judge."""
-    from tpcheck.engines.pool import EnginePool
-    from tpcheck.engines.registry import engine as engine_entry
-    from tpcheck.inputs.checkpoints import cached_checkpoint
     entry = engine_entry(opts.engine)
     module = entry.load()
     if opts.inject and not getattr(module, "FAULTS", False):
@@ -83,7 +86,6 @@ def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, comm
 
 def _prompts(opts: DiffOptions, cfg) -> list[list[int]]:
     """The prompts' token ids (random ones from ``seq_len``/``batch``/``seed`` when none are given), checked."""
-    from tpcheck.pipeline.check import random_prompts
     if opts.decode_steps < 0:
         raise ValueError(f"decode_steps must be >= 0, got {opts.decode_steps}")
     prompts = [list(p) for p in opts.prompts] if opts.prompts else \
@@ -102,7 +104,6 @@ def _prompts(opts: DiffOptions, cfg) -> list[list[int]]:
 
 def _silent_faults(opts: DiffOptions, cfg) -> dict[str, str]:
     """The injected faults that cannot show in this run, and why (a warning each)."""
-    from tpcheck.inputs.faults import get_fault
     silent = {}
     for name in opts.inject:
         why = get_fault(name).silent_because(cfg, opts.tp, opts.dtype, opts.decode_steps, opts.exact_ops,
@@ -133,7 +134,6 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
 def _compare(engine, opts: DiffOptions, prompts: list[list[int]], tolerances: Tolerances | None,
              meta: dict | None) -> DiffResult:
     """The passes of one diff over an engine adapter, judged."""
-    from tpcheck.reference.saved import GoldenWriter, SavedGolden
     model_dir, dtype, steps = opts.model, opts.dtype, opts.decode_steps
     cfg = load_config(model_dir)
     select = selection(opts.points, opts.layers)
