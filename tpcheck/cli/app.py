@@ -132,10 +132,14 @@ def _cmd_diff(a, argv: list[str]) -> int:
         tok = load_tokenizer(a.model)
         resolved["prompts"] = [tok.encode(t) for t in a.prompt]
     opts = options.from_args(a, **resolved)
+    shown = opts if opts.model else opts.replace(model=str(checkpoints.cached_checkpoint(opts.preset)))
+    print(shown.describe(tol.source if a.tolerances else None) + "\n")  # what ran: a log of the run says it
     # the command line as typed repeats the run (a --prompt text is tokenized the same way again)
     r = run(opts, tol, command=shlex.join(["tpcheck", *argv]))
+    if a.save_golden:
+        print(f"saved the golden to {a.save_golden} (replay it: the same command with --golden {a.save_golden})")
     if a.dump:
-        print(f"dumped to {a.dump} (tpcheck compare {a.dump} --model ...)")
+        print(f"dumped to {a.dump} (judge it offline: {shlex.join(['tpcheck', 'compare', str(a.dump), '--model', r.meta['model']])})")
     return _show(r, a)
 
 
@@ -147,6 +151,8 @@ def _cmd_compare(a, argv: list[str]) -> int:
     tol = load_tolerances(a.tolerances)
     dump = read_dump(a.dump_dir)
     engine = DumpAdapter(dump, Reductions(dump.tp, a.reduce_dtype))
+    print(f"engine:     {dump.engine} tp={dump.tp} {dump.dtype}, replayed from the dump {a.dump_dir}\n"
+          f"golden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
     r = compare_engine(engine, str(a.model), engine.prompts, dump.dtype, engine.decode_steps, tolerances=tol,
                        meta={"tp": dump.tp, "dump": str(a.dump_dir), "engine": dump.engine,
                              "command": shlex.join(["tpcheck", *argv])}, exact_ops=a.exact_ops,
@@ -158,13 +164,18 @@ def _cmd_compare(a, argv: list[str]) -> int:
 def _show(r, a) -> int:
     """Print the tables and the verdict, write the requested outputs, return the exit code."""
     from tpcheck.result.report.html import write_html
+    failing = r.first_divergence is not None
+    if failing:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
+        print(r.summary())
     for mode in ["propagated"] + (["isolated"] if a.isolate else []):
         t = r.table[r.table["mode"] == mode]
         shown = t.drop(columns=["order", "mode", "kind"]) if a.all_rows else r.layer_table(mode)
-        print(f"\n{mode}: {'every row' if a.all_rows else 'worst point per layer and step'}")
+        what = "every row" if a.all_rows else "worst point per layer and step" + \
+            (", and the origin" if "origin" in shown else "")
+        print(f"\n{mode}: {what}")
         print(_fmt(shown))
     print()
-    print(r.summary())
+    print("\n".join(r.summary().splitlines()[:2]) if failing else r.summary())  # the verdict again, last
     parquet = lambda p: r.table.drop(columns=["order"]).to_parquet(p, index=False)  # noqa: E731
     for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
                         (a.html, lambda p: write_html(r, p))):
