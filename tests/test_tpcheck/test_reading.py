@@ -67,3 +67,46 @@ def test_every_diff_says_what_it_ran_and_where_it_wrote(tmp_path, capsys):
     assert f"dump:       {d}" in out and f"tpcheck compare {d} --model /" in out and "--model ..." not in out
     assert main(base + ["--golden", str(g)]) == 0
     assert f"golden:     replayed from {g}" in capsys.readouterr().out
+
+
+def test_the_points_heatmap_is_as_wide_as_its_bottom_row_on_a_small_model():
+    import re
+
+    from tpcheck.result.report.heatmap import render_heat_points
+    r = sample_result(num_layers=2, decode_steps=0, isolate=False, fail_at="logits")
+    origin = r.first_divergence
+    assert origin["point"] == "logits"
+    svg = render_heat_points(r.table, 2, origin, "propagated", 0)
+    width = float(re.search(r'viewBox="0 0 (\d+) ', svg).group(1))
+    rects = [(float(x), float(w)) for x, w in re.findall(r'<rect x="([\d.]+)" y="[\d.]+" width="([\d.]+)"', svg)]
+    assert rects and max(x + w for x, w in rects) <= width  # final_norm and logits are inside the picture
+    origin_cell = re.search(r'<rect x="([\d.]+)"[^>]*class="origin-cell"><title>ORIGIN logits', svg)
+    assert origin_cell and float(origin_cell.group(1)) < width
+
+
+def test_the_legend_labels_each_colour_by_the_colour_rule():
+    import re
+
+    from tpcheck.result.report.heatmap import _color, render_heat_legend
+    swatches = dict((label, colour) for colour, label in
+                    re.findall(r'background:(#[0-9a-f]{6})"></i>([^<]+)</span>', render_heat_legend()))
+    assert swatches["&gt;1x (fail)"] == _color(1.01, False)  # failing starts at 1x, not 10x
+    assert swatches["1x (pass)"] == _color(1.0, True)
+    assert not any(label.startswith("&gt;10x") for label in swatches)
+
+
+def test_a_sweep_has_an_html_report_linking_each_failing_configuration(tmp_path, capsys):
+    from tpcheck.cli.app import main
+    out, doc = tmp_path / "sweep", tmp_path / "sweep.json"
+    assert main(["sweep", "--preset", "tiny", "--tp", "1", "--dtype", "float32", "--decode-steps", "0",
+                 "--examples", "1", "--inject", "untied_lm_head", "--html", str(out), "--json", str(doc)]) == 1
+    index = (out / "index.html").read_text()
+    reports = sorted(p.name for p in out.glob("0*.html"))
+    assert reports == ["000-tiny-tp1-float32-decode0.html"] and f'href="{reports[0]}"' in index
+    assert "ORIGIN logits" in (out / reports[0]).read_text()  # the failing example's own report, origin marked
+    assert "failing_case" not in index and "tpcheck diff --layer-by-layer --preset tiny" in index  # the repro
+    capsys.readouterr()
+    assert main(["report", str(doc), "-o", str(tmp_path / "again.html")]) == 0  # a sweep's JSON is not refused
+    page = (tmp_path / "again.html").read_text()
+    assert 'id="verdict">FAIL' in page and ">logits<" in page  # the sweep's verdict and the failing origin
+    assert "for a report of each failing one, run the sweep with --html" in capsys.readouterr().out

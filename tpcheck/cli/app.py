@@ -350,7 +350,7 @@ def _run(a, argv: list[str]) -> int:
         return _cmd_compare(a, argv)
     if a.cmd == "sweep":
         from tpcheck.cli import sweep
-        check_output_paths(a.json)
+        check_output_paths(a.json, a.html / "index.html" if a.html else None)
         return sweep.run(a)
     if a.cmd == "completion":
         from tpcheck.cli.completion import bash_script
