@@ -31,7 +31,8 @@ class DiffOptions:
 
     # Field order is the flag order of ``to_argv`` (the repro command); each field's group says what it is
     # about: inputs, engine, run, selection, golden, dump, faults (impl only), tolerances.
-    model: str | None = _opt(None, "--model", "a Hugging Face checkpoint directory", "inputs", type=Path)
+    model: str | None = _opt(None, "--model", "a Hugging Face checkpoint directory (Qwen2 / Qwen2.5, Llama 2 / 3, "
+                             "Mistral or Qwen3)", "inputs", type=Path)
     preset: str = _opt("small", "--preset", "synthetic checkpoint used when --model is not given", "inputs")
     tp: int = _opt(1, "--tp", "tensor-parallel size", "engine", type=int)
     dtype: str = _opt("float32", "--dtype", "the engine's and the noise floor's dtype", "engine", choices=DTYPES)

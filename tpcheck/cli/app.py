@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -11,13 +12,32 @@ import sys
 import traceback
 from pathlib import Path
 
-from tpcheck import options
 from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, verdict
-from tpcheck.inputs import checkpoints
 from tpcheck.cli.arg_types import int_list, regex
-from tpcheck.judge.coverage import DEFAULT_REQUIRE, CoverageError
-from tpcheck.result.documents import package_version
+
+
+class _Lazy:
+    """A module imported on its first attribute: these import torch, and ``tpcheck --version`` must not wait for it."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+options = _Lazy("tpcheck.options")
+checkpoints = _Lazy("tpcheck.inputs.checkpoints")
+coverage = _Lazy("tpcheck.judge.coverage")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"tpcheck {version('tpcheck')}"
+    except PackageNotFoundError:
+        return "tpcheck unknown (not installed)"
 
 
 DESCRIPTION = f"""``tpcheck`` command line.
@@ -41,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpcheck", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
-    ap.add_argument("--version", action="version", version=f"tpcheck {package_version('tpcheck') or 'unknown (not installed)'}")
+    ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="cmd")
     _add_checkpoint_commands(sub)
     _add_check(sub)
@@ -75,7 +95,7 @@ def _add_checkpoint_commands(sub) -> None:
 def _add_check(sub) -> None:
     ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
     src = ck.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (Qwen2, Llama, Mistral, Qwen3)")
+    src.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral or Qwen3)")
     src.add_argument("--preset", default="tiny", choices=checkpoints.preset_names(),
                      help="synthetic checkpoint used when --model is not given (default: tiny)")
     ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
@@ -105,11 +125,11 @@ def _add_compare(sub) -> None:
     cp = sub.add_parser("compare", help="judge a dump (tpcheck diff --dump, tpcheck.capture in any engine) "
                                         "against the golden, like tpcheck diff")
     cp.add_argument("dump_dir", type=Path, metavar="DUMP_DIR")
-    cp.add_argument("--model", type=Path, required=True, help="the Hugging Face checkpoint the engine ran")
+    cp.add_argument("--model", type=Path, required=True, help="the Hugging Face checkpoint the engine ran (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral or Qwen3)")
     cp.add_argument("--reduce-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the dtype of the engine's all-reduces (default: the dump's dtype)")
     cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
-    cp.add_argument("--require-points", type=regex, default=DEFAULT_REQUIRE, metavar="REGEX",
+    cp.add_argument("--require-points", type=regex, default=coverage.DEFAULT_REQUIRE, metavar="REGEX",
                     help="canonical points the engine must report, else exit 3 (default: %(default)s)")
     cp.add_argument("--tolerances", type=Path, metavar="FILE.toml",
                     help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
@@ -275,7 +295,7 @@ def _exit_code(e: BaseException) -> tuple[int, str]:
     if isinstance(e, RankError) or getattr(e, "rank", None) is not None:
         what = first if first.startswith(("TP rank", "rank")) else f"rank {e.rank}: {type(e).__name__}: {first}"
         return Exit.FAILED, f"the engine failed: {what}"
-    if isinstance(e, CoverageError):
+    if isinstance(e, coverage.CoverageError):
         return Exit.FAILED, f"coverage: {first}"
     if isinstance(e, (ValueError, FileExistsError, FileNotFoundError)):
         return Exit.BAD_INPUT, first
@@ -290,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("TPCHECK_DEBUG", "") not in ("", "0")
     quiet = "--quiet" in argv
     argv = [x for x in argv if x not in ("--debug", "--quiet")]  # accepted anywhere on the line
+    if argv[:1] == ["--version"]:  # answered before the parser, whose choices import torch (3 s)
+        print(_version())
+        return 0
     argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
     a = _parser().parse_args(argv)
     from tpcheck.progress import LogHandler
