@@ -110,3 +110,15 @@ def test_a_sweep_has_an_html_report_linking_each_failing_configuration(tmp_path,
     page = (tmp_path / "again.html").read_text()
     assert 'id="verdict">FAIL' in page and ">logits<" in page  # the sweep's verdict and the failing origin
     assert "for a report of each failing one, run the sweep with --html" in capsys.readouterr().out
+
+
+def test_check_counts_argmax_flips_with_near_ties_apart():
+    import torch
+
+    from tpcheck.pipeline.check import argmax_flips
+    golden = torch.tensor([[5.00, 4.99, 0.0], [5.0, 3.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    ref = golden + torch.tensor([[0.01, 0.0, 0.0], [0.01, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    got = torch.tensor([[4.98, 4.99, 0.0], [2.9, 3.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    # position 0: a 0.01 gap within twice the floor's error (a near tie); position 1: a 2.0 gap (a flip)
+    assert argmax_flips(got, golden, ref) == (1, 1)
+    assert argmax_flips(golden, golden, ref) == (0, 0)

@@ -237,7 +237,9 @@ def _cmd_check(a, argv: list[str]) -> int:
         raise ValueError(f"--logprobs-topk must be >= 1, got {a.logprobs_topk}")
     df = check_logits(model, tps, a.dtype, prompts, logprobs_topk=a.logprobs_topk)
     print(f"model: {model}\n")
-    print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(df.drop(columns=["argmax_agree"]).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print("argmax_flips: positions whose top token is not the golden's although the golden's top-2 gap there is wider "
+          "than twice the noise floor's logit error; near_tie_flips: flips within it (informational, not the verdict)")
     ok = bool(df["passed"].all())
     worst = df.loc[(df["rel_err"] / df["ref_rel_err"].clip(lower=1e-30)).idxmax()]
     print(f"\n{'PASS' if ok else 'FAIL'}: worst tp={worst.tp} prompt {worst.prompt}: rel_err {worst.rel_err:.3g} vs "
