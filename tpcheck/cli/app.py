@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -15,29 +14,12 @@ from pathlib import Path
 from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, verdict
 from tpcheck.cli.arg_types import int_list, regex
+from tpcheck.cli.lazy import Lazy, version as _version
 
 
-class _Lazy:
-    """A module imported on its first attribute: these import torch, and ``tpcheck --version`` must not wait for it."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str):
-        return getattr(importlib.import_module(self._name), attr)
-
-
-options = _Lazy("tpcheck.options")
-checkpoints = _Lazy("tpcheck.inputs.checkpoints")
-coverage = _Lazy("tpcheck.judge.coverage")
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return f"tpcheck {version('tpcheck')}"
-    except PackageNotFoundError:
-        return "tpcheck unknown (not installed)"
+options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
+checkpoints = Lazy("tpcheck.inputs.checkpoints")
+coverage = Lazy("tpcheck.judge.coverage")
 
 
 DESCRIPTION = f"""``tpcheck`` command line.
