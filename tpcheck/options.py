@@ -31,7 +31,8 @@ class DiffOptions:
 
     # Field order is the flag order of ``to_argv`` (the repro command); each field's group says what it is
     # about: inputs, engine, run, selection, golden, dump, faults (impl only), tolerances.
-    model: str | None = _opt(None, "--model", "a Hugging Face checkpoint directory", "inputs", type=Path)
+    model: str | None = _opt(None, "--model", "a Hugging Face checkpoint directory (Qwen2 / Qwen2.5, Llama 2 / 3, "
+                             "Mistral or Qwen3)", "inputs", type=Path)
     preset: str = _opt("small", "--preset", "synthetic checkpoint used when --model is not given", "inputs")
     tp: int = _opt(1, "--tp", "tensor-parallel size", "engine", type=int)
     dtype: str = _opt("float32", "--dtype", "the engine's and the noise floor's dtype", "engine", choices=DTYPES)
@@ -128,6 +129,40 @@ class DiffOptions:
     def command(self) -> str:
         """``to_argv`` as one shell-quoted command line."""
         return shlex.join(["tpcheck", *self.to_argv()])
+
+    def describe(self, tolerances: str | None = None) -> str:
+        """What this run does, one line per stage: the engine and model, the golden's source, the dump, the
+        selection, the tolerances (``tolerances``: where the loaded ones came from, e.g. ``Tolerances.source``).
+        Printed at the top of every ``tpcheck diff``, so that a log says what ran."""
+        model = self.model or f"synthetic preset {self.preset}"
+        prompts = (f"{len(self.prompts)} prompt(s) given" if self.prompts
+                   else f"{self.batch} random prompt(s) of {self.seq_len} tokens (seed {self.seed})")
+        extra = [w for w, on in (("isolate", self.isolate), ("exact-ops", self.exact_ops)) if on]
+        if self.inject:
+            extra.append("inject " + ",".join(self.inject)
+                         + (f" (layer {self.inject_layer})" if self.inject_layer is not None else ""))
+        if self.golden:
+            golden = f"replayed from {self.golden}"
+        elif self.streamed:
+            golden = "HF float64, computed live, weights streamed from the checkpoint"
+        else:
+            golden = "HF float64, computed live in memory"
+        if self.save_golden:
+            golden += f"; saved to {self.save_golden}"
+        dump = "none" if not self.dump else self.dump + "".join(
+            [f" (points {self.dump_points})" if self.dump_points else "",
+             f" (budget {self.dump_budget_mb:g} MB)" if self.dump_budget_mb is not None else ""])
+        sel = [f"points {self.points}" if self.points else "", "layers " + ",".join(map(str, self.layers))
+               if self.layers else ""]
+        select = "; ".join(s for s in sel if s) or "every point"
+        select += f"; required {self.require_points}" + ("; stop at the first failing step" if self.fail_fast else "")
+        return "\n".join([
+            f"engine:     {self.engine} tp={self.tp} {self.dtype} (block size {self.block_size}) on {model}",
+            f"run:        {prompts}, {self.decode_steps} decode step(s)" + "".join(", " + x for x in extra),
+            f"golden:     {golden}",
+            f"dump:       {dump}",
+            f"selection:  {select}",
+            f"tolerances: {tolerances or self.tolerances or 'built-in (or [tool.tpcheck] in ./pyproject.toml)'}"])
 
 
 def add_arguments(parser: argparse.ArgumentParser, choices: dict[str, list[str]] | None = None,

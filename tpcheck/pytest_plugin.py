@@ -47,21 +47,15 @@ def _fmt(df) -> str:
 
 
 def failure_message(result) -> str:
-    """The verdict with the origin line, then the per-layer table (worst point of each layer) of the step and
-    mode where the divergence began, the origin's layer marked."""
+    """The verdict with the origin line, then the per-layer table (worst point of each layer, and the origin's
+    own row, marked) of the step and mode where the divergence began."""
     fd = result.first_divergence
     if fd is None:
         return result.summary()
     lt = result.layer_table(fd["mode"])
     lt = lt[lt["step"] == fd["step"]].drop(columns=["step"])
     lt = lt.assign(layer=lt["layer"].map(lambda v: "-" if v != v else str(int(v))))
-    origin_layer = "-" if fd["layer"] is None else str(fd["layer"])
-    marks, seen = [], False
-    for layer, point in zip(lt["layer"], lt["point"]):
-        hit = not seen and (point == fd["point"] or (layer == origin_layer and fd["layer"] is not None))
-        seen = seen or hit
-        marks.append(f"<- origin: {fd['point']}" if hit else "")
-    lt = lt.assign(origin=marks)
+    lt = lt.assign(origin=lt["origin"].map(lambda m: f"{m}: {fd['point']}" if m else ""))  # the origin's own row
     t = result.table
     bad_steps = sorted(set(t[(t["mode"] == fd["mode"]) & ~t["passed"]]["step"]) - {fd["step"]})
     step = "prefill" if fd["step"] == 0 else f"decode step {fd['step']}"

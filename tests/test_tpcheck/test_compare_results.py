@@ -72,3 +72,20 @@ def test_different_models_are_refused_unless_allowed(saved, capsys):
     assert code in (0, 1)
     assert "only in B" in capsys.readouterr().out  # small has layers tiny has not
     assert main(["compare-results", p["clean"], p["clean"] + ".missing"]) == 2
+
+
+def test_the_verdict_and_the_origin_come_first_the_rest_on_request(saved, capsys):
+    runs, p = saved
+    assert main(["compare-results", p["clean"], p["broken"], "--limit", "3"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    origin = runs["broken"].first_divergence
+    assert lines[0].startswith("REGRESSED:")
+    assert lines[1].startswith(f"origin in B: {origin['point']} (step {origin['step']}")
+    table = lines[lines.index(next(x for x in lines if x.startswith("newly failing, in B's execution order"))) + 1:]
+    assert table[1].split()[0] == origin["point"]  # B's execution order: the origin is the first row
+    assert len([x for x in table if "newly failing" in x]) == 3
+    assert "--changed lists every changed point" in lines[-1]
+    assert main(["compare-results", p["clean"], p["broken"], "--changed"]) == 1
+    changed = capsys.readouterr().out
+    n = len(compare_results(runs["clean"], runs["broken"]).query("change != 'same'"))
+    assert changed.count("\n") >= n + 2 and "not listed" not in changed

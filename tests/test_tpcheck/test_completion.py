@@ -37,6 +37,10 @@ def script(tmp_path_factory):
     ("tpcheck diff --engine h", ["hf-tp"]),
     ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-llama", "small-qwen3"]),
     ("tpcheck sweep --qui", ["--quiet"]),
+    ("tpcheck diff --inject qkv_s", ["qkv_shard_dim1"]),  # fault names
+    ("tpcheck diff --inject rope_skipped,qkv_b", ["rope_skipped,qkv_bias_missing"]),  # the last of a list
+    ("tpcheck faults matrix --faults untied", ["untied_lm_head"]),
+    ("tpcheck sweep --preset tiny,tiny-m", ["tiny,tiny-mha", "tiny,tiny-mqa", "tiny,tiny-mistral"]),  # preset names
 ])
 def test_bash_completes(script, line, want):
     assert _complete(script, line) == want
@@ -48,3 +52,11 @@ def test_completion_command_prints_the_script(capsys):
     assert "complete -o filenames -F _tpcheck tpcheck" in out
     assert main(["completion", "zsh"]) == 0
     assert capsys.readouterr().out.startswith("autoload -U +X bashcompinit && bashcompinit")
+
+
+def test_version_answers_without_importing_torch():
+    import sys
+    code = ("import sys; from tpcheck.cli.app import main; rc = main(['--version']); "
+            "print(rc, 'torch' in sys.modules, 'pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "tpcheck" and out[-3:] == ["0", "False", "False"], out

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +61,27 @@ def test_every_fault_has_a_smallest_config(ckpt):
     assert len(layouts) == 2 * 5 and {c["dtype"] for c in layouts} == {"float32", "bfloat16"}
 
 
+def readme_excess() -> dict[str, float]:
+    """The fault catalog table of README.md: {fault: its excess over threshold} where the figure is a number."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = text[text.index("| fault | config | detected | origin found | flagged by | excess over threshold |"):]
+    out = {}
+    for line in table.split("\n\n", 1)[0].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        m = re.fullmatch(r"([\d.]+)(?:e(\d+))?x", cells[-1])
+        if m:
+            out[cells[0]] = float(m.group(1)) * 10 ** int(m.group(2) or 0)
+    return out
+
+
+README_EXCESS = readme_excess()
+
+
+def test_readme_fault_table_is_read():
+    # the parser must see the figures (one that found none would check nothing)
+    assert set(DIFF_FAULTS) - {"nan_causal_mask", "gqa_cache_repeated_heads"} <= set(README_EXCESS)
+
+
 @pytest.mark.parametrize("name", DIFF_FAULTS)
 def test_fault_detected_at_expected_origin(name, ckpt, engines):
     row = M.fault_row(name, engines, ckpt)
@@ -67,6 +91,8 @@ def test_fault_detected_at_expected_origin(name, ckpt, engines):
     assert (row["origin_point"], row["origin_step"]) == (row["expected_point"], row["expected_step"]), row
     assert row["ok"]
     assert row["by"] == BY.get(name, "noise floor"), row
+    if name in README_EXCESS:  # the README's figure (tpcheck faults matrix) still holds, within its stated 3%
+        assert math.isclose(row["excess"], README_EXCESS[name], rel_tol=0.03), (row["excess"], README_EXCESS[name])
 
 
 def test_memory_fault_flagged_by_memory_check_not_by_diff(ckpt, engines):

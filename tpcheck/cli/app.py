@@ -11,13 +11,15 @@ import sys
 import traceback
 from pathlib import Path
 
-from tpcheck import options
 from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, verdict
-from tpcheck.inputs import checkpoints
 from tpcheck.cli.arg_types import int_list, regex
-from tpcheck.judge.coverage import DEFAULT_REQUIRE, CoverageError
-from tpcheck.result.documents import package_version
+from tpcheck.cli.lazy import Lazy, version as _version
+
+
+options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
+checkpoints = Lazy("tpcheck.inputs.checkpoints")
+coverage = Lazy("tpcheck.judge.coverage")
 
 
 DESCRIPTION = f"""``tpcheck`` command line.
@@ -41,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpcheck", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
-    ap.add_argument("--version", action="version", version=f"tpcheck {package_version('tpcheck') or 'unknown (not installed)'}")
+    ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="cmd")
     _add_checkpoint_commands(sub)
     _add_check(sub)
@@ -75,7 +77,7 @@ def _add_checkpoint_commands(sub) -> None:
 def _add_check(sub) -> None:
     ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
     src = ck.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (Qwen2, Llama, Mistral, Qwen3)")
+    src.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral or Qwen3)")
     src.add_argument("--preset", default="tiny", choices=checkpoints.preset_names(),
                      help="synthetic checkpoint used when --model is not given (default: tiny)")
     ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
@@ -105,11 +107,11 @@ def _add_compare(sub) -> None:
     cp = sub.add_parser("compare", help="judge a dump (tpcheck diff --dump, tpcheck.capture in any engine) "
                                         "against the golden, like tpcheck diff")
     cp.add_argument("dump_dir", type=Path, metavar="DUMP_DIR")
-    cp.add_argument("--model", type=Path, required=True, help="the Hugging Face checkpoint the engine ran")
+    cp.add_argument("--model", type=Path, required=True, help="the Hugging Face checkpoint the engine ran (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral or Qwen3)")
     cp.add_argument("--reduce-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the dtype of the engine's all-reduces (default: the dump's dtype)")
     cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
-    cp.add_argument("--require-points", type=regex, default=DEFAULT_REQUIRE, metavar="REGEX",
+    cp.add_argument("--require-points", type=regex, default=coverage.DEFAULT_REQUIRE, metavar="REGEX",
                     help="canonical points the engine must report, else exit 3 (default: %(default)s)")
     cp.add_argument("--tolerances", type=Path, metavar="FILE.toml",
                     help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
@@ -132,10 +134,14 @@ def _cmd_diff(a, argv: list[str]) -> int:
         tok = load_tokenizer(a.model)
         resolved["prompts"] = [tok.encode(t) for t in a.prompt]
     opts = options.from_args(a, **resolved)
+    shown = opts if opts.model else opts.replace(model=str(checkpoints.cached_checkpoint(opts.preset)))
+    print(shown.describe(tol.source if a.tolerances else None) + "\n")  # what ran: a log of the run says it
     # the command line as typed repeats the run (a --prompt text is tokenized the same way again)
     r = run(opts, tol, command=shlex.join(["tpcheck", *argv]))
+    if a.save_golden:
+        print(f"saved the golden to {a.save_golden} (replay it: the same command with --golden {a.save_golden})")
     if a.dump:
-        print(f"dumped to {a.dump} (tpcheck compare {a.dump} --model ...)")
+        print(f"dumped to {a.dump} (judge it offline: {shlex.join(['tpcheck', 'compare', str(a.dump), '--model', r.meta['model']])})")
     return _show(r, a)
 
 
@@ -147,6 +153,8 @@ def _cmd_compare(a, argv: list[str]) -> int:
     tol = load_tolerances(a.tolerances)
     dump = read_dump(a.dump_dir)
     engine = DumpAdapter(dump, Reductions(dump.tp, a.reduce_dtype))
+    print(f"engine:     {dump.engine} tp={dump.tp} {dump.dtype}, replayed from the dump {a.dump_dir}\n"
+          f"golden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
     r = compare_engine(engine, str(a.model), engine.prompts, dump.dtype, engine.decode_steps, tolerances=tol,
                        meta={"tp": dump.tp, "dump": str(a.dump_dir), "engine": dump.engine,
                              "command": shlex.join(["tpcheck", *argv])}, exact_ops=a.exact_ops,
@@ -158,13 +166,18 @@ def _cmd_compare(a, argv: list[str]) -> int:
 def _show(r, a) -> int:
     """Print the tables and the verdict, write the requested outputs, return the exit code."""
     from tpcheck.result.report.html import write_html
+    failing = r.first_divergence is not None
+    if failing:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
+        print(r.summary())
     for mode in ["propagated"] + (["isolated"] if a.isolate else []):
         t = r.table[r.table["mode"] == mode]
         shown = t.drop(columns=["order", "mode", "kind"]) if a.all_rows else r.layer_table(mode)
-        print(f"\n{mode}: {'every row' if a.all_rows else 'worst point per layer and step'}")
+        what = "every row" if a.all_rows else "worst point per layer and step" + \
+            (", and the origin" if "origin" in shown else "")
+        print(f"\n{mode}: {what}")
         print(_fmt(shown))
     print()
-    print(r.summary())
+    print("\n".join(r.summary().splitlines()[:2]) if failing else r.summary())  # the verdict again, last
     parquet = lambda p: r.table.drop(columns=["order"]).to_parquet(p, index=False)  # noqa: E731
     for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
                         (a.html, lambda p: write_html(r, p))):
@@ -206,7 +219,9 @@ def _cmd_check(a, argv: list[str]) -> int:
         raise ValueError(f"--logprobs-topk must be >= 1, got {a.logprobs_topk}")
     df = check_logits(model, tps, a.dtype, prompts, logprobs_topk=a.logprobs_topk)
     print(f"model: {model}\n")
-    print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(df.drop(columns=["argmax_agree"]).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print("argmax_flips: positions whose top token is not the golden's although the golden's top-2 gap there is wider "
+          "than twice the noise floor's logit error; near_tie_flips: flips within it (informational, not the verdict)")
     ok = bool(df["passed"].all())
     worst = df.loc[(df["rel_err"] / df["ref_rel_err"].clip(lower=1e-30)).idxmax()]
     print(f"\n{'PASS' if ok else 'FAIL'}: worst tp={worst.tp} prompt {worst.prompt}: rel_err {worst.rel_err:.3g} vs "
@@ -264,7 +279,7 @@ def _exit_code(e: BaseException) -> tuple[int, str]:
     if isinstance(e, RankError) or getattr(e, "rank", None) is not None:
         what = first if first.startswith(("TP rank", "rank")) else f"rank {e.rank}: {type(e).__name__}: {first}"
         return Exit.FAILED, f"the engine failed: {what}"
-    if isinstance(e, CoverageError):
+    if isinstance(e, coverage.CoverageError):
         return Exit.FAILED, f"coverage: {first}"
     if isinstance(e, (ValueError, FileExistsError, FileNotFoundError)):
         return Exit.BAD_INPUT, first
@@ -279,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("TPCHECK_DEBUG", "") not in ("", "0")
     quiet = "--quiet" in argv
     argv = [x for x in argv if x not in ("--debug", "--quiet")]  # accepted anywhere on the line
+    if argv[:1] == ["--version"]:  # answered before the parser, whose choices import torch (3 s)
+        print(_version())
+        return 0
     argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
     a = _parser().parse_args(argv)
     from tpcheck.progress import LogHandler
@@ -339,7 +357,7 @@ def _run(a, argv: list[str]) -> int:
         return _cmd_compare(a, argv)
     if a.cmd == "sweep":
         from tpcheck.cli import sweep
-        check_output_paths(a.json)
+        check_output_paths(a.json, a.html / "index.html" if a.html else None)
         return sweep.run(a)
     if a.cmd == "completion":
         from tpcheck.cli.completion import bash_script

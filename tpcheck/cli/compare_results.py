@@ -90,12 +90,17 @@ def register(subparsers) -> None:
     p.add_argument("--tolerances", type=Path, metavar="FILE.toml", help="re-judge both under these tolerances")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="compare results of different models, dtypes or layer counts")
-    p.add_argument("--all", action="store_true", help="list every point, not only those that changed")
+    p.add_argument("--changed", action="store_true",
+                   help="list every changed point (worse, better, fixed, only in A or B), not only the newly failing")
+    p.add_argument("--all", action="store_true", help="list every point, changed or not")
+    p.add_argument("--limit", type=int, default=20, metavar="N",
+                   help="list at most N newly failing points (default 20; 0: all of them)")
     p.add_argument("--json", type=Path, help="write the comparison table as JSON")
 
 
 def run(args) -> int:
-    """``tpcheck compare-results``: prints the changed points and a one-line verdict; returns the exit code.
+    """``tpcheck compare-results``: prints the verdict first, B's origin, then the newly failing points in B's
+    execution order (``--changed``: every changed point, ``--all``: every point); returns the exit code.
     Unreadable inputs raise (``ResultFormatError``: exit 2 through ``tpcheck.cli``)."""
     tol = load_tolerances(args.tolerances, None) if args.tolerances else None
     a, b = load_result(args.a), load_result(args.b)
@@ -105,17 +110,38 @@ def run(args) -> int:
                          "(--allow-mismatch compares them anyway)")
     t = compare_results(a, b, tol, args.factor)
     counts = t["change"].value_counts()
-    shown = t if args.all else t[t["change"] != "same"]
-    if len(shown):
-        print(shown.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3g}"))
-    verdict_a, verdict_b = judge(a, tol).passed, judge(b, tol).passed
+    ja, jb = judge(a, tol), judge(b, tol)
     summary = ", ".join(f"{counts[c]} {c}" for c in CHANGES if c in counts)
-    regressed = int(counts.get("newly failing", 0)) > 0 or (verdict_a and not verdict_b)
-    print(f"\n{'REGRESSED' if regressed else 'NO REGRESSION'}: {args.a} ({'PASS' if verdict_a else 'FAIL'}) -> "
-          f"{args.b} ({'PASS' if verdict_b else 'FAIL'}); {len(t)} points: {summary}")
+    regressed = int(counts.get("newly failing", 0)) > 0 or (ja.passed and not jb.passed)
+    print(f"{'REGRESSED' if regressed else 'NO REGRESSION'}: {args.a} ({'PASS' if ja.passed else 'FAIL'}) -> "
+          f"{args.b} ({'PASS' if jb.passed else 'FAIL'}); {len(t)} points: {summary}")
+    fd = jb.first_divergence
+    if fd is not None:
+        print(f"origin in B: {fd['point']} (step {fd['step']}, {fd['mode']}) at {fd['excess']:.3g}x its threshold")
+    _print_rows(t, jb.table, args)
     if args.json:
         from tpcheck.result.documents import write_json
         write_json(args.json, "comparison", {"regressed": regressed, "a": str(args.a), "b": str(args.b),
                                              "factor": args.factor, "rows": t.to_dict("records")})
     return verdict(not regressed)
 
+
+def _print_rows(t: pd.DataFrame, table_b: pd.DataFrame, args) -> None:
+    """The rows asked for: by default the newly failing ones, in B's execution order (its origin first), at
+    most ``--limit``; the count of the rest and the flag that lists them."""
+    fmt = lambda df: df.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3g}")  # noqa: E731
+    if args.all or args.changed:
+        shown = t if args.all else t[t["change"] != "same"]
+        if len(shown):
+            print("\n" + fmt(shown))
+        return
+    order = table_b[KEY + ["order"]].rename(columns={"order": "_order"})
+    newly = t[t["change"] == "newly failing"].merge(order, on=KEY, how="left")
+    newly = newly.assign(_m=newly["mode"] != "propagated").sort_values(["_m", "step", "_order"])[COLUMNS]
+    limit = args.limit if args.limit > 0 else len(newly)
+    if len(newly):
+        print(f"\nnewly failing, in B's execution order{f' (first {limit} of {len(newly)})' if len(newly) > limit else ''}:")
+        print(fmt(newly.head(limit)))
+    rest = int((t["change"] != "same").sum()) - min(limit, len(newly))
+    if rest > 0:
+        print(f"\n{rest} more changed point(s) not listed: --changed lists every changed point, --all every point")

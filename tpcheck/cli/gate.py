@@ -7,7 +7,10 @@ tolerance file is bad. Tolerances: ``--tolerances FILE`` or else ``[tool.tpcheck
 or else the defaults (``tpcheck.judge.tolerances``).
 
 ``tpcheck report RESULT.json -o PATH`` writes the HTML report of one result; with several results ``-o`` is
-a directory that gets one report per result and an ``index.html`` summary of the matrix linking to each."""
+a directory that gets one report per result and an ``index.html`` summary of the matrix linking to each.
+``tpcheck report SWEEP.json -o PATH`` (``tpcheck sweep --json``) writes the sweep's summary page: every
+configuration, its verdict, origin and repro (``tpcheck sweep --html DIR`` also writes each failing
+configuration's report, linked from it)."""
 from __future__ import annotations
 
 import argparse
@@ -81,7 +84,7 @@ def register(subparsers) -> None:
     g.add_argument("--tolerances", type=Path, metavar="FILE.toml",
                    help="tolerance file (default: [tool.tpcheck] in ./pyproject.toml, else the built-in defaults)")
     g.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"), help=argparse.SUPPRESS)
-    r = subparsers.add_parser("report", help="write the HTML report of saved results",
+    r = subparsers.add_parser("report", help="write the HTML report of saved results (diff, or a sweep's summary)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("results", nargs="+", type=Path, metavar="RESULT.json")
     r.add_argument("-o", "--output", type=Path, required=True,
@@ -125,8 +128,43 @@ def _config_row(r: DiffResult, name: str) -> dict:
             "origin": "-" if fd is None else f"{fd['point']} (step {fd['step']}, {fd['excess']:.3g}x)"}
 
 
+def _sweep_document(path: Path) -> list[dict] | None:
+    """The rows of a ``tpcheck sweep --json`` document, or None for any other file (read as a diff result)."""
+    import json
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(data, dict) and data.get("kind") == "sweep"):
+        return None
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "config" in r for r in rows):
+        raise ResultFormatError(f"{path}: a sweep document whose 'rows' are not a non-empty list of configurations")
+    return rows
+
+
+def _report_sweep(path: Path, rows: list[dict], out: Path, title: str | None) -> int:
+    """A sweep's summary page (its JSON holds no rows of the diffs: no per-configuration report to link;
+    ``tpcheck sweep --html DIR`` writes those)."""
+    from tpcheck.result.report.sweep import render_sweep_html, sweep_index_rows
+    page_path = out / "index.html" if out.is_dir() or str(out).endswith("/") else out
+    page_path.parent.mkdir(parents=True, exist_ok=True)
+    page_path.write_text(render_sweep_html(sweep_index_rows(rows), None, title or f"tpcheck sweep {path.name}"),
+                         encoding="utf-8")
+    print(f"wrote {page_path} (the sweep's {len(rows)} configurations; for a report of each failing one, "
+          f"run the sweep with --html DIR)")
+    return PASS
+
+
 def _report(paths: list[Path], out: Path, tol: Tolerances | None, title: str | None) -> int:
     from tpcheck.result.report.html import render_sweep_html, write_html
+    try:
+        sweep_rows = _sweep_document(paths[0]) if len(paths) == 1 else None
+    except ResultFormatError as e:
+        print(f"tpcheck report: error: {e}", file=sys.stderr)
+        return BAD_INPUT
+    if sweep_rows is not None:
+        return _report_sweep(paths[0], sweep_rows, out, title)
     results = []
     for p in paths:
         try:

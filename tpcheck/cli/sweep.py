@@ -58,6 +58,7 @@ class SweepOptions:
     no_pool: bool = False
     checkpoints: Path | None = None
     json: Path | None = None
+    html: Path | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "SweepOptions":
@@ -102,6 +103,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     sw.add_argument("--checkpoints", type=Path, default=None,
                     help="where drawn checkpoints go (default: a temp dir)")
     sw.add_argument("--json", type=Path, help="write the rows as JSON")
+    sw.add_argument("--html", type=Path, metavar="DIR",
+                    help="write DIR/index.html (every configuration) and, linked from it, the HTML report of each "
+                         "failing configuration's shrunk example")
     return sw
 
 
@@ -231,6 +235,7 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepO
                    worst_example=case.describe(), origin=fd.get("point"), failing_example=case.describe(),
                    repro=case.repro(root, opts.inject))
         row["failing_case"] = case.to_dict()
+        row["_result"] = r  # the shrunk example's DiffResult, for its HTML report (``sweep`` takes it out)
     return row
 
 
@@ -248,9 +253,10 @@ def _fmt_table(rows: list[dict]) -> str:
     return "\n".join([line(head)] + [line(b) for b in body])
 
 
-def sweep(opts: SweepOptions, pool=None) -> list[dict]:
+def sweep(opts: SweepOptions, pool=None, results: dict | None = None) -> list[dict]:
     """Run every configuration of ``opts``; returns the rows. ``pool``: an
-    ``EnginePool`` to use (and leave open); default a new one, closed at the end."""
+    ``EnginePool`` to use (and leave open); default a new one, closed at the end. ``results``: a dict that gets
+    each failing configuration's shrunk ``DiffResult`` under its row's index."""
     import torch
     from impl.config import load_config
     from tpcheck.inputs.checkpoints import PRESETS, cached_checkpoint
@@ -285,6 +291,9 @@ def sweep(opts: SweepOptions, pool=None) -> list[dict]:
                     continue
                 load_config(cached_checkpoint(source, root=root))  # written once, before any example
             row = run_configuration(source, tp, dtype, steps, opts, pool, root)
+            failing = row.pop("_result", None)
+            if failing is not None and results is not None:
+                results[len(rows)] = failing
             rows.append(row)
             verdict = "pass" if row["passed"] else f"FAIL ({row.get('origin') or row.get('error')})"
             logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: {row['examples']} example(s), "
@@ -308,7 +317,8 @@ def run(a: "SweepOptions | argparse.Namespace", pool=None) -> int:
             print(f"tpcheck sweep: error: {e}", file=sys.stderr)
         return Exit.BAD_INPUT
     t0 = time.monotonic()
-    rows = sweep(opts, pool=pool)
+    results: dict = {}
+    rows = sweep(opts, pool=pool, results=results)
     ran = [r for r in rows if not r.get("skipped")]
     if not ran:
         print("tpcheck sweep: error: no configuration can run (every one was skipped)", file=sys.stderr)
@@ -331,9 +341,25 @@ def run(a: "SweepOptions | argparse.Namespace", pool=None) -> int:
         write_json(opts.json, "sweep", {"passed": not failed, "rows": rows},
                    meta={"args": {k: v for k, v in dataclasses.asdict(opts).items() if k != "json"}})
         print(f"wrote {opts.json}")
+    if opts.html:
+        write_sweep_html(opts.html, rows, results)
+        print(f"wrote {opts.html / 'index.html'} and {len(results)} report(s) of failing configurations")
     if any(r.get("origin") or not r.get("error") for r in failed):
         return Exit.DIVERGED
     return Exit.FAILED if failed else Exit.PASS
+
+
+def write_sweep_html(out: Path, rows: list[dict], results: dict) -> None:
+    """``out``/index.html: every configuration; each failing one linked to its shrunk example's report."""
+    from tpcheck.result.report.html import write_html
+    from tpcheck.result.report.sweep import render_sweep_html, sweep_index_rows
+    out.mkdir(parents=True, exist_ok=True)
+    links: list = [None] * len(rows)
+    for i, r in results.items():
+        row = rows[i]
+        links[i] = f"{i:03d}-{row['config']}-tp{row['tp']}-{row['dtype']}-decode{row['decode_steps']}.html"
+        write_html(r, out / links[i])
+    (out / "index.html").write_text(render_sweep_html(sweep_index_rows(rows), links), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

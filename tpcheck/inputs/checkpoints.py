@@ -61,7 +61,7 @@ def _split(sizes: list[int], shards: int) -> list[int]:
 
 def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
                     dtype: str = "float32", shards: int = 1) -> pathlib.Path:
-    """Write a random-weight HF Qwen2 checkpoint for ``preset`` into directory ``out``.
+    """Write a random-weight HF checkpoint of ``preset``'s family (Qwen2, Llama, Mistral, Qwen3) for ``preset`` into directory ``out``.
 
     ``out`` may be missing or empty; non-empty raises FileExistsError.  Files are written
     into a temporary sibling directory that is renamed into place at the end; if another

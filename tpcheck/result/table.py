@@ -110,13 +110,20 @@ class DiffResult:
                 "max_abs_index": r.max_abs_index, "note": r.note}
 
     def layer_table(self, mode: str = "propagated") -> pd.DataFrame:
-        """The worst point (largest excess over its threshold) of each (step, layer)."""
+        """The worst point (largest excess over its threshold) of each (step, layer), the embedding and the head
+        (final norm, logits) apart from the layers; and the origin's row always, marked in an ``origin`` column
+        (the origin is the first failing point, which need not be its layer's worst)."""
         t = self.table[self.table["mode"] == mode].copy()
-        t["layer_key"] = t["layer"].fillna(-1)
+        t["layer_key"] = t["layer"].fillna(-1).where(t["point"] != "embed", -2)
         t["excess_key"] = worst_key(t)
-        idx = t.groupby(["step", "layer_key"], sort=False)["excess_key"].idxmax()
-        w = t.loc[idx].sort_values(["step", "order"])
-        return w[["step", "layer", "point", "rel_err", "ref_rel_err", "ref_by", "excess", "max_abs", "passed", "note"]]
+        idx = list(t.groupby(["step", "layer_key"], sort=False)["excess_key"].idxmax())
+        cols = ["step", "layer", "point", "rel_err", "ref_rel_err", "ref_by", "excess", "max_abs", "passed", "note"]
+        fd = self.first_divergence
+        hit = t.index[(t["point"] == fd["point"]) & (t["step"] == fd["step"])] if fd and fd["mode"] == mode else []
+        if len(hit) == 0:
+            return t.loc[idx].sort_values(["step", "order"])[cols]
+        w = t.loc[sorted(set(idx) | {hit[0]})].sort_values(["step", "order"])
+        return w[cols].assign(origin=["<- origin" if i == hit[0] else "" for i in w.index])
 
     def growth(self) -> list[dict]:
         """With an isolated pass: each layer's local error (isolated) beside its propagated error and the

@@ -12,6 +12,8 @@ from tpcheck.capture.points import LAYER_POINTS
 from tpcheck.result.report.shell import _f, _g, e
 
 _ORIGIN_CELL = ' stroke="#000" stroke-width="2.5" class="origin-cell"'
+_OUTSIDE = ("embed", "final_norm", "logits")  # the points outside the decoder layers: a row of their own
+_OUTSIDE_W = 90                                # the width each takes in that row
 
 
 def _mix(c1: tuple, c2: tuple, t: float) -> str:
@@ -47,7 +49,8 @@ def render_heat_points(sub: pd.DataFrame, num_layers: int, origin: dict | None, 
     kinds = [k for k in LAYER_POINTS if (sub["kind"] == k).any()]
     cw = max(10.0, min(34.0, 960 / max(num_layers, 1)))
     ch, left, top = 15, 104, 18
-    W = left + cw * num_layers + 10
+    heads = [p for p in _OUTSIDE if (sub["point"] == p).any()]
+    W = left + max(cw * num_layers, _OUTSIDE_W * len(heads)) + 10  # the bottom row fits, however few the layers
     H = top + ch * (len(kinds) + 2) + 30
     by = {(r.point): r for r in sub.itertuples(index=False)}
     out = [f'<svg class="heatmap" viewBox="0 0 {W:.0f} {H}" width="{W:.0f}" height="{H}" role="img" '
@@ -68,15 +71,13 @@ def render_heat_points(sub: pd.DataFrame, num_layers: int, origin: dict | None, 
                              ("ORIGIN " if is_origin else "") + _tip(r), _ORIGIN_CELL if is_origin else ""))
     y = top + ch * len(kinds) + 8
     x = left
-    for p in ("embed", "final_norm", "logits"):
-        r = by.get(p)
-        if r is None:
-            continue
+    for p in heads:
+        r = by[p]
         is_origin = bool(origin and origin["point"] == p and origin["step"] == step and origin["mode"] == mode)
         out.append(f'<text x="{x + 2}" y="{y + ch + 11}">{e(p)}</text>')
         out.append(_cell(x, y, 60, ch - 1, _color(r.excess, r.passed), ("ORIGIN " if is_origin else "") + _tip(r),
                          _ORIGIN_CELL if is_origin else ""))
-        x += 90
+        x += _OUTSIDE_W
     out.append("</svg>")
     return "".join(out)
 
@@ -118,13 +119,13 @@ def render_heat_steps(sub: pd.DataFrame, num_layers: int, origin: dict | None, m
 
 
 def render_heat_legend() -> str:
-    """The key to the heatmaps' colors."""
-    stops = [(1e-4, True), (1e-2, True), (0.5, True), (1.0, True), (10.0, False), (1e3, False), (1e6, False)]
+    """The key to the heatmaps' colors, by ``_color``'s own rule: a pass (excess <= 1) green to yellow, a fail
+    (excess > 1) from orange at just over 1x to dark red at 1e6x and beyond."""
+    stops = [(1e-4, True, "1e-4x"), (1e-2, True, "0.01x"), (0.5, True, "0.5x"), (1.0, True, "1x (pass)"),
+             (1.0, False, "&gt;1x (fail)"), (1e2, False, "100x"), (1e4, False, "1e4x"), (1e6, False, "&ge;1e6x")]
     parts = []
-    for x, ok in stops:
-        parts.append(f'<span><i class="sw" style="height:12px;background:{_color(x, ok)}"></i>'
-                     f'{"&le;" if ok else "&gt;"}{_g(x, 2)}x{" (fail)" if not ok else ""}</span>')
+    for x, ok, label in stops:
+        parts.append(f'<span><i class="sw" style="height:12px;background:{_color(x, ok)}"></i>{label}</span>')
     parts.append(f'<span><i class="sw" style="height:12px;background:{_color(math.nan, False)}"></i>nan</span>')
     parts.append('<span><i class="sw" style="height:12px;border:2.5px solid #000"></i>origin</span>')
     return f'<div class="legend mute">excess = rel_err / threshold: {"".join(parts)}</div>'
-

@@ -77,6 +77,16 @@ def _configs(rows: list[dict], links: list, keys: list[str]) -> str:
     return '<h2>Configurations</h2><div class="card">' + "".join(t) + "</div>"
 
 
+SWEEP_KEYS = ("config", "tp", "dtype", "decode_steps", "examples", "passed", "skipped", "origin", "worst_point",
+              "worst_step", "excess", "error", "repro")
+
+
+def sweep_index_rows(rows: list[dict]) -> list[dict]:
+    """``tpcheck sweep``'s rows (its ``--json`` document's ``rows``) as the summary page shows them: the
+    configuration, verdict, origin, worst point and the repro command (not the drawn case's whole dict)."""
+    return [{k: r[k] for k in SWEEP_KEYS if k in r and (k != "skipped" or r[k])} for r in rows]
+
+
 def render_sweep_html(rows: list[dict], links: list[str | None] | None = None, title: str = "tpcheck sweep",
                       col_key: str | None = "tp", row_keys: list[str] | None = None) -> str:
     """A summary page of a sweep: one row per configuration (any keys, e.g. ``tpcheck sweep``'s rows;
