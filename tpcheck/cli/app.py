@@ -146,6 +146,7 @@ def _cmd_compare(a, argv: list[str]) -> int:
     from tpcheck.judge.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)
     dump = read_dump(a.dump_dir)
+    dump.check_model(str(a.model))  # another checkpoint's dump, or token ids outside its vocab: exit 2
     engine = DumpAdapter(dump, Reductions(dump.tp, a.reduce_dtype))
     r = compare_engine(engine, str(a.model), engine.prompts, dump.dtype, engine.decode_steps, tolerances=tol,
                        meta={"tp": dump.tp, "dump": str(a.dump_dir), "engine": dump.engine,
