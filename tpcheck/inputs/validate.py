@@ -15,7 +15,7 @@ from pathlib import Path
 
 MAX_DEPTH = 64  # no tpcheck file nests deeper than ~6; a deeper one is hostile or not ours
 MAX_INT_DIGITS = 30  # every count, index and token id fits in 2**64 (20 digits)
-MAX_LAYERS = 100_000  # a bound before the checkpoint is known (no model has 1000 layers); the model's is tighter
+MAX_LAYERS = 10_000  # a bound before the checkpoint is known (no model has 1000 layers); the model's is tighter
 MAX_TP = 4096
 
 
