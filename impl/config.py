@@ -279,7 +279,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         hf = cls.from_pretrained(str(model_dir))
     except Exception as e:  # noqa: BLE001 - HF's own validation (transformers 5's strict dataclass errors are not
         # ValueErrors): a config HF refuses is the checkpoint's fault, named, never an internal error
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = " ".join(str(e).split())[:300]  # HF's message spans lines: one line, the details kept
         raise ConfigError(f"{path}: transformers' {cls.__name__} refuses it: {type(e).__name__}: {first}") from None
     _check_sizes(hf, path)
     theta = _rope_theta(raw, hf, path)

@@ -158,6 +158,7 @@ def _cmd_compare(a, argv: list[str]) -> int:
 
 def _show(r, a) -> int:
     """Print the tables and the verdict, write the requested outputs, return the exit code."""
+    from tpcheck.result.documents import write_atomic
     from tpcheck.result.report.html import write_html
     for mode in ["propagated"] + (["isolated"] if a.isolate else []):
         t = r.table[r.table["mode"] == mode]
@@ -166,7 +167,7 @@ def _show(r, a) -> int:
         print(_fmt(shown))
     print()
     print(r.summary())
-    parquet = lambda p: r.table.drop(columns=["order"]).to_parquet(p, index=False)  # noqa: E731
+    parquet = lambda p: write_atomic(p, lambda t: r.table.drop(columns=["order"]).to_parquet(t, index=False))  # noqa: E731
     for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
                         (a.html, lambda p: write_html(r, p))):
         if path:
@@ -307,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(a, argv: list[str]) -> int:
+    from tpcheck.cli.paths import check_outputs
+    check_outputs(a)  # two outputs on one path, or an output on an input: exit 2 before any work
     if a.cmd == "make-checkpoint":
         print(checkpoints.make_checkpoint(a.preset, a.out, seed=a.seed, dtype=a.dtype, shards=a.shards))
         return 0

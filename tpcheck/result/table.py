@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, run_meta, write_document
+from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, run_meta, write_atomic, \
+    write_document
 from tpcheck.measure.metrics import K_FACTOR
 from tpcheck.capture.points import split_point
 from tpcheck.inputs.validate import MAX_LAYERS, int_in, read_json
@@ -200,7 +201,7 @@ class DiffResult:
         write_document(path, self.to_document())
 
     def to_csv(self, path: str | Path) -> None:
-        self.table.drop(columns=["order"]).to_csv(path, index=False)
+        write_atomic(path, lambda p: self.table.drop(columns=["order"]).to_csv(p, index=False))
 
 
 # ---------------------------------------------------------------------------------------- reading back
