@@ -232,15 +232,40 @@ class ModelConfig:
                               "to replicate KV heads")
 
 
+MAX_LAYERS = 10_000  # a hostile num_hidden_layers must not reach a range()
+_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+          "vocab_size", "max_position_embeddings")
+
+
+def _check_sizes(hf: PretrainedConfig, path: Path) -> None:
+    """Every size impl and tpcheck build from is a positive integer (a bound on the layer count); head_dim even."""
+    for key in _SIZES:
+        v = getattr(hf, key, None)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{path}: {key} must be a positive integer, got {v!r}")
+    if hf.num_hidden_layers > MAX_LAYERS:
+        raise ConfigError(f"{path}: num_hidden_layers={hf.num_hidden_layers} is beyond any model (at most {MAX_LAYERS})")
+    head_dim = getattr(hf, "head_dim", None)
+    if head_dim is None and hf.hidden_size % hf.num_attention_heads:
+        raise ConfigError(f"{path}: hidden_size={hf.hidden_size} is not divisible by num_attention_heads="
+                          f"{hf.num_attention_heads} (and no head_dim)")
+    head_dim = head_dim if head_dim is not None else hf.hidden_size // hf.num_attention_heads
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ConfigError(f"{path}: head_dim must be an even positive integer (RoPE rotates pairs), got {head_dim!r}")
+    if hf.num_attention_heads % hf.num_key_value_heads:
+        raise ConfigError(f"{path}: num_attention_heads={hf.num_attention_heads} is not a multiple of "
+                          f"num_key_value_heads={hf.num_key_value_heads}")
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read ``config.json`` of a checkpoint directory of a family in ``FAMILIES``; anything else is refused."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
     try:
-        raw = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply, a 5000-digit integer
+        raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
@@ -252,8 +277,11 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     cls = family.hf_config_class(path)
     try:
         hf = cls.from_pretrained(str(model_dir))
-    except (KeyError, ValueError, TypeError) as e:  # HF's own validation (e.g. a rope parameter missing)
-        raise ConfigError(f"{path}: transformers' {cls.__name__} refuses it: {type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - HF's own validation (transformers 5's strict dataclass errors are not
+        # ValueErrors): a config HF refuses is the checkpoint's fault, named, never an internal error
+        first = " ".join(str(e).split())[:300]  # HF's message spans lines: one line, the details kept
+        raise ConfigError(f"{path}: transformers' {cls.__name__} refuses it: {type(e).__name__}: {first}") from None
+    _check_sizes(hf, path)
     theta = _rope_theta(raw, hf, path)
     scaling = _rope_scaling(hf, path)
     act = getattr(hf, "hidden_act", "silu")

@@ -150,6 +150,9 @@ def runner_class(path: str) -> type:
 
 def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pid: int, timeout_s: float,
                  runner_path: str = RUNNER):
+    # Ctrl-C in a terminal reaches the whole process group: the driver reports it once and closes the ranks
+    # (or they die with it), so a rank ignores SIGINT rather than printing its own KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     try:
         init_tp(rank, world, store, timeout_s=timeout_s, device=device)

@@ -9,6 +9,7 @@ in a result's ``meta.command``). ``tests/test_tpcheck/test_options.py`` round-tr
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -98,6 +99,31 @@ class DiffOptions:
         if unknown:
             raise TypeError(f"unknown diff option(s) {unknown}; the options are {sorted(known)}")
         return cls(**kwargs)
+
+    def validate(self, cfg) -> None:
+        """Refuse (ValueError naming the flag: exit 2) a number this model cannot run, before any engine starts:
+        counts and sizes >= 1, ``--layers`` / ``--inject-layer`` inside the model's layers, a finite positive dump
+        budget, random prompts that fit the model's positions."""
+        for name, flag in (("block_size", "--block-size"), ("batch", "--batch"), ("seq_len", "--seq-len")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {v!r}")
+        if self.block_size > cfg.max_position:
+            raise ValueError(f"--block-size {self.block_size} is larger than max_position_embeddings={cfg.max_position}")
+        if self.decode_steps < 0:
+            raise ValueError(f"--decode-steps must be >= 0, got {self.decode_steps}")
+        if self.prompts is None and (self.batch > 4096 or self.seq_len + self.decode_steps > cfg.max_position):
+            raise ValueError(f"--batch {self.batch} x --seq-len {self.seq_len} (+ {self.decode_steps} decode steps): "
+                             f"at most 4096 prompts of max_position_embeddings={cfg.max_position} tokens")
+        L = cfg.num_layers
+        beyond = sorted(i for i in (self.layers or ()) if not 0 <= i < L)
+        if beyond:
+            raise ValueError(f"--layers {beyond[0]} is beyond this {L}-layer model (layers 0-{L - 1})")
+        if self.inject_layer is not None and not 0 <= self.inject_layer < L:
+            raise ValueError(f"--inject-layer {self.inject_layer} is beyond this {L}-layer model (layers 0-{L - 1})")
+        b = self.dump_budget_mb
+        if b is not None and not (isinstance(b, (int, float)) and math.isfinite(b) and b > 0):
+            raise ValueError(f"--dump-budget-mb must be a finite number of MiB > 0, got {b!r}")
 
     def replace(self, **changes) -> "DiffOptions":
         return replace(self, **changes)

@@ -58,7 +58,7 @@ def test_points_and_layers_select_what_is_compared(ckpt, engines):
     assert set(only.table["point"]) == {"logits"} and only.passed
     bad = _diff(ckpt, engines, preset="small", layers=[2, 3], inject=["skip_o_proj_allreduce"], inject_layer=2)
     assert bad.first_divergence["point"] == "layers.2.attn.out"  # the origin rule within the selection
-    with pytest.raises(ValueError, match="select no point"):
+    with pytest.raises(ValueError, match="--layers 7 is beyond this 2-layer model"):
         _diff(ckpt, engines, layers=[7])
 
 

@@ -3,13 +3,20 @@
 Layout of a dump directory (local, or a shared filesystem for ranks on several nodes)::
 
     DIR/rank{r}/step{s}.safetensors   rank r's local tensors of step s, keyed by canonical point name
-    DIR/rank{r}/step{s}.json          {"format": 1, "rank", "tp", "step", "tokens", "starts", "placements",
-                                       "dtype", "engine"}
+    DIR/rank{r}/step{s}.json          {"format": 2, "rank", "tp", "step", "tokens", "starts", "placements",
+                                       "dtype", "engine", "model_fingerprint", "tensors"}
 
 ``tokens``: per prompt, the token ids this step consumed (the prompt at step 0, then one sampled or greedy
 token per step); ``starts``: per prompt, the position of the first of them. ``placements``: per point, how the
 rank's tensor maps onto the full one (``impl.placements``, as JSON). Every rank of a step must agree on tp,
 tokens and starts. Safetensors and JSON only: nothing is unpickled.
+
+Integrity (format 2): ``tensors`` records per point the dtype, shape and sha256 of the bytes written, and
+``model_fingerprint`` the checkpoint's (``tpcheck.reference.saved.fingerprint``; null when the writer was not
+told the checkpoint). Reading checks every field's type and bounds (``tpcheck.inputs.validate``), that a rank's
+JSON names the rank and step of the file it sits in, every tensor against its record (a floating-point tensor,
+the rows all ranks agree on, a placement that fits it), and ``Dump.check_model`` the recorded checkpoint and
+token ids against ``--model``: a mismatch is a DumpError (exit 2) naming the file and the tensor.
 
 ``DumpWriter`` writes one rank (``tpcheck diff --dump`` writes every rank of impl through it);
 ``read_dump`` checks a directory is complete and consistent and ``DumpAdapter`` replays it as an engine,
@@ -25,8 +32,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from impl.placements import Fused, Partial, Replicate, Shard
+from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, tensor_record, token_lists, verify_tensor
 
-FORMAT = 1
+FORMAT = 2
 _STEP = re.compile(r"step(\d+)\.json")
 _RANK = re.compile(r"rank(\d+)")
 
@@ -54,10 +62,26 @@ def placement_from_json(d: dict, where: str):
     if kind == "partial":
         return Partial()
     if kind == "shard":
-        return Shard(int(d.get("dim", -1)), int(d.get("replicas", 1)))
+        return Shard(int_in(d.get("dim", -1), -8, 7, f"{where}: shard dim", DumpError),
+                     int_in(d.get("replicas", 1), 1, MAX_TP, f"{where}: shard replicas", DumpError))
     if kind == "fused":
-        return Fused(tuple((str(n), int(w), placement_from_json(s, where)) for n, w, s in d["parts"]))
-    raise DumpError(f"{where}: unknown placement {d!r}")
+        parts = field(d, "parts", "list", where, DumpError)
+        if not all(isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) for x in parts):
+            raise DumpError(f"{where}: fused parts must be [name, width, placement] triples")
+        return Fused(tuple((n, int_in(w, 1, 2**40, f"{where}: {n} width", DumpError), placement_from_json(s, where))
+                           for n, w, s in parts))
+    raise DumpError(f"{where}: unknown placement {str(d)[:80]}")
+
+
+def _check_fits(t, p, where: str) -> None:
+    """The placement must fit the tensor: a Shard dim inside it, Fused widths summing to its last dim."""
+    if isinstance(p, Shard) and not -t.dim() <= p.dim < t.dim():
+        raise DumpError(f"{where}: Shard dim {p.dim} is outside the tensor's {t.dim()} dims {list(t.shape)}")
+    if isinstance(p, Fused):
+        total = sum(w for _, w, _ in p.parts)
+        if t.dim() == 0 or total != t.shape[-1]:
+            raise DumpError(f"{where}: Fused widths sum to {total}, the tensor's last dim is "
+                            f"{list(t.shape)[-1:] or 'absent'}")
 
 
 class DumpWriter:
@@ -66,7 +90,9 @@ class DumpWriter:
     take the directory's written bytes past it."""
 
     def __init__(self, root: str | Path, rank: int, tp: int, dtype: str, engine: str = "impl",
-                 points: str | None = None, budget_bytes: int | None = None):
+                 points: str | None = None, budget_bytes: int | None = None, model: str | None = None):
+        from tpcheck.reference.saved import fingerprint
+        self.fingerprint = None if model is None else fingerprint(model)  # compare checks it against --model
         self.dir = Path(root) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
         if any(_STEP.fullmatch(p.name) for p in self.dir.iterdir()):  # two runs' steps must never mix
@@ -96,7 +122,8 @@ class DumpWriter:
         save_file(tensors, str(self.dir / f"step{step}.safetensors"))
         meta = {"format": FORMAT, "rank": self.rank, "tp": self.tp, "step": step, "tokens": tokens,
                 "starts": starts, "dtype": self.dtype, "engine": self.engine,
-                "placements": {n: placement_to_json(p) for n, (p, _) in kept.items()}}
+                "placements": {n: placement_to_json(p) for n, (p, _) in kept.items()},
+                "model_fingerprint": self.fingerprint, "tensors": {n: tensor_record(t) for n, t in tensors.items()}}
         (self.dir / f"step{step}.json").write_text(json.dumps(meta))
         self.written += size
 
@@ -111,13 +138,26 @@ class Dump:
     engine: str
     tokens: list[list[list[int]]]   # per step, per prompt
     starts: list[list[int]]         # per step, per prompt
+    fingerprint: str | None = None  # the checkpoint's, as the writer recorded it
+
+    def check_model(self, model_dir: str) -> None:
+        """Refuse a dump of another checkpoint (its recorded fingerprint) or with token ids outside its vocab."""
+        from impl.config import load_config
+        from tpcheck.reference.saved import fingerprint
+        if self.fingerprint is not None and self.fingerprint != fingerprint(model_dir):
+            raise DumpError(f"{self.root}/rank0/step0.json: model_fingerprint is not that of --model {model_dir} "
+                            "(the dump was written by a run of another checkpoint, or its weights changed)")
+        vocab = load_config(model_dir).vocab_size
+        for s, toks in enumerate(self.tokens):
+            token_lists(toks, vocab, f"{self.root}/rank0/step{s}.json: tokens", DumpError)
 
     def points(self, step: int) -> dict:
-        """``{name: (placement, [rank 0 tensor, ...])}`` of step ``step`` (None where a rank lacks a point)."""
+        """``{name: (placement, [rank 0 tensor, ...])}`` of step ``step`` (None where a rank lacks a point);
+        every tensor checked against its record and its placement."""
         out: dict = {}
         for r in range(self.tp):
             base = self.root / f"rank{r}" / f"step{step}"
-            meta = json.loads((base.with_suffix(".json")).read_text())
+            meta = _read_meta(base.with_suffix(".json"), r, step)
             try:
                 tensors = load_file(str(base.with_suffix(".safetensors")))
             except (SafetensorError, OSError) as e:
@@ -125,24 +165,46 @@ class Dump:
             for name, pj in meta["placements"].items():
                 if name not in tensors:
                     raise DumpError(f"{base}.safetensors: lacks {name!r}, which its JSON lists")
+                t, where = tensors[name], f"{base}.safetensors: {name}"
+                verify_tensor(t, meta["tensors"].get(name), where, DumpError)
+                if not t.is_floating_point():
+                    raise DumpError(f"{where}: a {t.dtype} tensor in a {self.dtype} dump (points are floating-point)")
                 placement = placement_from_json(pj, f"{base}.json: {name}")
+                _check_fits(t, placement, where)
                 entry = out.setdefault(name, (placement, [None] * self.tp))
                 if entry[0] != placement:
                     raise DumpError(f"{base}.json: {name} placement {placement} differs from rank 0's {entry[0]}")
-                entry[1][r] = tensors[name]
+                rows = {x.shape[0] for x in entry[1] if x is not None and x.dim()}
+                by_rows = isinstance(placement, Shard) and placement.dim % max(t.dim(), 1) == 0
+                if t.dim() and rows and t.shape[0] not in rows and not by_rows:
+                    raise DumpError(f"{where}: {t.shape[0]} rows, other ranks' {sorted(rows)[0]}")
+                entry[1][r] = t
         return out
 
 
-def _read_meta(path: Path) -> dict:
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DumpError(f"{path}: not readable JSON ({e})") from None
-    for key in ("format", "rank", "tp", "step", "tokens", "starts", "placements", "dtype"):
-        if key not in meta:
-            raise DumpError(f"{path}: no {key!r}")
-    if meta["format"] > FORMAT:
-        raise DumpError(f"{path}: dump format {meta['format']} is newer than this tpcheck reads ({FORMAT})")
+def _read_meta(path: Path, rank: int, step: int) -> dict:
+    """A step's JSON, every field checked (types, bounds); it must name the ``rank`` and ``step`` of its file."""
+    meta = read_json(path, DumpError, "dump step")
+    fmt = field(meta, "format", "int", str(path), DumpError)
+    if fmt > FORMAT:
+        raise DumpError(f"{path}: dump format {fmt} is newer than this tpcheck reads ({FORMAT})")
+    if fmt < FORMAT:
+        raise DumpError(f"{path}: dump format {fmt} records no tensor hashes; write the dump again")
+    for key, kind in (("rank", "int"), ("tp", "int"), ("step", "int"), ("tokens", "list"), ("starts", "list"),
+                      ("placements", "dict"), ("dtype", "str"), ("tensors", "dict")):
+        field(meta, key, kind, str(path), DumpError)
+    int_in(meta["tp"], 1, MAX_TP, f"{path}: tp", DumpError)
+    if meta["rank"] != rank or meta["step"] != step:
+        raise DumpError(f"{path}: says rank {meta['rank']} step {meta['step']}, but sits in rank{rank}/step{step} "
+                        "(files copied between ranks or steps)")
+    token_lists(meta["tokens"], None, f"{path}: tokens", DumpError)
+    for i, s in enumerate(meta["starts"]):
+        int_in(s, 0, 2**40, f"{path}: starts[{i}]", DumpError)
+    if len(meta["starts"]) != len(meta["tokens"]):
+        raise DumpError(f"{path}: {len(meta['starts'])} starts for {len(meta['tokens'])} prompts")
+    fp = meta.get("model_fingerprint")
+    if fp is not None and not isinstance(fp, str):
+        raise DumpError(f"{path}: model_fingerprint must be a string or null")
     return meta
 
 
@@ -158,13 +220,13 @@ def read_dump(root: str | Path) -> Dump:
     metas: dict[int, dict[int, dict]] = {}
     for r in ranks:
         steps = {int(m.group(1)): p for p in (root / f"rank{r}").iterdir() if (m := _STEP.fullmatch(p.name))}
-        metas[r] = {s: _read_meta(p) for s, p in steps.items()}
+        metas[r] = {s: _read_meta(p, r, s) for s, p in steps.items()}
     first = next(iter(next(iter(metas.values())).values()), None)
     if first is None:
         raise DumpError(f"{root}/rank{ranks[0]}: no step*.json")
     tp = first["tp"]
-    missing = sorted(set(range(tp)) - set(ranks))
-    if missing or ranks[-1] >= tp:
+    if ranks != list(range(tp)):  # tp is bounded (MAX_TP) by _read_meta
+        missing = sorted(set(range(tp)) - set(ranks))
         raise DumpError(f"{root}: tp={tp} but rank directories {ranks} (missing ranks {missing})")
     steps = sorted(metas[0])
     if steps != list(range(len(steps))):
@@ -180,11 +242,12 @@ def read_dump(root: str | Path) -> Dump:
             raise DumpError(f"{root}/rank{r}: steps {sorted(metas[r])} differ from rank 0's {steps}")
         for s in steps:
             m, m0 = metas[r][s], metas[0][s]
-            for key in ("tp", "dtype", "tokens", "starts"):
-                if m[key] != m0[key]:
-                    raise DumpError(f"{root}/rank{r}/step{s}.json: {key} {m[key]!r} differs from rank 0's {m0[key]!r}")
-    return Dump(root, tp, first["dtype"], first.get("engine", "?"), [metas[0][s]["tokens"] for s in steps],
-                [metas[0][s]["starts"] for s in steps])
+            for key in ("tp", "dtype", "tokens", "starts", "model_fingerprint"):
+                if m.get(key) != m0.get(key):
+                    raise DumpError(f"{root}/rank{r}/step{s}.json: {key} {m.get(key)!r} differs from rank 0's "
+                                    f"{m0.get(key)!r}")
+    return Dump(root, tp, first["dtype"], str(first.get("engine", "?")), [metas[0][s]["tokens"] for s in steps],
+                [metas[0][s]["starts"] for s in steps], first.get("model_fingerprint"))
 
 
 class DumpAdapter:
@@ -230,8 +293,8 @@ class DumpingAdapter:
     from the same tensors."""
 
     def __init__(self, inner, root: str | Path, dtype: str, engine: str = "impl", points: str | None = None,
-                 budget_bytes: int | None = None):
-        self.inner, self.root, self.dtype, self.engine = inner, Path(root), dtype, engine
+                 budget_bytes: int | None = None, model: str | None = None):
+        self.inner, self.root, self.dtype, self.engine, self.model = inner, Path(root), dtype, engine, model
         self.keep, self.budget = points, budget_bytes
         self.reductions = getattr(inner, "reductions", None)
         self.writers: list[DumpWriter] = []
@@ -246,7 +309,7 @@ class DumpingAdapter:
             tp = max((len(ranks) for _, ranks in points.values()), default=1)
             if not self.writers:
                 per_rank = None if self.budget is None else self.budget // tp
-                self.writers = [DumpWriter(self.root, r, tp, self.dtype, self.engine, self.keep, per_rank)
+                self.writers = [DumpWriter(self.root, r, tp, self.dtype, self.engine, self.keep, per_rank, self.model)
                                 for r in range(tp)]
             for r, w in enumerate(self.writers):
                 w.write(self.step_index, [list(t) for t in new_tokens], list(self.starts),

@@ -152,6 +152,7 @@ def _cmd_compare(a, argv: list[str]) -> int:
     from tpcheck.judge.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)
     dump = read_dump(a.dump_dir)
+    dump.check_model(str(a.model))  # another checkpoint's dump, or token ids outside its vocab: exit 2
     engine = DumpAdapter(dump, Reductions(dump.tp, a.reduce_dtype))
     print(f"engine:     {dump.engine} tp={dump.tp} {dump.dtype}, replayed from the dump {a.dump_dir}\n"
           f"golden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
@@ -165,6 +166,7 @@ def _cmd_compare(a, argv: list[str]) -> int:
 
 def _show(r, a) -> int:
     """Print the tables and the verdict, write the requested outputs, return the exit code."""
+    from tpcheck.result.documents import write_atomic
     from tpcheck.result.report.html import write_html
     failing = r.first_divergence is not None
     if failing:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
@@ -178,7 +180,7 @@ def _show(r, a) -> int:
         print(_fmt(shown))
     print()
     print("\n".join(r.summary().splitlines()[:2]) if failing else r.summary())  # the verdict again, last
-    parquet = lambda p: r.table.drop(columns=["order"]).to_parquet(p, index=False)  # noqa: E731
+    parquet = lambda p: write_atomic(p, lambda t: r.table.drop(columns=["order"]).to_parquet(t, index=False))  # noqa: E731
     for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
                         (a.html, lambda p: write_html(r, p))):
         if path:
@@ -324,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(a, argv: list[str]) -> int:
+    from tpcheck.cli.paths import check_outputs
+    check_outputs(a)  # two outputs on one path, or an output on an input: exit 2 before any work
     if a.cmd == "make-checkpoint":
         print(checkpoints.make_checkpoint(a.preset, a.out, seed=a.seed, dtype=a.dtype, shards=a.shards))
         return 0

@@ -4,10 +4,14 @@ from __future__ import annotations
 import argparse
 import re
 
+MAX_INDEX = 10_000  # impl.config.MAX_LAYERS: no list of layer indices is longer
+
 
 def int_list(text: str, minimum: int | None = None) -> list[int]:
     """argparse type for ``1,2,4``: a non-empty list of integers (each >= ``minimum`` when given)."""
     try:
+        if len(text) > 100_000:
+            raise ValueError(text[:20])
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
@@ -29,6 +33,9 @@ def int_ranges(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"expected integers and ranges like 0,3,10-12, got {text!r}") from None
         if a < 0 or b < a:
             raise argparse.ArgumentTypeError(f"{part!r} in {text!r} is not a range a-b with 0 <= a <= b")
+        if b >= MAX_INDEX or len(out) + b - a >= MAX_INDEX:  # never allocate from a user's number
+            raise argparse.ArgumentTypeError(f"{part!r} in {text!r} goes beyond any model's layers (< {MAX_INDEX}); "
+                                             "the model's own bound is checked when it is loaded")
         out += range(a, b + 1)
     if not out:
         raise argparse.ArgumentTypeError(f"expected integers and ranges like 0,3,10-12, got {text!r}")

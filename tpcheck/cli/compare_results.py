@@ -56,8 +56,8 @@ def compare_results(a: DiffResult, b: DiffResult, tolerances: Tolerances | None 
                     factor: float = 1.5) -> pd.DataFrame:
     """One row per (point, step, mode) of either result (``COLUMNS``), the most alarming changes first
     (newly failing, then worse by the largest ratio)."""
-    if factor < 1:
-        raise ValueError(f"--factor must be >= 1, got {factor}")
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):  # nan compares false
+        raise ValueError(f"--factor must be a finite number >= 1, got {factor}")
     ta, tb = judge(a, tolerances).table, judge(b, tolerances).table
     cols = KEY + ["excess", "rel_err", "passed"]
     j = ta[cols].merge(tb[cols], on=KEY, how="outer", suffixes=("_a", "_b"))

@@ -157,6 +157,7 @@ def _report_sweep(path: Path, rows: list[dict], out: Path, title: str | None) ->
 
 
 def _report(paths: list[Path], out: Path, tol: Tolerances | None, title: str | None) -> int:
+    from tpcheck.result.documents import write_text_atomic
     from tpcheck.result.report.html import render_sweep_html, write_html
     try:
         sweep_rows = _sweep_document(paths[0]) if len(paths) == 1 else None
@@ -187,6 +188,6 @@ def _report(paths: list[Path], out: Path, tol: Tolerances | None, title: str | N
         write_html(r, out / f"{stem}.html")
         rows.append(_config_row(r, p.name))
         links.append(f"{stem}.html")
-    (out / "index.html").write_text(render_sweep_html(rows, links, title or "tpcheck sweep"), encoding="utf-8")
+    write_text_atomic(out / "index.html", render_sweep_html(rows, links, title or "tpcheck sweep"))
     print(f"wrote {len(results)} reports and {out / 'index.html'}")
     return PASS

@@ -185,7 +185,7 @@ def start(pool, opts, model_dir: str):
     if opts.dump is None:
         return adapter
     budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)
-    return DumpingAdapter(adapter, opts.dump, opts.dtype, "hf-tp", opts.dump_points, budget)
+    return DumpingAdapter(adapter, opts.dump, opts.dtype, "hf-tp", opts.dump_points, budget, model_dir)
 
 
 def _greedy_dump(rank: HFTPRank, prompts: list[list[int]], decode_steps: int, writer) -> list[list[int]]:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     init_tp(int(os.environ["RANK"]), tp, None, device=a.device)
     try:
         rank = HFTPRank(a.model, a.dtype, a.device)
-        writer = DumpWriter(a.dump, rank.rank, tp, a.dtype, "hf-tp")
+        writer = DumpWriter(a.dump, rank.rank, tp, a.dtype, "hf-tp", model=a.model)
         out = _greedy_dump(rank, a.prompt_ids, a.decode_steps, writer)
         if rank.rank == 0:
             print(f"dumped {a.decode_steps + 1} step(s) of {tp} rank(s) to {a.dump}; generated {out}")

@@ -35,7 +35,8 @@ def start(pool, opts, model_dir: str) -> "ImplAdapter":
     budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)  # the whole dump's bound
     # each rank writes its own points of every propagated step (--dump), its share of the budget
     dump = None if opts.dump is None else {"root": str(opts.dump), "dtype": opts.dtype, "points": opts.dump_points,
-                                           "budget_bytes": None if budget is None else budget // opts.tp}
+                                           "budget_bytes": None if budget is None else budget // opts.tp,
+                                           "model": model_dir}
     # --exact-ops reads the inputs of the checked ops: then every point is captured
     points = None if opts.exact_ops else selection(opts.points, opts.layers)
     return ImplAdapter(get_llm(pool, model_dir, opts.tp, opts.dtype), list(opts.inject), opts.inject_layer,

@@ -160,6 +160,10 @@ def _read_toml(path: Path) -> dict:
         raise ToleranceError(f"{path}: cannot read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ToleranceError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ToleranceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ToleranceError(f"{path}: nested too deeply") from None
 
 
 def _from_tool(data: dict, file: str) -> Tolerances:

@@ -62,6 +62,7 @@ def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, comm
     model_dir = str(opts.model or cached_checkpoint(opts.preset))
     cfg = load_config(model_dir)
     cfg.check_tp(opts.tp)
+    opts.validate(cfg)  # every flag against this model, before any engine work
     if hasattr(module, "check_layout"):
         module.check_layout(cfg, opts.tp)
     prompts = _prompts(opts, cfg)

@@ -131,9 +131,13 @@ class DiffPass:
     def _measure_references(self, step, tokens, starts, gold, teacher) -> None:
         c = self.ctx
         self.floor.begin_step(step)
+        # a replayed golden (--golden) is held to the one-device reference: a wrong golden cannot raise the floor
+        check = getattr(c.golden, "check_reference", None) if teacher is None else None
         for ref_name, red in self.floor.references:
             ref = c.ref.step(tokens, self.r_caches[ref_name], starts, teacher, self.with_kv, red)
             for n, t in ref.items():
+                if check is not None and red is None and n in gold and self._selected(n):
+                    check(n, t, gold[n], c.dtype)
                 if n in gold and t.shape == gold[n].shape and self._selected(n):
                     self.floor.observe(ref_name, n, t, gold[n])
             del ref

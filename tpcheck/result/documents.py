@@ -152,12 +152,32 @@ def document(kind: str, body: dict, meta: dict | None = None, command: str | Non
     return doc
 
 
-def write_document(path: str | Path, doc: dict) -> Path:
+def write_atomic(path: str | Path, write) -> Path:
+    """``write(tmp)`` into a temporary file beside ``path``, then renamed onto it: a failure (a full disk, an
+    error while rendering) leaves ``path`` as it was and no temporary file. An I/O error is re-raised as an
+    OSError whose ``filename`` is ``path`` (the CLI names it: exit 3)."""
     path = Path(path)
-    text = dumps(doc) + "\n"  # before touching the file: a failure leaves no half-written document
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")  # same suffix: pandas infers compression
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    return write_atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def write_document(path: str | Path, doc: dict) -> Path:
+    text = dumps(doc) + "\n"  # before touching the file: a failure leaves no half-written document
+    return write_text_atomic(path, text)
 
 
 def write_json(path: str | Path, kind: str, body: dict, meta: dict | None = None,

@@ -3,16 +3,17 @@ verdict, where the divergence began and how it grew; saved as a JSON document (`
 ``tpcheck.result.documents``) and read back (``load_result``)."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import pandas as pd
 
-from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, run_meta, write_document
+from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, run_meta, write_atomic, \
+    write_document
 from tpcheck.measure.metrics import K_FACTOR
 from tpcheck.capture.points import split_point
+from tpcheck.inputs.validate import MAX_LAYERS, int_in, read_json
 
 NAN = math.nan
 
@@ -207,7 +208,7 @@ class DiffResult:
         write_document(path, self.to_document())
 
     def to_csv(self, path: str | Path) -> None:
-        self.table.drop(columns=["order"]).to_csv(path, index=False)
+        write_atomic(path, lambda p: self.table.drop(columns=["order"]).to_csv(p, index=False))
 
 
 # ---------------------------------------------------------------------------------------- reading back
@@ -250,6 +251,7 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
         raise ResultFormatError(f"{source}: 'meta' must be an object")
     if meta.get("dtype") not in K_FACTOR:
         raise ResultFormatError(f"{source}: meta.dtype is {meta.get('dtype')!r}, expected one of {', '.join(K_FACTOR)}")
+    _check_meta(meta, source)
     if not isinstance(rows, list) or not (rows or (meta.get("coverage") or {}).get("problem")):
         raise ResultFormatError(f"{source}: 'rows' must be a non-empty list (empty only with meta.coverage.problem)")
     out = []
@@ -268,7 +270,10 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
                 raise ResultFormatError(f"{source}: rows[{i}].{c} must be a number or null, got {r[c]!r}")
         if "passed" in r and not isinstance(r["passed"], bool):
             raise ResultFormatError(f"{source}: rows[{i}].passed must be true or false, got {r['passed']!r}")
+        _check_row_fields(r, f"{source}: rows[{i}]")
         layer, kind = split_point(r["point"])
+        if layer is not None and layer >= MAX_LAYERS:
+            raise ResultFormatError(f"{source}: rows[{i}].point {r['point']!r}: layer beyond {MAX_LAYERS}")
         row = {**_DEFAULTS, "layer": layer, "kind": kind, **{k: v for k, v in r.items() if k in COLUMNS}}
         for c in FLOAT_COLUMNS:  # JSON null: NaN or inf that pandas wrote as null
             if row[c] is None:
@@ -279,20 +284,34 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
     return DiffResult.from_rows(out, meta, stamp=False)  # meta says where and when the result was made
 
 
+def _check_meta(meta: dict, source: str) -> None:
+    """The meta fields the verdict and the report read: typed and bounded (no hostile number reaches a range)."""
+    cov = meta.get("coverage")
+    if cov is not None and not (isinstance(cov, dict) and isinstance(cov.get("problem") or "", str)):
+        raise ResultFormatError(f"{source}: meta.coverage must be an object (with a string 'problem'), got "
+                                f"{str(cov)[:60]!r}")
+    n = meta.get("num_layers")
+    if n is not None:
+        int_in(n, 0, MAX_LAYERS, f"{source}: meta.num_layers", ResultFormatError)
+
+
+def _check_row_fields(r: dict, where: str) -> None:
+    for c in ("nan", "inf"):
+        if c in r and r[c] is not None:
+            int_in(r[c], 0, 2**63, f"{where}.{c}", ResultFormatError)
+    for c in ("note", "ref_by", "kind"):
+        if c in r and r[c] is not None and not isinstance(r[c], str):
+            raise ResultFormatError(f"{where}.{c} must be a string, got {str(r[c])[:60]!r}")
+    idx = r.get("max_abs_index")
+    if idx is not None and not (isinstance(idx, list) and len(idx) <= 8 and all(isinstance(x, int) for x in idx)):
+        raise ResultFormatError(f"{where}.max_abs_index must be a short list of integers or null")
+
+
 def _tpcheck_version() -> str:
     return package_version("tpcheck") or "unknown"
 
 
 def load_result(path: str | Path) -> DiffResult:
     """Read a result written by ``DiffResult.to_json`` (``tpcheck diff --json``)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise ResultFormatError(f"{path}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ResultFormatError(f"{path}: not UTF-8 text: {e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ResultFormatError(f"{path}: not valid JSON: {e}") from None
+    data = read_json(path, ResultFormatError, "result")  # strict: UTF-8, depth and integer size bounded
     return result_from_dict(data, str(path))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from tpcheck.result.documents import write_text_atomic
 from tpcheck.result.report.chart import render_chart
 from tpcheck.result.report.heatmap import render_heat_legend, render_heat_points, render_heat_steps
 from tpcheck.result.report.shell import _fmt_meta, e, page, static_text
@@ -199,5 +200,5 @@ def write_html(result: DiffResult, path: str | Path, title: str | None = None) -
     """Write ``render_html(result, title)`` to ``path`` (UTF-8), making its directory; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(result, title), encoding="utf-8")
+    write_text_atomic(path, render_html(result, title))  # renamed into place: never half a report
     return path
