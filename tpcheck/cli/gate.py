@@ -21,6 +21,7 @@ from tpcheck.result.report import ResultFormatError, load_result
 from tpcheck.result.table import DiffResult
 from tpcheck.judge.verdict import judge
 from tpcheck.cli.exit_codes import Exit
+from tpcheck.inputs.validate import read_json
 from tpcheck.judge.tolerances import ToleranceError, Tolerances, load_tolerances
 
 PASS, FAIL, BAD_INPUT, ENGINE_FAILED = Exit.PASS, Exit.DIVERGED, Exit.BAD_INPUT, Exit.FAILED
@@ -129,11 +130,11 @@ def _config_row(r: DiffResult, name: str) -> dict:
 
 
 def _sweep_document(path: Path) -> list[dict] | None:
-    """The rows of a ``tpcheck sweep --json`` document, or None for any other file (read as a diff result)."""
-    import json
+    """The rows of a ``tpcheck sweep --json`` document, or None for any other file (read as a diff result, whose
+    reader names what is wrong with it)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(path, ValueError, "sweep")  # strict and bounded, as every file tpcheck reads
+    except ValueError:
         return None
     if not (isinstance(data, dict) and data.get("kind") == "sweep"):
         return None

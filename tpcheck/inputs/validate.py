@@ -29,10 +29,11 @@ def _constant(text: str):
     raise ValueError(f"{text} is not JSON (strict JSON has no NaN or Infinity)")
 
 
-def parse_json(text: str, where: str, error: type[Exception] = ValueError):
-    """``text`` as strict, bounded JSON (see the module docstring); ``error`` names ``where``."""
+def parse_json(text: str, where: str, error: type[Exception] = ValueError, allow_nan: bool = False):
+    """``text`` as strict, bounded JSON (see the module docstring); ``error`` names ``where``. ``allow_nan``:
+    NaN / Infinity read as floats (only for documents written before tpcheck's JSON was strict)."""
     try:
-        data = json.loads(text, parse_int=_int, parse_constant=_constant)
+        data = json.loads(text, parse_int=_int, parse_constant=float if allow_nan else _constant)
     except RecursionError:
         raise error(f"{where}: JSON nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, and our own refusals
@@ -50,7 +51,7 @@ def parse_json(text: str, where: str, error: type[Exception] = ValueError):
     return data
 
 
-def read_json(path: str | Path, error: type[Exception] = ValueError, what: str = "file"):
+def read_json(path: str | Path, error: type[Exception] = ValueError, what: str = "file", allow_nan: bool = False):
     """The JSON in ``path`` (strict and bounded); an unreadable, non-UTF-8 or invalid file is ``error`` naming it."""
     path = Path(path)
     try:
@@ -61,7 +62,7 @@ def read_json(path: str | Path, error: type[Exception] = ValueError, what: str =
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return parse_json(text, str(path), error)
+    return parse_json(text, str(path), error, allow_nan)
 
 
 _KINDS = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "number": (int, float)}

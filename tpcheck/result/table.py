@@ -299,8 +299,9 @@ def _check_row_fields(r: dict, where: str) -> None:
     for c in ("nan", "inf"):
         if c in r and r[c] is not None:
             int_in(r[c], 0, 2**63, f"{where}.{c}", ResultFormatError)
-    for c in ("note", "ref_by", "kind"):
-        if c in r and r[c] is not None and not isinstance(r[c], str):
+    for c in ("note", "ref_by", "kind"):  # null, or NaN in a result written before JSON was strict: no value
+        v = r.get(c)
+        if v is not None and not isinstance(v, str) and not (isinstance(v, float) and math.isnan(v)):
             raise ResultFormatError(f"{where}.{c} must be a string, got {str(r[c])[:60]!r}")
     idx = r.get("max_abs_index")
     if idx is not None and not (isinstance(idx, list) and len(idx) <= 8 and all(isinstance(x, int) for x in idx)):
@@ -313,5 +314,13 @@ def _tpcheck_version() -> str:
 
 def load_result(path: str | Path) -> DiffResult:
     """Read a result written by ``DiffResult.to_json`` (``tpcheck diff --json``)."""
-    data = read_json(path, ResultFormatError, "result")  # strict: UTF-8, depth and integer size bounded
+    try:
+        data = read_json(path, ResultFormatError, "result")  # strict: UTF-8, depth and integer size bounded
+    except ResultFormatError as e:
+        # results written before documents were versioned (no schema_version) let NaN through: those still read
+        if "NaN" not in str(e) and "Infinity" not in str(e):
+            raise
+        data = read_json(path, ResultFormatError, "result", allow_nan=True)
+        if not isinstance(data, dict) or "schema_version" in data:
+            raise e from None
     return result_from_dict(data, str(path))
