@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from tpcheck.engines.vllm import FAULTS, paged_kv_rows, probe_cpu_index
+from tpcheck.engines.vllm_worker import VLLM_FAULTS as FAULTS, paged_kv_rows, probe_cpu_index
 
 # vLLM's CPU attention wants head_dim in 32..512 (the presets' 8 and 16 are refused): head_dim 32 here
 CFG = dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
