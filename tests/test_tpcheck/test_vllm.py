@@ -144,7 +144,7 @@ def test_plugin_is_off_without_tpcheck_dump(vllm_env, monkeypatch):
     assert WorkerBase.__init__ is init and not getattr(WorkerBase, vllm_plugin._PATCHED, False)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # float32: the live diff below (each vLLM start is ~40 s here)
 def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, dtype):
     """TPCHECK_DUMP=DIR on an unchanged vLLM serving loop (tp 2): requests join at different steps, prompts are
     prefilled in chunks, requests leave at different steps; `tpcheck compare` follows each request and passes."""
