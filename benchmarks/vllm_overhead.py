@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="requests per generate")
     ap.add_argument("--points", default=r"logits|layers\.\d+\.out", help="the TPCHECK_DUMP_POINTS selection")
     a = ap.parse_args(argv)
+    from tpcheck.engines.vllm import vllm_env
     from tpcheck.inputs.checkpoints import cached_checkpoint
+    vllm_env(a.tp)  # what --engine vllm sets (OMP thread binding per rank, ...), for the generate runs too
     ckpt = cached_checkpoint(a.preset)
     verdict: dict[str, list[float]] = {"impl": [], "vllm": []}
     gen: dict[str, list[float]] = {"off": [], "all points": [], "selection": []}
