@@ -108,5 +108,5 @@ def test_steps_that_do_not_follow_each_other_are_refused(dumped):
     m = json.loads(meta.read_text())
     m["starts"] = [0]
     meta.write_text(json.dumps(m))
-    with pytest.raises(DumpError, match="do not follow step 0"):
+    with pytest.raises(DumpError, match="does not follow step 0"):
         read_dump(dumped)

@@ -6,6 +6,7 @@ them. The layout tests of ``paged_kv_rows`` are pure and run everywhere."""
 from __future__ import annotations
 
 import os
+import json
 import subprocess
 import sys
 import textwrap
@@ -13,15 +14,11 @@ import textwrap
 import pytest
 import torch
 
-from tpcheck.engines.vllm import FAULTS, paged_kv_rows, probe_cpu_index
+from tpcheck.engines.vllm_worker import VLLM_FAULTS as FAULTS, paged_kv_rows, probe_cpu_index
 
-# vLLM's CPU attention wants head_dim in 32..512 (the presets' 8 and 16 are refused): head_dim 32 here
-CFG = dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
-           num_hidden_layers=2, vocab_size=256, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6,
-           max_position_embeddings=512, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [9, 250, 31, 64, 12]]
 # a small CPU box: 1 GiB of KV cache, no thread binding (else "Not enough allowed NUMA nodes"), and the engine
-# core in-process so LLM.generate's prompts are scheduled together
+# core in-process (tpcheck.engines.vllm.vllm_env sets the same where unset)
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -101,24 +98,40 @@ def vllm_env():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from tpcheck.inputs.checkpoints import make_config_checkpoint
-    return make_config_checkpoint(CFG, tmp_path_factory.mktemp("vllm") / "ckpt")
+    """The small-hd32 preset (head_dim 32: vLLM's CPU attention wants 32..512; the tiny presets have 8 or 16)."""
+    from tpcheck.inputs.checkpoints import cached_checkpoint
+    return cached_checkpoint("small-hd32", root=tmp_path_factory.mktemp("vllm"))
 
 
+# (prompt, max_tokens) of the serving loop below
+SERVED = [([(7 * i + 3 * j) % 256 for j in range(n)], m) for i, (n, m) in enumerate([(12, 4), (5, 6), (27, 3), (7, 5), (3, 2)])]
+# a plain vLLM serving loop: nothing of tpcheck in it. Five requests of different lengths arrive one every
+# other step; at most 3 run at once and a step takes at most 16 tokens, so long prompts are prefilled in chunks
+# and requests wait; each has its own max_tokens (they leave at different steps) and samples (temperature 0.8;
+# a per-request seed fails in vLLM CPU 0.32: "CPU Generator does not use offset").
 PLAIN_SCRIPT = textwrap.dedent("""
-    # a plain vLLM script: nothing of tpcheck in it
     import sys
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     if __name__ == "__main__":
-        ckpt, dtype, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        ckpt, dtype = sys.argv[1], sys.argv[2]
         llm = LLM(model=ckpt, tensor_parallel_size=2, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-                  max_model_len=128, seed=0)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in %r]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False))
-        print("OUT", [o.outputs[0].token_ids for o in outs])
-    """ % (PROMPTS,))
+                  max_model_len=128, max_num_batched_tokens=16, max_num_seqs=3, seed=0)
+        engine = llm.llm_engine
+        pending = [(f"req{i}", p, n) for i, (p, n) in enumerate(%r)]
+        step, done = 0, {}
+        while pending or engine.has_unfinished_requests():
+            if pending and step %% 2 == 0:
+                rid, p, n = pending.pop(0)
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=p), SamplingParams(
+                    max_tokens=n, temperature=0.8, ignore_eos=True, detokenize=False))
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            step += 1
+        print("OUT", done)
+    """ % (SERVED,))
 
 
 def test_plugin_is_off_without_tpcheck_dump(vllm_env, monkeypatch):
@@ -131,45 +144,85 @@ def test_plugin_is_off_without_tpcheck_dump(vllm_env, monkeypatch):
     assert WorkerBase.__init__ is init and not getattr(WorkerBase, vllm_plugin._PATCHED, False)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_plugin_dump_of_a_plain_script_compares_clean(vllm_env, ckpt, tmp_path, dtype):
-    """TPCHECK_DUMP=DIR on an unchanged vLLM script (tp 2, prefill + 3 decode steps): both ranks dump through
-    the general_plugins entry point, and `tpcheck compare` passes."""
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # float32: the live diff below (each vLLM start is ~40 s here)
+def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, dtype):
+    """TPCHECK_DUMP=DIR on an unchanged vLLM serving loop (tp 2): requests join at different steps, prompts are
+    prefilled in chunks, requests leave at different steps; `tpcheck compare` follows each request and passes."""
+    from tpcheck.capture.dump import read_dump
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
     dump = tmp_path / "dump"
     env = dict(os.environ, TPCHECK_DUMP=str(dump))
-    run = subprocess.run([sys.executable, str(script), str(ckpt), dtype, "4"], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, str(script), str(ckpt), dtype], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for r in (0, 1):
-        assert sorted(p.name for p in (dump / f"rank{r}").glob("*.json")) == [f"step{s}.json" for s in range(4)]
-    cmp = subprocess.run([sys.executable, "-m", "tpcheck", "compare", str(dump), "--model", str(ckpt)],
-                         capture_output=True, text=True, timeout=300)
+    batches = read_dump(dump).batches
+    first = {}
+    for s, b in enumerate(batches):
+        for rid, start, toks in zip(b.ids, b.starts, b.tokens):
+            first.setdefault(rid.split("-")[0], s)  # vLLM's own id: the caller's plus a suffix
+            if start > 0 and len(toks) > 1:
+                first.setdefault("chunked", s)
+    assert len({r for b in batches for r in b.ids}) == 5 and first["req4"] >= 4 and "chunked" in first, batches
+    assert "logits" in batches[0].rows
+    out = tmp_path / "r.json"
+    cmp = subprocess.run([sys.executable, "-m", "tpcheck", "compare", str(dump), "--model", str(ckpt), "--json",
+                          str(out)], capture_output=True, text=True, timeout=300)
     assert cmp.returncode == 0, cmp.stdout[-3000:] + cmp.stderr[-2000:]
     assert "PASS: tp=2 " + dtype in cmp.stdout
+    assert "logits" in json.loads(out.read_text())["meta"]["coverage"]["rows_not_produced"]
 
 
 @pytest.fixture(scope="module")
-def adapter(vllm_env, ckpt):
-    from tpcheck.engines.vllm import VLLMAdapter
-    eng = VLLMAdapter(str(ckpt), tp=2, dtype="float32")
+def pool(vllm_env):
+    from tpcheck.engines.pool import EnginePool
+    p = EnginePool()
+    yield p
+    p.close()  # stops vLLM's workers
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dtype):
+    """tpcheck.diff(engine="vllm") at tp 2 (what `tpcheck diff --engine vllm` runs): every point, the KV cache
+    read back from vLLM's paged cache included, within the noise floor; prefill logits compared on the rows vLLM
+    sampled; --dump written and `tpcheck compare` of it judged the same."""
+    import tpcheck
+    from diff_runs import verdict_rows
+    from tpcheck.capture.dump import DumpAdapter, read_dump
+    from tpcheck.pipeline.diff import compare_engine
+    from tpcheck.reference.reductions import Reductions
+    result = tpcheck.diff(str(ckpt), tp=2, dtype=dtype, prompts=PROMPTS, decode_steps=3, engine="vllm", pool=pool,
+                          dump=str(tmp_path / "dump"))
+    assert result.passed, result.summary()
+    assert {"layers.0.kv.k", "layers.1.kv.v", "logits", "layers.1.attn.k_rope"} <= set(result.table["point"])
+    assert result.meta["coverage"]["rows_not_produced"] == {"logits": sum(len(p) - 1 for p in PROMPTS)}
+    offline = compare_engine(DumpAdapter(read_dump(tmp_path / "dump"), Reductions(2)), str(ckpt), PROMPTS, dtype, 3)
+    assert verdict_rows(offline) == verdict_rows(result)
+
+
+def test_engine_vllm_refuses_isolate_and_small_heads(pool, ckpt, tmp_path):
+    import tpcheck
+    from impl.config import ConfigError
+    with pytest.raises(ValueError, match="--isolate is not supported with --engine vllm"):
+        tpcheck.diff(str(ckpt), tp=2, prompts=PROMPTS, engine="vllm", isolate=True, pool=pool)
+    with pytest.raises(ConfigError, match="head_dim=8 .* not one vLLM's CPU attention supports"):
+        tpcheck.diff(preset="tiny", tp=2, engine="vllm", pool=pool)
+
+
+@pytest.fixture
+def adapter(pool, ckpt):
+    """The pool's float32 engine (the one the diff above left running)."""
+    from tpcheck.engines.vllm import start
+    from tpcheck.options import DiffOptions
+    eng = start(pool, DiffOptions.of(model=str(ckpt), tp=2, prompts=PROMPTS, decode_steps=3), str(ckpt))
     yield eng
-    eng.shutdown()
+    eng.faults = []
 
 
 def _diff(adapter, ckpt, faults=()):
     from tpcheck.pipeline.diff import compare_engine
     adapter.faults = list(faults)
     return compare_engine(adapter, str(ckpt), PROMPTS, "float32", decode_steps=3, meta={"tp": 2})
-
-
-def test_adapter_clean_with_kv_cache(adapter, ckpt):
-    """Every point, the KV cache read back from vLLM's paged cache included, within the noise floor."""
-    result = _diff(adapter, ckpt)
-    assert result.passed, result.summary()
-    names = set(result.table["point"])
-    assert {"layers.0.kv.k", "layers.1.kv.v", "logits", "layers.1.attn.k_rope"} <= names
 
 
 @pytest.mark.parametrize("fault,layer,rank,origin", [

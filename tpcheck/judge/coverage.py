@@ -46,6 +46,9 @@ class Coverage:
     reported: set[str] = field(default_factory=set)
     require: str = DEFAULT_REQUIRE
     comparisons: int = 0
+    # point -> golden rows the engine did not produce, over the run (vLLM computes logits only for the rows it
+    # samples: at a prefill one per request); the rows it did produce are compared, named by position
+    rows_not_produced: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         try:
@@ -75,4 +78,4 @@ class Coverage:
     def as_meta(self) -> dict:
         return {"require_points": self.require, "comparisons": self.comparisons,
                 "not_reported": self.not_reported, "missing_required": self.missing_required,
-                "problem": self.problem}
+                "rows_not_produced": dict(self.rows_not_produced), "problem": self.problem}

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.capture.points import all_point_names, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.noise_floor import NoiseFloor
@@ -50,17 +51,22 @@ class RunContext:
     progress: object = None
 
 
-def _row_index(flat_row: int, row_lens: list[int], starts: list[int]) -> tuple[int, int]:
-    """(prompt, position) of a row of the prompts' rows concatenated."""
+def _row_index(flat_row: int, row_lens: list[int], starts: list[int], order: list[int] | None = None) -> tuple[int, int]:
+    """(prompt, position) of a row of the prompts' rows concatenated (``order``: the prompt of each group)."""
     for b, n in enumerate(row_lens):
         if flat_row < n:
-            return b, starts[b] + flat_row
+            return (b if order is None else order[b]), starts[b] + flat_row
         flat_row -= n
     return -1, -1
 
 
 class DiffPass:
-    """One mode (propagated or isolated) over prefill + decode steps; ``run()`` returns its rows."""
+    """One mode (propagated or isolated) over prefill + decode steps; ``run()`` returns its rows.
+
+    A step is a ``tpcheck.capture.batches.StepBatch``: the requests it ran, in row order. A live engine runs the
+    prompts as one fixed batch (the prompts, then the golden's greedy token each step); a replayed dump says what
+    each step ran (``engine.schedule(step)``: requests that join late, chunked prefill, recomputation after
+    preemption). Every request has its own golden and reference caches, cut back when it runs positions again."""
 
     def __init__(self, ctx: RunContext, isolated: bool):
         self.ctx, self.isolated = ctx, isolated
@@ -72,25 +78,27 @@ class DiffPass:
         self.order = {n: i for i, n in enumerate(names)}
         self.canonical = set(names)
         self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
+        self.rows_not_produced: dict[str, int] = {}  # point -> golden rows the engine did not produce (coverage)
         self.stopped_at: int | None = None
 
     def run(self) -> list[Row]:
         c = self.ctx
-        # a saved golden (--golden) has no model and needs no cache
-        self.g_caches = [None if c.golden.model is None else new_cache(c.golden.model) for _ in c.prompts]
-        self.r_caches = {name: [new_cache(c.ref.model) for _ in c.prompts] for name, _ in self.floor.references}
+        self.log = RequestLog()
+        self.g_caches: dict[str, object] = {}  # request id -> its golden cache (a saved golden has none)
+        self.r_caches: dict[str, dict[str, object]] = {name: {} for name, _ in self.floor.references}
         c.engine.begin(c.prompts, c.decode_steps)
-        tokens, starts = [list(p) for p in c.prompts], [0] * len(c.prompts)
+        schedule = getattr(c.engine, "schedule", None)
+        batch = schedule(0) if schedule is not None else StepBatch.of_prompts(c.prompts)
         rows: list[Row] = []
         for step in range(c.decode_steps + 1):
             t0 = time.monotonic()
-            step_rows, nxt = self._step(step, tokens, starts)
+            step_rows, nxt = self._step(step, batch)
             rows += step_rows
-            # the next inputs: golden greedy tokens, or what a recorded run consumed (tpcheck.capture.dump)
-            starts = [s + len(t) for s, t in zip(starts, tokens)]
-            recorded = getattr(c.engine, "recorded_tokens", None)
-            tokens = recorded(step + 1) if recorded is not None and step < c.decode_steps else [[t] for t in nxt]
-            what = "prefill" if step == 0 else f"decode {step}/{c.decode_steps}"
+            # the next inputs: golden greedy tokens, or what a recorded run ran (tpcheck.capture.dump)
+            if step < c.decode_steps:
+                batch = schedule(step + 1) if schedule is not None else batch.then([[t] for t in nxt])
+            what = f"step {step}" if schedule is not None else "prefill" if step == 0 else \
+                f"decode {step}/{c.decode_steps}"
             logger.info(f"  [{self.mode}] {what}: {time.monotonic() - t0:.1f}s")
             if c.progress is not None:
                 c.progress.update(1)
@@ -102,23 +110,42 @@ class DiffPass:
         c.engine.close()
         return rows
 
-    def _step(self, step: int, tokens: list[list[int]], starts: list[int]) -> tuple[list[Row], list[int]]:
-        """One step: golden, references (the floor), engine; its rows and the golden's greedy next tokens."""
+    def _caches(self, batch: StepBatch) -> tuple[list, dict[str, list]]:
+        """The golden's and each reference's cache of every request of ``batch`` (new for a new request; cut back
+        to the position a request runs again from)."""
         c = self.ctx
-        gold = c.golden.step(tokens, self.g_caches, starts, None, self.with_kv)
+        cuts = self.log.advance(batch)
+        pools = [(self.g_caches, None if c.golden.model is None else c.golden.model)]
+        pools += [(self.r_caches[name], c.ref.model) for name, _ in self.floor.references]
+        for rid, cut in zip(batch.ids, cuts):
+            for caches, model in pools:
+                if model is None:
+                    continue
+                if rid not in caches or cut == 0:
+                    caches[rid] = new_cache(model)
+                elif cut is not None:
+                    caches[rid].crop(cut)
+        g = [self.g_caches.get(rid) for rid in batch.ids]
+        return g, {name: [self.r_caches[name][rid] for rid in batch.ids] for name, _ in self.floor.references}
+
+    def _step(self, step: int, batch: StepBatch) -> tuple[list[Row], list[int]]:
+        """One step: golden, engine, references (the floor); its rows and the golden's greedy next tokens."""
+        c = self.ctx
+        tokens, starts = batch.tokens, batch.starts
+        g_caches, r_caches = self._caches(batch)
+        gold = c.golden.step(tokens, g_caches, starts, None, self.with_kv)
         if c.save_golden is not None:
             c.save_golden.write(step, tokens, starts, gold)
         if c.select is not None:  # hold only what is compared, plus the logits and teacher inputs it needs
             gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
                     (self.isolated and (n == "embed" or split_point(n)[1] == "out"))}
         teacher = self._teacher(gold) if self.isolated else None
-        self._measure_references(step, tokens, starts, gold, teacher)
         eng_teacher = None if teacher is None else {i: t.to(c.dtype) for i, t in teacher.items()}
         points = c.engine.step(tokens, eng_teacher, self.with_kv)
-        rows = self._rows(step, points, gold, tokens, starts, eng_teacher)
-        row_lens = [len(t) for t in tokens]
-        last = torch.tensor(row_lens).cumsum(0) - 1
-        return rows, gold["logits"][last].argmax(-1).tolist()
+        subsets = dict(getattr(c.engine, "point_rows", None) or {})  # points that hold only some rows
+        self._measure_references(step, batch, r_caches, gold, teacher, subsets)
+        rows = self._rows(step, points, gold, batch, eng_teacher, subsets)
+        return rows, gold["logits"][batch.last_rows()].argmax(-1).tolist()
 
     def _teacher(self, gold: dict) -> dict[int, torch.Tensor]:
         """Isolate mode: decoder layer i's input is the golden's (``embed`` or layer i-1's ``out``); the final
@@ -128,25 +155,27 @@ class DiffPass:
         teacher[L] = gold[f"layers.{L - 1}.out"]
         return teacher
 
-    def _measure_references(self, step, tokens, starts, gold, teacher) -> None:
+    def _measure_references(self, step, batch: StepBatch, r_caches, gold, teacher, subsets) -> None:
         c = self.ctx
         self.floor.begin_step(step)
         # a replayed golden (--golden) is held to the one-device reference: a wrong golden cannot raise the floor
         check = getattr(c.golden, "check_reference", None) if teacher is None else None
         for ref_name, red in self.floor.references:
-            ref = c.ref.step(tokens, self.r_caches[ref_name], starts, teacher, self.with_kv, red)
+            ref = c.ref.step(batch.tokens, r_caches[ref_name], batch.starts, teacher, self.with_kv, red)
             for n, t in ref.items():
                 if check is not None and red is None and n in gold and self._selected(n):
                     check(n, t, gold[n], c.dtype)
                 if n in gold and t.shape == gold[n].shape and self._selected(n):
-                    self.floor.observe(ref_name, n, t, gold[n])
+                    rows = _subset(n, subsets)
+                    self.floor.observe(ref_name, n, *((t, gold[n]) if rows is None else (t[rows], gold[n][rows])))
             del ref
         self.floor.end_step()
 
-    def _rows(self, step, points, gold, tokens, starts, eng_teacher) -> list[Row]:
-        """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too)."""
-        row_lens = [len(t) for t in tokens]
-        kv_lens = [s + len(t) for s, t in zip(starts, tokens)]
+    def _rows(self, step, points, gold, batch: StepBatch, eng_teacher, subsets) -> list[Row]:
+        """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too);
+        a point with only some of the step's rows (``subsets``) against those rows of the golden."""
+        row_lens, kv_lens, starts = batch.row_lens, batch.kv_lens, batch.starts
+        order = [self.log.order[rid] for rid in batch.ids]
         held: dict[str, torch.Tensor] = {}  # --exact-ops: the engine tensors the checked ops read
         layer_input = (lambda i, t=eng_teacher: t[i]) if eng_teacher is not None else \
             (lambda i, h=held: h["embed" if i == 0 else f"layers.{i - 1}.out"])
@@ -154,21 +183,27 @@ class DiffPass:
         for name, (placement, per_rank) in points.items():
             parts = unshard(name, placement, per_rank)
             check_known({u.name for u in parts}, self.canonical)
+            subset = subsets.get(name)
             for u in parts:
                 if u.name not in gold or not self._selected(u.name):
                     continue
                 self.reported.add(u.name)
                 want = None
-                if self.ctx.exact_ops:
+                if self.ctx.exact_ops and subset is None:
                     if split_point(u.name)[1] in exact_ops.INPUT_KINDS:
                         held[u.name] = u.tensor
                     want = exact_ops.expected(self.ctx.ref.model, u.name, held.__getitem__, layer_input)
+                g = gold[u.name]
+                if subset is not None:
+                    self.rows_not_produced[u.name] = self.rows_not_produced.get(u.name, 0) + g.shape[0] - len(subset)
+                    g = g[subset]
                 is_kv = ".kv." in u.name
-                rows.append(self._row(u, gold[u.name], step, kv_lens if is_kv else row_lens,
-                                      [0] * len(tokens) if is_kv else starts, want))
+                where = (kv_lens, [0] * len(kv_lens)) if is_kv else (row_lens, starts)
+                rows.append(self._row(u, g, step, *where, want, order, subset))
         return rows
 
-    def _row(self, u, gold: torch.Tensor, step: int, row_lens: list[int], starts: list[int], want=None) -> Row:
+    def _row(self, u, gold: torch.Tensor, step: int, row_lens: list[int], starts: list[int], want=None,
+             order: list[int] | None = None, subset: list[int] | None = None) -> Row:
         layer, kind = split_point(u.name)
         note, op_mismatch = "", float("nan")
         if u.tensor.shape != gold.shape:
@@ -180,7 +215,7 @@ class DiffPass:
             stats = compare(u.tensor, gold)
         if stats["max_abs_index"]:
             r, f = stats["max_abs_index"]
-            b, t = _row_index(r, row_lens, starts)
+            b, t = _row_index(r if subset is None else subset[r], row_lens, starts, order)
             stats["max_abs_index"] = [b, t, f]
         if u.rank_mismatch:
             note = u.rank_mismatch
@@ -198,3 +233,11 @@ class DiffPass:
 
     def _selected(self, name: str) -> bool:
         return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
+
+
+def _subset(name: str, subsets: dict[str, list[int]]) -> list[int] | None:
+    """The rows an engine point holds of golden point ``name`` (a fused point's parts share its rows)."""
+    for point, rows in subsets.items():
+        if name == point or (point.endswith(".") and name.startswith(point)):
+            return rows
+    return None

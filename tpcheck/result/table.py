@@ -148,6 +148,10 @@ class DiffResult:
         missing = cov.get("not_reported") or []
         tail = "" if not missing else (f"\nnot reported by the engine ({len(missing)}): {', '.join(missing[:12])}"
                                        f"{' ...' if len(missing) > 12 else ''}")
+        partial = cov.get("rows_not_produced") or {}
+        if partial:  # compared on the rows the engine produced, never dropped silently
+            tail += "\nrows not produced by the engine (compared on the rest): " + \
+                ", ".join(f"{n}: {k}" for n, k in partial.items())
         if self.coverage_problem:
             tail += f"\ncoverage: {self.coverage_problem}"
         return self._verdict() + tail

@@ -1,0 +1,117 @@
+"""vLLM under tpcheck: time to verdict of ``tpcheck diff --engine vllm`` vs ``--engine impl`` on the same preset,
+and vLLM's generate throughput with the ``TPCHECK_DUMP`` plugin off, on (every point) and on with a
+``TPCHECK_DUMP_POINTS`` selection. Runs in vLLM's own environment (``docs/vllm.md``)::
+
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py [--preset small-hd32] [--repeats 3] [--tokens 32]
+
+Every measurement is a fresh process (vLLM's start is in the time to verdict, not in the throughput: a
+warm-up ``generate`` runs before the timed one), the variants interleaved so a load change on the machine hits
+them alike; each figure is the median with the min..max over the repeats."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import make_log, print_table  # noqa: E402
+
+log = make_log("vllm_overhead")
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+GENERATE = textwrap.dedent("""
+    import json, sys, time
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    ckpt, tp, n, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=512, seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=[(7 * b + 3 * j) % 200 + 3 for j in range(seq)]) for b in range(batch)]
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    print("RESULT", json.dumps({"s": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+    """)
+
+
+def _median(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}..{max(xs):.2f})"
+
+
+def time_to_verdict(ckpt: Path, engine: str, tp: int, steps: int, seq: int) -> float:
+    cmd = [sys.executable, "-m", "tpcheck", "diff", "--engine", engine, "--model", str(ckpt), "--tp", str(tp),
+           "--decode-steps", str(steps), "--seq-len", str(seq), "--quiet"]
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ENV))
+    dt = time.perf_counter() - t0
+    if run.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}: exit {run.returncode}\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
+    return dt
+
+
+def generate(ckpt: Path, tp: int, tokens: int, batch: int, seq: int, dump: str | None, points: str | None) -> float:
+    """Generated tokens per second of one fresh vLLM process (dump: the TPCHECK_DUMP directory, or None)."""
+    env = dict(os.environ, **ENV)
+    env.pop("TPCHECK_DUMP", None)
+    if dump is not None:
+        env["TPCHECK_DUMP"] = dump
+    if points is not None:
+        env["TPCHECK_DUMP_POINTS"] = points
+    run = subprocess.run([sys.executable, "-c", GENERATE, str(ckpt), str(tp), str(tokens), str(batch), str(seq)],
+                         capture_output=True, text=True, env=env)
+    line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+    if run.returncode != 0 or not line:
+        raise SystemExit(f"generate (dump={dump}): exit {run.returncode}\n{run.stderr[-3000:]}")
+    r = json.loads(line[-1][len("RESULT "):])
+    return r["tokens"] / r["s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small-hd32")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=4, help="decode steps of the diffs")
+    ap.add_argument("--seq-len", type=int, default=32, help="prompt length (diffs and generate)")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    ap.add_argument("--batch", type=int, default=4, help="requests per generate")
+    ap.add_argument("--points", default=r"logits|layers\.\d+\.out", help="the TPCHECK_DUMP_POINTS selection")
+    a = ap.parse_args(argv)
+    from tpcheck.engines.vllm import vllm_env
+    from tpcheck.inputs.checkpoints import cached_checkpoint
+    vllm_env(a.tp)  # what --engine vllm sets (OMP thread binding per rank, ...), for the generate runs too
+    ckpt = cached_checkpoint(a.preset)
+    verdict: dict[str, list[float]] = {"impl": [], "vllm": []}
+    gen: dict[str, list[float]] = {"off": [], "all points": [], "selection": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.repeats):
+            for engine in verdict:
+                verdict[engine].append(time_to_verdict(ckpt, engine, a.tp, a.decode_steps, a.seq_len))
+                log(f"repeat {r}: diff --engine {engine}: {verdict[engine][-1]:.1f}s")
+            for name in gen:
+                dump = None if name == "off" else f"{tmp}/{name.replace(' ', '-')}-{r}"
+                pts = a.points if name == "selection" else None
+                gen[name].append(generate(ckpt, a.tp, a.tokens, a.batch, a.seq_len, dump, pts))
+                log(f"repeat {r}: generate, dump {name}: {gen[name][-1]:.1f} tokens/s")
+    print(f"\n{a.preset}, tp {a.tp}, {a.repeats} repeats: median (min..max)")
+    print_table(["diff (cold process, float32)", "time to verdict, s"],
+                [[f"--engine {e} ({a.seq_len} tokens x 2 prompts, {a.decode_steps} decode steps)", _median(v)]
+                 for e, v in verdict.items()])
+    off = statistics.median(gen["off"])
+    print_table(["vLLM generate", "tokens/s", "vs off"],
+                [[f"dump {name}" + (f" ({a.points})" if name == "selection" else ""), _median(v),
+                  f"{statistics.median(v) / off:.2f}x"] for name, v in gen.items()])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

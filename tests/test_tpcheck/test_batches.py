@@ -1,0 +1,109 @@
+"""Continuous batching in dumps (format 2): requests that join at any step, chunked prefill, preemption and
+recompute, and logits only for the sampled rows; the comparison aligns rows per (request, position).
+
+The engine here is Hugging Face itself (float32) run as a serving engine would run it, so the dump is clean by
+construction; what is tested is the bookkeeping: the golden follows each request, and a wrong record is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from impl.placements import Replicate
+from tpcheck.capture.batches import RequestLog, StepBatch
+from tpcheck.capture.dump import DumpError, DumpWriter, read_dump
+from tpcheck.cli.app import main
+from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
+
+A, B, C, D = [5, 17, 42, 99, 7, 3], [200, 11, 9], [8, 6, 4, 2, 1], [30, 31, 32, 33]
+# (request, tokens, start) per step, rows in that order; decode tokens are arbitrary ("sampled")
+SCHEDULE = [
+    [("a", A[:4], 0), ("b", B, 0)],                            # a's prompt in two chunks
+    [("b", [50], 3), ("a", A[4:], 4), ("c", C, 0)],            # c joins; rows reordered
+    [("a", [51], 6), ("b", [52], 4), ("c", [53], 5), ("d", D, 0)],
+    [("a", [54], 7), ("c", [55], 6), ("d", [56], 4)],          # b preempted
+    [("b", B + [50, 52], 0), ("a", [57], 8), ("d", [58], 5)],  # b recomputed from 0; c finished
+    [("b", [59], 5), ("d", [60], 6)],
+]
+
+
+def test_request_log_follows_each_request():
+    log = RequestLog()
+    assert log.advance(StepBatch(["a", "b"], [[1, 2], [3]], [0, 0])) == [None, None]
+    assert log.advance(StepBatch(["b", "a"], [[4], [5]], [1, 2])) == [None, None]
+    assert log.advance(StepBatch(["a"], [[2, 5]], [1])) == [1]         # recomputed from position 1
+    assert log.order == {"a": 0, "b": 1}
+    with pytest.raises(ValueError, match="'b' runs positions 5..5 but only 2"):
+        log.advance(StepBatch(["b"], [[9]], [5]))
+    with pytest.raises(ValueError, match="'a' runs positions 0.. again with tokens \\[7\\]"):
+        log.advance(StepBatch(["a"], [[7]], [0]))
+    with pytest.raises(ValueError, match="appears twice"):
+        StepBatch(["a", "a"], [[1], [2]], [0, 0])
+
+
+def _serve(model_dir, root, schedule, tamper=None):
+    """Run ``schedule`` on HF float32 as a serving engine: one cache per request (cut back on a recompute),
+    every point written at tp 1, logits only for each request's last row (as vLLM samples)."""
+    cap = HFCapture(load_hf_model(model_dir, "float32"))
+    writer = DumpWriter(root, 0, 1, "float32", engine="serving-hf")
+    caches: dict = {}
+    for step, batch in enumerate(schedule):
+        ids, tokens, starts = (list(x) for x in zip(*batch))
+        for rid, start in zip(ids, starts):
+            if rid not in caches or start == 0:
+                caches[rid] = new_cache(cap.model)
+            elif caches[rid].get_seq_length() > start:
+                caches[rid].crop(start)
+        points = cap.step(tokens, [caches[r] for r in ids], starts)
+        last = StepBatch(ids, tokens, starts).last_rows()
+        points["logits"] = points["logits"][last]
+        if tamper is not None and step == tamper:
+            points["layers.1.mlp.out"] = points["layers.1.mlp.out"] * 1.01
+        writer.write(step, tokens, starts, {n: (Replicate(), t) for n, t in points.items()}, ids=ids,
+                     rows={"logits": last})
+
+
+def test_a_continuously_batched_dump_compares_clean(ckpt, tmp_path, capsys):
+    d = ckpt("tiny")
+    _serve(d, tmp_path / "dump", SCHEDULE)
+    dump = read_dump(tmp_path / "dump")
+    assert [b.ids for b in dump.batches][:2] == [["a", "b"], ["b", "a", "c"]]
+    out = tmp_path / "r.json"
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    # prefill rows without logits: a 4 + b 3 + c 5 + d 4 + b's recompute 5, less one sampled row per request and step
+    rows_total = sum(len(t) for step in SCHEDULE for _, t, _ in step)
+    assert doc["meta"]["coverage"]["rows_not_produced"] == {"logits": rows_total - sum(len(s) for s in SCHEDULE)}
+    assert "rows not produced by the engine" in capsys.readouterr().out
+
+
+def test_a_fault_in_a_late_request_step_is_found_there(ckpt, tmp_path):
+    d = ckpt("tiny")
+    _serve(d, tmp_path / "dump", SCHEDULE, tamper=4)
+    out = tmp_path / "r.json"
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    fd = doc["first_divergence"]
+    assert (fd["point"], fd["step"]) == ("layers.1.mlp.out", 4)
+
+
+def test_a_recompute_with_other_tokens_is_refused(ckpt, tmp_path):
+    d = ckpt("tiny")
+    bad = [list(s) for s in SCHEDULE]
+    bad[4] = [("b", B + [50, 99], 0)] + bad[4][1:]
+    _serve(d, tmp_path / "dump", bad)
+    with pytest.raises(DumpError, match="step4.json: does not follow step 3: request 'b' runs positions 0.. again"):
+        read_dump(tmp_path / "dump")
+
+
+def test_format_1_dumps_are_refused_naming_the_file(ckpt, tmp_path):
+    """Format 1 carried no tensor hashes and no request ids: such a dump cannot vouch for its contents."""
+    d = ckpt("tiny")
+    _serve(d, tmp_path / "dump", [[("0", A, 0), ("1", B, 0)], [("0", [1], 6), ("1", [2], 3)]])
+    for p in (tmp_path / "dump" / "rank0").glob("*.json"):
+        m = json.loads(p.read_text())
+        m["format"] = 1
+        del m["ids"], m["rows"], m["tensors"]
+        p.write_text(json.dumps(m))
+    with pytest.raises(DumpError, match=r"rank0/step\d\.json: dump format 1 .*write the dump again"):
+        read_dump(tmp_path / "dump")

@@ -1,0 +1,273 @@
+"""Inside each vLLM worker of ``tpcheck.engines.vllm.VLLMAdapter``: the ``TPCheckWorker`` methods (mixed in
+through ``worker_extension_cls``, called by name with ``collective_rpc``: no pickled functions), the faults they
+apply inside one rank (``VLLM_FAULTS``), and the paged KV cache read back (``paged_kv_rows``, pure)."""
+from __future__ import annotations
+
+import torch
+
+from impl.placements import Shard
+
+# ---------------------------------------------------------------- the paged KV cache, read back (pure)
+
+def paged_kv_rows(cache: torch.Tensor, layout: str, block_ids: list[int], num_tokens: int,
+                  index: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached keys and values, ``[num_tokens, kv_heads * head_dim]`` each (heads major), read
+    from one layer's paged cache through the sequence's block table ``block_ids`` (position ``p`` lives in
+    block ``block_ids[p // block_size]`` at offset ``p % block_size``). ``layout``:
+
+    * ``"cpu"``: vLLM's CPU attention backend, ``[num_blocks, kv_heads, block_size, 2 * head_dim]``: each
+      (block, head) holds ``block_size * head_dim`` key elements, then as many value elements
+      (``cpu_attn.py``: ``kv_cache.view(blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)``). Inside
+      them the kernel may tile (the key of the ``vec`` ISA is not ``[block_size, head_dim]``): ``index``
+      ``(key_index, value_index)``, each ``[block_size, head_dim]``, gives the flat offset of element
+      ``(offset, d)`` in its half (``probe_cpu_index`` learns it from vLLM's own write kernel); None: plain
+      row-major ``[block_size, head_dim]``;
+    * ``"flash"``: flash-attention's ``[2, num_blocks, block_size, kv_heads, head_dim]`` (keys, values)."""
+    if layout == "cpu":
+        nb, heads, bs, two_d = cache.shape
+        d = two_d // 2
+        halves = cache.reshape(nb, heads, 2, bs * d)
+        if index is None:
+            index = (torch.arange(bs * d).view(bs, d),) * 2
+        # [nb, heads, bs, d] -> [nb, bs, heads, d]
+        k, v = (halves[:, :, i][:, :, idx.reshape(-1)].view(nb, heads, bs, d).permute(0, 2, 1, 3)
+                for i, idx in enumerate(index))
+    elif layout == "flash":
+        if cache.shape[0] != 2:
+            raise ValueError(f"a flash-attention KV cache is [2, blocks, block_size, heads, head_dim], got {tuple(cache.shape)}")
+        k, v = cache[0], cache[1]
+        bs = k.shape[1]
+    else:
+        raise ValueError(f"unknown KV cache layout {layout!r} (cpu, flash)")
+    if num_tokens > len(block_ids) * bs:
+        raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks of {bs}")
+    pos = torch.arange(num_tokens)
+    blocks = torch.tensor(block_ids, dtype=torch.long)[pos // bs]
+    offs = pos % bs
+    return (k[blocks, offs].reshape(num_tokens, -1).to("cpu", copy=True),
+            v[blocks, offs].reshape(num_tokens, -1).to("cpu", copy=True))
+
+
+def probe_cpu_index(write, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's CPU kernel puts key / value element ``(offset, d)`` of a block: ``write(key, value,
+    key_cache, value_cache, slot_mapping)`` (``cpu_attn_reshape_and_cache`` with the layer's ISA) writes
+    small integers (exact in any dtype) into a one-block cache, three times (the offset, ``d % 64``,
+    ``d // 64``, each + 1 so an untouched element reads 0); the flat offsets are read back. A kernel that
+    loses or duplicates an element is a ValueError."""
+    bs, d = block_size, head_dim
+    pos = torch.arange(bs).view(bs, 1).expand(bs, d)
+    dim = torch.arange(d).view(1, d).expand(bs, d)
+    found = []
+    for pattern in (pos, dim % 64, dim // 64):
+        cache = torch.zeros(1, 1, bs, 2 * d, dtype=dtype)
+        kc, vc = cache.view(1, 1, 2 * bs, d).chunk(2, dim=2)
+        x = (pattern + 1).to(dtype).view(bs, 1, d)
+        write(x, x.clone(), kc, vc, torch.arange(bs, dtype=torch.long))
+        found.append(cache.reshape(2, bs * d).to(torch.long) - 1)
+    p, lo, hi = found
+    out = []
+    for half in range(2):
+        key = p[half] * d + hi[half] * 64 + lo[half]      # which (offset, d) each flat element holds
+        if (p[half] < 0).any() or sorted(key.tolist()) != list(range(bs * d)):
+            raise ValueError("tpcheck: the CPU KV cache kernel's layout is not a permutation of [block_size, head_dim]")
+        idx = torch.empty(bs * d, dtype=torch.long)
+        idx[key] = torch.arange(bs * d)
+        out.append(idx.view(bs, d))
+    return out[0], out[1]
+
+
+def cache_layout(cache: torch.Tensor) -> str:
+    """``"flash"`` for a 5-dim cache with a leading 2, ``"cpu"`` for vLLM CPU's 4-dim one."""
+    if cache.dim() == 5 and cache.shape[0] == 2:
+        return "flash"
+    if cache.dim() == 4:
+        return "cpu"
+    raise ValueError(f"tpcheck: a KV cache of shape {tuple(cache.shape)}: no known layout")
+
+
+# ---------------------------------------------------------------- faults, applied inside one rank
+
+class _ScaledGemm:
+    """A linear layer's ``quant_method`` whose ``apply`` (the rank's own GEMM, before any all-reduce) is
+    scaled by ``scale``; everything else is the wrapped method's."""
+
+    def __init__(self, inner, scale: float):
+        self._inner, self._scale = inner, scale
+
+    def apply(self, layer, x, bias=None):
+        return self._inner.apply(layer, x, bias) * self._scale
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _swap_q_heads(module, args, out):
+    t = out[0] if isinstance(out, tuple) else out
+    q = module.output_partition_sizes[0]
+    d = module.head_size
+    if q >= 2 * d:  # the rank's first two query heads trade places
+        a, b = t[..., :d].clone(), t[..., d:2 * d].clone()
+        t[..., :d], t[..., d:2 * d] = b, a
+    return out
+
+
+def _shift_k(module, args, kwargs):
+    args = list(args)
+    args[1] = args[1] + 0.5
+    return tuple(args), kwargs
+
+
+def _zero_up(module, args, out):
+    t = out[0] if isinstance(out, tuple) else out
+    g = module.output_partition_sizes[0]
+    t[..., g:] = 0
+    return out
+
+
+# name -> (submodule of decoder layer, how): "gemm" scales the GEMM's output by the value, "hook" registers a
+# forward hook, "prehook" a forward pre-hook (both ahead of the capture's own hooks)
+VLLM_FAULTS = {
+    "o-proj-partial": ("self_attn.o_proj", "gemm", 1.5),      # a rank's o_proj partial sum off: attn.out
+    "down-proj-partial": ("mlp.down_proj", "gemm", 0.0),      # a rank's down_proj partial dropped: mlp.out
+    "qkv-head-swap": ("self_attn.qkv_proj", "hook", _swap_q_heads),  # two query heads swapped: attn.q
+    "k-rope-shift": ("self_attn.attn", "prehook", _shift_k),  # the key reaching attention shifted: attn.k_rope
+    "gate-up-up-zero": ("mlp.gate_up_proj", "hook", _zero_up),  # a rank's up half zeroed: mlp.up
+}
+
+
+# ---------------------------------------------------------------- inside each vLLM worker
+
+class TPCheckWorker:
+    """Methods mixed into each vLLM worker (``worker_extension_cls``), called by name through
+    ``collective_rpc``; ``self`` is the worker (``self.model_runner``)."""
+
+    def tpcheck_setup(self) -> None:
+        """Install the capture, the input pre-hook and the step wrapper (once per loaded model)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+        runner = self.model_runner
+        st = getattr(self, "_tpcheck", None)
+        if st is None:
+            from tpcheck.capture import install
+            from tpcheck.capture.maps import VLLM_MAP
+            model = runner.get_model()
+            st = self._tpcheck = {"cap": install(model, VLLM_MAP), "rank": get_tensor_model_parallel_rank(),
+                                  "faults": [], "runner": runner}
+            model.register_forward_pre_hook(lambda m, a, k: _force_inputs(st, a, k), with_kwargs=True)
+            execute = runner.execute_model
+
+            def execute_model(scheduler_output, *args, **kwargs):
+                st["cap"].clear()  # a warm-up or profiling forward since the last step
+                st["sched"], st["batch"], st["inputs"] = scheduler_output, None, None
+                try:
+                    return execute(scheduler_output, *args, **kwargs)
+                finally:
+                    st["steps"] += 1
+            runner.execute_model = execute_model
+        st.update(order=None, force=None, sched=None, batch=None, inputs=None, steps=0)
+
+    def tpcheck_fault(self, name: str, layer: int, rank: int) -> None:
+        """Apply fault ``name`` (``VLLM_FAULTS``) to decoder layer ``layer`` on tp rank ``rank`` (no-op elsewhere)."""
+        st = self._tpcheck
+        if st["rank"] != rank:
+            return
+        path, how, what = VLLM_FAULTS[name]
+        mod = self.model_runner.get_model().model.layers[layer].get_submodule(path)
+        if how == "gemm":
+            mod.quant_method = _ScaledGemm(mod.quant_method, what)
+            st["faults"].append(("gemm", mod))
+        elif how == "hook":
+            st["faults"].append(("handle", mod.register_forward_hook(what, prepend=True)))
+        else:
+            st["faults"].append(("handle", mod.register_forward_pre_hook(what, prepend=True, with_kwargs=True)))
+
+    def tpcheck_unfault(self) -> None:
+        for kind, obj in self._tpcheck["faults"]:
+            if kind == "gemm":
+                obj.quant_method = obj.quant_method._inner
+            else:
+                obj.remove()
+        self._tpcheck["faults"] = []
+
+    def tpcheck_force(self, tokens: list[list[int]] | None) -> None:
+        """The tokens each sequence (by dump index) consumes at the next step (None: vLLM's own)."""
+        self._tpcheck["force"] = tokens
+
+    def tpcheck_points(self, kv_lens: list[int] | None) -> dict:
+        """The last step's points ``{name: (placement, tensor)}`` in the sequences' fixed order, with the
+        step's ``tokens`` / ``starts`` under ``"__inputs__"`` and the rows of the points that hold only some
+        of the step's rows (``logits``: the sampled ones) under ``"__rows__"`` (``step_rows``); with
+        ``kv_lens``, each layer's KV cache."""
+        st = self._tpcheck
+        req_ids, bounds = st["batch"]
+        if st["order"] is None:
+            st["order"] = {r: i for i, r in enumerate(req_ids)}
+        if sorted(req_ids, key=st["order"].get) != req_ids or set(req_ids) != set(st["order"]):
+            raise RuntimeError(f"tpcheck: vLLM's batch {req_ids} is not the sequences {list(st['order'])} in order")
+        ids, pos = st["inputs"]
+        from tpcheck.capture.vllm_plugin import step_rows
+        points, rows = step_rows(st["cap"].step_done(), bounds, ids.shape[0])
+        points["__inputs__"] = ([ids[a:b].tolist() for a, b in bounds], [int(pos[a]) for a, _ in bounds])
+        points["__rows__"] = rows
+        if kv_lens is not None:
+            points.update(self._tpcheck_kv(req_ids, kv_lens))
+        return points
+
+    def _tpcheck_kv(self, req_ids: list[str], lens: list[int]) -> dict:
+        runner = self.model_runner
+        out = {}
+        for i, layer in enumerate(runner.get_model().model.layers):
+            cache = layer.self_attn.attn.kv_cache
+            cache = cache[0] if isinstance(cache, (list, tuple)) else cache
+            layout = cache_layout(cache)
+            index = None
+            if layout == "cpu":
+                index = self._tpcheck_index(layer.self_attn.attn, cache)
+            kv = Shard(-1, getattr(layer.self_attn.qkv_proj, "num_kv_head_replicas", 1))
+            ks, vs = [], []
+            for r, n in zip(req_ids, lens):
+                k, v = paged_kv_rows(cache, layout, runner.requests[r].block_ids[0], n, index)
+                ks.append(k)
+                vs.append(v)
+            out[f"layers.{i}.kv.k"] = (kv, torch.cat(ks))
+            out[f"layers.{i}.kv.v"] = (kv, torch.cat(vs))
+        return out
+
+
+    def _tpcheck_index(self, attn, cache):
+        """The CPU kernel's layout of one block (``probe_cpu_index``), learnt once per ISA and shape."""
+        from vllm import _custom_ops as ops
+        isa = getattr(attn, "isa", None) or getattr(getattr(attn, "impl", None), "isa", None)
+        if isa is None:
+            raise RuntimeError("tpcheck: the CPU attention layer names no ISA: its KV layout is unknown")
+        key = (isa, cache.shape[2], cache.shape[3] // 2, cache.dtype)
+        memo = self._tpcheck.setdefault("index", {})
+        if key not in memo:
+            memo[key] = probe_cpu_index(lambda k, v, kc, vc, sm: ops.cpu_attn_reshape_and_cache(k, v, kc, vc, sm, isa),
+                                        key[1], key[2], cache.dtype)
+        return memo[key]
+
+
+def _force_inputs(st: dict, args, kwargs):
+    """Model forward pre-hook: record the step's input ids and positions; with tokens to force, write them
+    into the input ids (sequence i's rows are the i-th of the batch: ``tpcheck_points`` checks the order)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+    if ids is None or pos is None or st.get("sched") is None:  # not a step: a warm-up or profiling forward
+        return None
+    from tpcheck.capture.vllm_plugin import batch_rows
+    st["batch"] = batch_rows(st["runner"], st["sched"])  # after the runner's _update_states
+    st["sched"] = None
+    force = st.get("force")
+    if force is not None:
+        _, bounds = st["batch"]
+        ids = ids.clone()
+        for (a, b), toks in zip(bounds, force):
+            if b - a != len(toks):
+                raise RuntimeError(f"tpcheck: a sequence has {b - a} rows this step, the harness gave {len(toks)} tokens")
+            ids[a:b] = torch.tensor(toks, dtype=ids.dtype)
+        if "input_ids" in kwargs:
+            kwargs = dict(kwargs, input_ids=ids)
+        else:
+            args = (ids, *args[1:])
+    st["inputs"] = (ids.detach().to("cpu", copy=True), pos.detach().to("cpu", copy=True))
+    return args, kwargs
