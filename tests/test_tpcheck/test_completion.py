@@ -35,7 +35,7 @@ def script(tmp_path_factory):
     ("tpcheck faults matrix --no", ["--no-clean"]),
     ("tpcheck diff --eng", ["--engine"]),
     ("tpcheck diff --engine h", ["hf-tp"]),
-    ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-llama", "small-qwen3"]),
+    ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-hd32", "small-llama", "small-qwen3"]),
     ("tpcheck sweep --qui", ["--quiet"]),
     ("tpcheck diff --inject qkv_s", ["qkv_shard_dim1"]),  # fault names
     ("tpcheck diff --inject rope_skipped,qkv_b", ["rope_skipped,qkv_bias_missing"]),  # the last of a list
