@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-# being added to tpcheck/cli/app/app.py by a concurrent change: a README command using one of these xfails
+# being added to tpcheck/cli/app.py by a concurrent change: a README command using one of these xfails
 # (naming it) instead of failing until it lands
 PENDING = {"--debug": "flag", "--require-points": "flag", "schema": "subcommand"}
 
@@ -323,7 +323,7 @@ def test_commands_found():
 def test_command_uses_real_subcommands_and_flags(cmd, tree):
     problems, names = command_problems(cmd.text, tree)
     if problems and all(n in PENDING for n in names):
-        pytest.xfail(f"{cmd.where}: {', '.join(f'{PENDING[n]} {n}' for n in names)} not in tpcheck/cli/app/app.py "
+        pytest.xfail(f"{cmd.where}: {', '.join(f'{PENDING[n]} {n}' for n in names)} not in tpcheck/cli/app.py "
                      f"yet (being added)")
     assert not problems, f"{cmd.where}: {cmd.text}\n" + "\n".join(problems)
 

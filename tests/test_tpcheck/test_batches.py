@@ -107,3 +107,34 @@ def test_format_1_dumps_are_refused_naming_the_file(ckpt, tmp_path):
         p.write_text(json.dumps(m))
     with pytest.raises(DumpError, match=r"rank0/step\d\.json: dump format 1 .*write the dump again"):
         read_dump(tmp_path / "dump")
+
+
+def test_impl_serving_dump_compares_clean(ckpt, tmp_path):
+    """impl's own scheduler, dumped as it ran (``tpcheck.engines.impl.generate_dumped``): 4 requests of different
+    lengths and max_tokens, at most 3 running (the others join at later steps), a KV cache small enough to preempt
+    and recompute; ``tpcheck compare`` judges it clean, and a fault seeded in the ranks is found."""
+    from impl import LLM, CacheConfig, SamplingParams
+    from tpcheck.engines.impl import generate_dumped
+    from tpcheck.inputs import faults
+    d = ckpt("tiny")
+    prompts = [[3 + i for i in range(n)] for n in (5, 11, 3, 8)]
+    prompts = [[(7 * k + t) % 200 + 3 for t in p] for k, p in enumerate(prompts)]  # no shared prefixes
+    params = [SamplingParams(max_tokens=m) for m in (6, 3, 8, 5)]
+    with LLM(d, tp_size=2, block_size=4, num_kv_blocks=6, cache=CacheConfig(max_num_seqs=3)) as llm:
+        want = llm.generate(prompts, params)
+        got = generate_dumped(llm, prompts, params, tmp_path / "dump")
+        preempted = llm.num_preemptions
+        llm.call(faults.apply, ["skip_o_proj_allreduce"])  # a TP bug inside the ranks
+        generate_dumped(llm, prompts, params, tmp_path / "faulty")
+    assert got == want  # dumping does not change what the engine generates
+    dump = read_dump(tmp_path / "dump")
+    first_step = {}
+    for s, b in enumerate(dump.batches):
+        for rid in b.ids:
+            first_step.setdefault(rid, s)
+    assert len(first_step) == 4 and max(first_step.values()) > 0  # requests joined at later steps
+    assert preempted > 0, "the KV cache was meant to be small enough to preempt"
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d)]) == 0
+    assert main(["compare", str(tmp_path / "faulty"), "--model", str(d), "--json", str(tmp_path / "f.json")]) == 1
+    origin = json.loads((tmp_path / "f.json").read_text())["first_divergence"]
+    assert origin["point"] == "layers.0.attn.out" and origin["step"] == 0

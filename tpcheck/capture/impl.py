@@ -84,3 +84,22 @@ def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
         for name, cache in (("k", attn.k_cache), ("v", attn.v_cache)):
             out[f"layers.{i}.kv.{name}"] = (kv, as_rows(cache.view(-1, heads, cache.shape[3])[slots]))
     return out
+
+
+def serving_step(runner, ids: list[str], tokens: list[list[int]], starts: list[int],
+                 rows: dict[str, list[int]]) -> None:
+    """After one forward of impl's own scheduler (``LLM.generate``): write the points it captured as the next step
+    of the dump ``setup`` opened, naming the requests it ran (``ids``, in row order), the tokens each consumed and
+    where (``tokens``, ``starts``), and the rows of a point that holds only some (``rows``: the sampled rows'
+    logits)."""
+    st = getattr(runner.model, _STATE)
+    points = st["capture"].step_done()
+    st["writer"].write(st["step"], tokens, starts, points, ids=ids, rows=rows)
+    st["step"] += 1
+
+
+def serving_end(runner) -> None:
+    """Close the dump: later forwards are captured for nobody."""
+    st = getattr(runner.model, _STATE)
+    st["writer"] = None
+    st["capture"].clear()

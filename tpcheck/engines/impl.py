@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from impl import LLM
 from tpcheck.capture import impl as capture_impl
 from tpcheck.engines.adapter import Points, by_point
@@ -83,3 +85,40 @@ class ImplAdapter:
         elif not self.own_cache:  # give the engine back its own cache layout
             self.llm.executor.call("allocate_kv_cache", self.llm.num_kv_blocks, self.llm.block_size)
         self.llm.reset_scheduler()  # the diff wrote blocks the engine's prefix cache may name
+
+
+def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str | os.PathLike = "dump",
+                    points: str | None = None) -> list[list[int]]:
+    """``llm.generate(prompts, params)`` with every rank dumping each scheduler step into ``root``
+    (``tpcheck compare root --model CKPT`` judges it): impl's continuous batching as it ran, requests joining
+    when admitted, prefills and recomputes after preemption included, each step naming its requests (the
+    scheduler's sequence ids), their tokens and positions; the logits are the sampled rows only. ``points``: a
+    regex of the points to dump. The scheduler starts afresh (a dump must not begin on blocks cached by earlier
+    requests); prefix-cache hits between the dumped requests (a prefill that starts past position 0 on another
+    request's blocks) are refused by ``compare``: give distinct prompts or an engine without prefix caching."""
+    dtype = str(llm.dtype).removeprefix("torch.")
+    llm.reset_scheduler()
+    llm.call(capture_impl.setup, None, llm.block_size,
+             {"root": str(root), "dtype": dtype, "points": points, "model": llm.model_dir}, None)
+    scheduler, executor = llm.scheduler, llm.executor
+    schedule, call, last = scheduler.schedule, executor.call, {}
+
+    def scheduled():  # the batch's sequences, in the order generate() hands them to the ranks
+        batch, is_prefill = schedule()
+        last["ids"] = [str(s.seq_id) for s in batch]
+        return batch, is_prefill
+
+    def calling(method, *args, **kwargs):
+        out = call(method, *args, **kwargs)
+        if method == "step":  # one forward of the scheduled batch: every rank writes its points of it
+            tokens, starts = [list(t) for t, _, _ in args[0]], [s for _, s, _ in args[0]]
+            ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
+            call("call", "tpcheck.capture.impl:serving_step", last["ids"], tokens, starts, {"logits": ends.tolist()})
+        return out
+
+    scheduler.schedule, executor.call = scheduled, calling
+    try:
+        return llm.generate(prompts, params)
+    finally:
+        del scheduler.schedule, executor.call  # the instance attributes go: the class methods again
+        llm.call(capture_impl.serving_end)

@@ -23,7 +23,7 @@ from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.measure import exact_ops
 from tpcheck.measure.metrics import compare, mismatch
 from tpcheck.measure.unshard import unshard
-from tpcheck.reference.hf import new_cache
+from tpcheck.reference.hf import cut_cache, new_cache
 from tpcheck.result.table import Row
 
 logger = logging.getLogger("tpcheck.pipeline.diff")  # progress: tpcheck's CLI shows INFO on stderr
@@ -124,7 +124,7 @@ class DiffPass:
                 if rid not in caches or cut == 0:
                     caches[rid] = new_cache(model)
                 elif cut is not None:
-                    caches[rid].crop(cut)
+                    cut_cache(caches[rid], cut)
         g = [self.g_caches.get(rid) for rid in batch.ids]
         return g, {name: [self.r_caches[name][rid] for rid in batch.ids] for name, _ in self.floor.references}
 

@@ -167,6 +167,15 @@ def new_cache(model):
     return cache
 
 
+def cut_cache(cache, keep: int) -> None:
+    """Keep the first ``keep`` positions of a ``DynamicCache`` (a request recomputed from an earlier position).
+    ``crop`` with a negative count removes that many tokens on every transformers this supports (4.x and 5.x up
+    to 5.19 also took a positive length to keep; 5.23 refuses one)."""
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)
+
+
 def cache_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[positions, kv_heads * head_dim]`` keys and values of one layer of a DynamicCache."""
     if hasattr(cache, "layers"):  # transformers 5.x
