@@ -429,3 +429,22 @@ def test_a_dtensor_output_is_read_from_the_dtensor(tmp_path):
         assert type(got["embed"][1]) is torch.Tensor and torch.equal(got["embed"][1], x * 2)
     finally:
         dist.destroy_process_group()
+
+
+def test_from_env_records_the_checkpoint_it_is_told(ckpt, tmp_path, monkeypatch, caplog):
+    """``from_env(..., checkpoint=DIR)``: the dump records DIR's fingerprint, so ``compare`` refuses another
+    checkpoint; without it ``compare`` warns that the model identity is not checked."""
+    from tpcheck.capture.dump import DumpError
+    d = ckpt("tiny")
+    for name, told in (("told", str(d)), ("untold", None)):
+        monkeypatch.setenv("TPCHECK_DUMP", str(tmp_path / name))
+        runner = runner_at(d)
+        cap = from_env(runner.model, IMPL_MAP, 0, 1, torch.float32, "impl", told)
+        run_impl(runner, cap)
+        cap.remove()
+    with pytest.raises(DumpError, match="model_fingerprint is not that of --model"):
+        read_dump(tmp_path / "told").check_model(str(ckpt("tiny-untied")))
+    read_dump(tmp_path / "told").check_model(str(d))
+    with caplog.at_level("WARNING", logger="tpcheck"):
+        read_dump(tmp_path / "untold").check_model(str(d))
+    assert "records no checkpoint fingerprint" in caplog.text

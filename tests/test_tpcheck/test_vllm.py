@@ -171,6 +171,7 @@ def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, 
     assert cmp.returncode == 0, cmp.stdout[-3000:] + cmp.stderr[-2000:]
     assert "PASS: tp=2 " + dtype in cmp.stdout
     assert "logits" in json.loads(out.read_text())["meta"]["coverage"]["rows_not_produced"]
+    assert read_dump(dump).fingerprint is not None  # the plugin recorded the checkpoint vLLM loaded
 
 
 @pytest.fixture(scope="module")

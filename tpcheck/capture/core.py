@@ -294,10 +294,12 @@ def _dtype_name(dtype) -> str:
 
 
 def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: int | None = None,
-             dtype: str | torch.dtype = "float32", engine: str = "?") -> Capture | None:
+             dtype: str | torch.dtype = "float32", engine: str = "?", checkpoint: str | None = None) -> Capture | None:
     """``install`` with a ``tpcheck.capture.dump.DumpWriter`` when ``TPCHECK_DUMP=DIR`` is set; None (and no hook)
     otherwise. ``TPCHECK_DUMP_POINTS``: the ``points`` regex; ``TPCHECK_DUMP_BUDGET_MB``: the writer's budget
-    (past it the capture stops and logs why). ``rank`` / ``tp`` default to torch.distributed's."""
+    (past it the capture stops and logs why). ``rank`` / ``tp`` default to torch.distributed's. ``checkpoint``:
+    the checkpoint directory the engine loaded, whose fingerprint the dump records (``tpcheck compare`` then
+    refuses a ``--model`` of another checkpoint)."""
     root = os.environ.get(ENV_DIR, "")
     if not root:
         return None
@@ -319,7 +321,7 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
         rank = rank if rank is not None else (dist.get_rank() if on else 0)
         tp = tp if tp is not None else (dist.get_world_size() if on else 1)
     from tpcheck.capture.dump import DumpWriter
-    writer = DumpWriter(root, rank, tp, _dtype_name(dtype), engine, budget_bytes=budget)
+    writer = DumpWriter(root, rank, tp, _dtype_name(dtype), engine, budget_bytes=budget, model=checkpoint)
     cap = install(model, name_map, writer, points=points, on_error="stop")
     logger.info(f"tpcheck.capture: {name_map.name} dump of rank {rank}/{tp} to {root} "
                 f"({len(cap.sites)} sites{', points ' + points if points else ''})")

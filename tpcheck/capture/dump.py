@@ -28,6 +28,7 @@ so ``tpcheck compare`` judges it exactly as ``tpcheck diff`` judges a live engin
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, tensor_record, token_lists, verify_tensor
 
 FORMAT = 2  # 2: per-request ids and a point's rows (continuous batching), per-tensor hashes, the checkpoint's id
+logger = logging.getLogger(__name__)
 _STEP = re.compile(r"step(\d+)\.json")
 _RANK = re.compile(r"rank(\d+)")
 
@@ -159,7 +161,10 @@ class Dump:
         """Refuse a dump of another checkpoint (its recorded fingerprint) or with token ids outside its vocab."""
         from impl.config import load_config
         from tpcheck.reference.saved import fingerprint
-        if self.fingerprint is not None and self.fingerprint != fingerprint(model_dir):
+        if self.fingerprint is None:
+            logger.warning(f"tpcheck compare: {self.root} records no checkpoint fingerprint (its writer was not "
+                           f"told the checkpoint): that it was written by a run of {model_dir} is not checked")
+        elif self.fingerprint != fingerprint(model_dir):
             raise DumpError(f"{self.root}/rank0/step0.json: model_fingerprint is not that of --model {model_dir} "
                             "(the dump was written by a run of another checkpoint, or its weights changed)")
         vocab = load_config(model_dir).vocab_size

@@ -140,8 +140,9 @@ def _install(worker) -> None:
     runner = worker.model_runner
     model = runner.get_model()
     dtype = str(worker.model_config.dtype).removeprefix("torch.")
+    ckpt = str(worker.model_config.model)  # a local checkpoint directory: the dump records its fingerprint
     cap = capture.from_env(model, VLLM_MAP, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
-                           dtype, "vllm")
+                           dtype, "vllm", ckpt if os.path.isdir(ckpt) else None)
     if cap is None:
         return
     dump = StepDump(cap, runner)
