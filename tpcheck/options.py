@@ -41,7 +41,11 @@ class DiffOptions:
                                                         "inputs", type=int_list, action="append")
     decode_steps: int = _opt(0, "--decode-steps", "one-token steps after the prefill", "run", type=int)
     block_size: int = _opt(16, "--block-size", "the engine's KV-cache block size", "engine", type=int)
-    isolate: bool = _opt(False, "--isolate", "also run teacher-forced: each layer's local error", "run")
+    isolate: bool | None = _opt(None, "--isolate", "the local pass: each layer of the engine and of the noise "
+                                "floor's references fed the golden input of that layer, so each layer's own error "
+                                "is judged against a floor that does not grow with depth (default: on where the "
+                                "engine can be teacher-forced; --no-isolate: the propagated pass alone, about 0.6x "
+                                "the time)", "run", action=argparse.BooleanOptionalAction)
     exact_ops: bool = _opt(False, "--exact-ops", "also fail any RMSNorm or residual add whose output is not "
                            "bit-identical to HF's module applied to the engine's own input (catches arithmetic that "
                            "departs from HF's yet is as accurate, e.g. rmsnorm_weight_before_cast; see "
@@ -141,7 +145,9 @@ class DiffOptions:
                 continue  # a checkpoint directory names the model; the preset is not used
             if f.name not in ("tp", "dtype", "preset") and v == f.default:
                 continue
-            if f.metadata.get("type") is None and isinstance(v, bool):
+            if f.metadata.get("action") is argparse.BooleanOptionalAction:
+                argv.append(flag if v else "--no-" + flag[2:])
+            elif f.metadata.get("type") is None and isinstance(v, bool):
                 argv.append(flag)
             elif f.name == "prompts":
                 for p in v:
@@ -164,6 +170,8 @@ class DiffOptions:
         prompts = (f"{len(self.prompts)} prompt(s) given" if self.prompts
                    else f"{self.batch} random prompt(s) of {self.seq_len} tokens (seed {self.seed})")
         extra = [w for w, on in (("isolate", self.isolate), ("exact-ops", self.exact_ops)) if on]
+        if self.isolate is False:
+            extra.append("no local pass (--no-isolate)")
         if self.inject:
             extra.append("inject " + ",".join(self.inject)
                          + (f" (layer {self.inject_layer})" if self.inject_layer is not None else ""))

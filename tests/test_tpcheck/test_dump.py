@@ -24,7 +24,8 @@ def _live_and_offline(ckpt, engines, tmp_path, preset="tiny", tp=2, dtype="float
     d = ckpt(preset)
     prompts = prompts or [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
     live = tpcheck.diff(model=d, tp=tp, dtype=dtype, prompts=prompts, decode_steps=steps, inject=list(inject),
-                        pool=engines, dump=str(tmp_path / "dump"), block_size=block_size)
+                        pool=engines, dump=str(tmp_path / "dump"), block_size=block_size,
+                        isolate=False)  # a dump records the propagated pass: compared with it alone
     dump = read_dump(tmp_path / "dump")
     assert dump.tp == tp and dump.tokens[0] == prompts and len(dump.tokens) == steps + 1
     offline = compare_engine(DumpAdapter(dump, Reductions(tp)), str(d), dump.tokens[0], dtype, steps)

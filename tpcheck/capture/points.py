@@ -50,6 +50,15 @@ def all_point_names(num_layers: int) -> list[str]:
     return point_names(num_layers, with_kv=True, qk_norm=True)
 
 
+def point_order(name: str) -> int:
+    """A number that sorts point names in execution order (``embed``, each layer's points in ``LAYER_POINTS``
+    order, ``final_norm``, ``logits``): the same in every pass of a run, whatever the model."""
+    layer, kind = split_point(name)
+    if layer is None:
+        return {"embed": -1}.get(kind, 10**9 + (kind == "logits"))
+    return layer * 1000 + (LAYER_POINTS.index(kind) if kind in LAYER_POINTS else len(LAYER_POINTS))
+
+
 def split_point(name: str) -> tuple[int | None, str]:
     """``layers.3.attn.q`` -> ``(3, "attn.q")``; ``logits`` -> ``(None, "logits")``. The second part is the
     point's *kind*, the key for per-kind tolerances."""

@@ -160,7 +160,6 @@ def _cmd_compare(a, argv: list[str]) -> int:
                        meta={"tp": dump.tp, "dump": str(a.dump_dir), "engine": dump.engine,
                              "command": shlex.join(["tpcheck", *argv])}, exact_ops=a.exact_ops,
                        require_points=a.require_points)
-    a.isolate = False
     return _show(r, a)
 
 
@@ -171,7 +170,7 @@ def _show(r, a) -> int:
     failing = r.first_divergence is not None
     if failing:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
         print(r.summary())
-    for mode in ["propagated"] + (["isolated"] if a.isolate else []):
+    for mode in ["propagated"] + (["isolated"] if r.meta.get("isolate") else []):
         t = r.table[r.table["mode"] == mode]
         shown = t.drop(columns=["order", "mode", "kind"]) if a.all_rows else r.layer_table(mode)
         what = "every row" if a.all_rows else "worst point per layer and step" + \

@@ -58,7 +58,7 @@ MEM_SLACK = 64 << 10
 
 COLUMNS = ["fault", "config", "check", "detected", "origin", "expected_origin", "origin_ok", "ok", "by", "excess",
            "note", "preset", "tp", "dtype", "decode_steps", "prompt_lens", "block_size", "origin_point",
-           "origin_step", "expected_point", "expected_step", "seconds"]
+           "origin_step", "expected_point", "expected_step", "inject_layer", "seconds"]
 
 
 # ---- configurations -------------------------------------------------------------------------------------
@@ -98,7 +98,8 @@ def describe_config(c: dict) -> str:
     """``tiny tp=2 float32 prefill 12+17`` / ``tiny tp=1 float32 decode 3 bs8 6+14`` (prompt lengths last)."""
     lens = "+".join(map(str, c["prompt_lens"]))
     steps = f"decode {c['decode_steps']} bs{c['block_size']}" if c["decode_steps"] else "prefill"
-    return f"{c['preset']} tp={c['tp']} {c['dtype']} {steps} {lens}"
+    layer = "" if c.get("inject_layer") is None else f" layer {c['inject_layer']}"
+    return f"{c['preset']} tp={c['tp']} {c['dtype']} {steps} {lens}{layer}"
 
 
 def prompts_for(config: dict, vocab_size: int) -> list[list[int]]:
@@ -199,13 +200,13 @@ def _memory_note(m: dict) -> str:
 
 # ---- the matrix -------------------------------------------------------------------------------------------
 
-def _diff(pool, ckpt, config: dict, inject: list[str]):
+def _diff(pool, ckpt, config: dict, inject: list[str], inject_layer: int | None = None):
     import tpcheck
     d = ckpt(config["preset"])
     prompts = prompts_for(config, load_config(d).vocab_size)
     return tpcheck.diff(model=str(d), tp=config["tp"], dtype=config["dtype"], prompts=prompts,
                         decode_steps=config["decode_steps"], inject=list(inject), pool=pool,
-                        block_size=config["block_size"], exact_ops=EXACT_OPS)
+                        block_size=config["block_size"], exact_ops=EXACT_OPS, inject_layer=inject_layer)
 
 
 def _row(name: str, config: dict, check: str, **kw) -> dict:
@@ -360,6 +361,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--faults", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="comma-separated fault names (default: all; tpcheck faults list)")
     p.add_argument("--no-clean", action="store_true", help="skip the clean runs")
+    from tpcheck.cli.fault_depth import add_arguments as depth_arguments
+    depth_arguments(p)
     p.add_argument("--json", type=Path, help="write every row as JSON")
     return p
 
@@ -369,7 +372,13 @@ def run(args, pool=None, ckpt=None) -> int:
     no clean run alarms, 1 otherwise. (``pool`` / ``ckpt``: engines and checkpoints to reuse, for tests.)"""
     for n in args.faults or []:
         get_fault(n)  # ValueError (exit 2) before any engine starts
-    df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
+    if (args.preset or args.tp or args.dtype) and not args.depth:
+        raise ValueError("--preset, --tp and --dtype apply to --depth only")
+    if args.depth:
+        from tpcheck.cli.fault_depth import run_depth
+        df = run_depth(args.faults, pool=pool, ckpt=ckpt, presets=args.preset, tps=args.tp, dtypes=args.dtype)
+    else:
+        df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
     print(format_table(df))
     print("config: preset, TP size, dtype, prefill only or decode steps and KV block size, prompt lengths; "
           "by: the check that flagged the origin; excess: the origin's error over its threshold (clean runs: the closest any point came; memory: the "

@@ -32,6 +32,10 @@ class EngineAdapter(Protocol):
     """How the engine's row-parallel all-reduces round (``tpcheck.reference.reductions``): its tp and reduce dtype. The
     noise floor admits that rounding; an adapter without it is judged against one-device HF only."""
 
+    teacher_forcing: bool
+    """Optional (default False): ``step`` honours ``teacher``. Then the default diff adds the local pass, where each
+    layer's own error is judged against a floor that does not grow with depth."""
+
     def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
         """Start fresh sequences (one per prompt) with room for ``decode_steps`` more tokens each."""
 

@@ -137,6 +137,7 @@ class HFTPAdapter:
                  timeout_s: float = 300.0):
         from impl.executor import Executor
         self.tp, self.device, self.reductions = tp, device, Reductions(tp)
+        self.teacher_forcing = True  # pre-hooks replace each decoder layer's input (the local pass)
         self.executor = Executor(tp, device=device, timeout_s=timeout_s, runner=RUNNER)
         self.starts: list[int] = []
         try:

@@ -55,6 +55,7 @@ class ImplAdapter:
                  dump: dict | None = None, points: str | None = None):
         self.llm, self.block_size, self.dump, self.points = llm, block_size, dump, points
         self.reductions = Reductions(llm.tp_size)  # impl all-reduces in the activations' dtype, in place
+        self.teacher_forcing = True  # each decoder layer's input can be replaced (the local pass)
         self.inject, self.inject_layer = list(inject), inject_layer
         self.tables: list[list[int]] = []
         self.lens: list[int] = []
@@ -73,6 +74,7 @@ class ImplAdapter:
         # then one is allocated after it is applied); reallocating costs ~0.7 s for a 0.5B model
         self.own_cache = not self.inject and bs == self.llm.block_size and nxt <= self.llm.num_kv_blocks
         self.llm.call(capture_impl.setup, None if self.own_cache else nxt, bs, self.dump, self.points)
+        self.dump = None  # the dump records the first (propagated) pass; the local pass writes none
 
     def step(self, new_tokens, teacher, capture_kv) -> Points:
         batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]

@@ -4,8 +4,10 @@ point, step by step.
 The stages, in order: resolve the inputs (``tpcheck.inputs``: checkpoint, prompts) and the engine
 (``tpcheck.engines.registry``); run the passes (``tpcheck.pipeline.steps``: golden, references, engine; capture,
 unshard, measure); judge the rows (``tpcheck.judge``); return a ``DiffResult`` (``tpcheck.result``).
-``isolate`` adds a teacher-forced pass: every layer of the engine and of the noise-floor model gets the golden
-input of that layer, so each row shows the layer's local error apart from what it inherited. ``exact_ops`` also
+The local pass (``isolate``; on by default where the engine can be teacher-forced) is a second, teacher-forced pass:
+every layer of the engine and of the noise-floor references gets the golden input of that layer, so each row shows
+the layer's local error apart from what it inherited, judged against a floor that does not grow with depth (README
+"A verdict whose margin does not decay with depth"). The golden's points are computed once and reused by it. ``exact_ops`` also
 holds the RMSNorms and residual adds to bit-identity with HF's own modules applied to the engine's own inputs
 (``tpcheck.measure.exact_ops``)."""
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tpcheck.judge.coverage import Coverage
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.selection import selection
-from tpcheck.pipeline.steps import DiffPass, RunContext
+from tpcheck.pipeline.steps import DiffPass, GoldenCache, RunContext
 from tpcheck.progress import bar
 from tpcheck.reference.hf import hf_capture
 from tpcheck.reference.reductions import Reductions
@@ -35,7 +37,7 @@ from tpcheck.result.table import DiffResult
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
 def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts: list[list[int]] | None = None,
-         decode_steps: int = 0, isolate: bool = False, *, tolerances: Tolerances | None = None, pool=None,
+         decode_steps: int = 0, isolate: bool | None = None, *, tolerances: Tolerances | None = None, pool=None,
          command: str | None = None, **options) -> DiffResult:
     """Compare an engine (``engine="impl"``, or another of ``tpcheck.engines.registry.ENGINES``) at
     ``tp``/``dtype`` with Hugging Face, every point, every step.
@@ -117,7 +119,7 @@ def _silent_faults(opts: DiffOptions, cfg) -> dict[str, str]:
 
 
 def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str, decode_steps: int = 0,
-                   isolate: bool = False, *, tolerances: Tolerances | None = None, meta: dict | None = None,
+                   isolate: bool | None = None, *, tolerances: Tolerances | None = None, meta: dict | None = None,
                    **options) -> DiffResult:
     """Run any ``tpcheck.engines.adapter.EngineAdapter`` against HF float64 (golden) and HF at ``dtype`` (noise
     floor: on one device, and with the engine's declared ``reductions`` emulated when its tp > 1) on the
@@ -155,18 +157,32 @@ def _compare(engine, opts: DiffOptions, prompts: list[list[int]], tolerances: To
     writer = GoldenWriter(opts.save_golden, model_dir, prompts, steps, steps > 0, cfg.num_layers) \
         if opts.save_golden else None
     stop_when = _step_fails(dtype, tolerances) if opts.fail_fast else None
-    modes = [False] + ([True] if opts.isolate else [])
+    isolate = local_pass(engine, opts.isolate)
+    modes = [False] + ([True] if isolate else [])
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
                      parse_dtype(dtype), reductions, keep, opts.exact_ops, stop_when, writer,
-                     bar(len(modes) * (steps + 1), "diff", "step"))
+                     bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate else None)
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)
     meta = {"model": str(model_dir), "dtype": dtype, "coverage": coverage.as_meta(), "decode_steps": steps,
-            "isolate": opts.isolate, "exact_ops": opts.exact_ops, "select": select, "stopped_at_step": stopped,
+            "isolate": isolate, "exact_ops": opts.exact_ops, "select": select, "stopped_at_step": stopped,
             "golden": str(opts.golden) if opts.golden else None,
             "reductions": {"tp": reductions.tp, "dtype": reductions.dtype or dtype},
             "num_layers": cfg.num_layers, "prompt_lens": [len(p) for p in prompts], **(meta or {})}
     return judge(DiffResult.from_rows(rows, meta), tolerances)
+
+
+def local_pass(engine, isolate: bool | None) -> bool:
+    """Whether the run has the local (teacher-forced) pass: ``isolate`` when given (True on an engine that cannot be
+    teacher-forced is refused), else whether the adapter says it can be (``teacher_forcing``)."""
+    can = bool(getattr(engine, "teacher_forcing", False))
+    if isolate is None:
+        if not can:
+            logger.warning("tpcheck diff: note: this engine cannot be teacher-forced: the verdict is the propagated "
+                           "pass alone, whose floor grows with depth (a bug deep in the model shows by a thinner "
+                           "margin; README \"A verdict whose margin does not decay with depth\")")
+        return can
+    return isolate
 
 
 def _step_fails(dtype: str, tolerances: Tolerances | None):

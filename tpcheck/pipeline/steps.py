@@ -49,6 +49,36 @@ class RunContext:
     stop_when: Callable[[list[Row]], bool] | None = None
     save_golden: object = None
     progress: object = None
+    golden_cache: "GoldenCache | None" = None
+
+
+class GoldenCache:
+    """The golden's points of every step of the propagated pass, kept for the local (teacher-forced) pass: both
+    passes feed the same tokens, so the float64 golden, the costliest forward of a diff, runs once. Held up to
+    ``budget`` bytes (float64 points of every step); past that the cache is dropped whole and the local pass
+    computes the golden again (its caches need every earlier step)."""
+
+    def __init__(self, budget: int = 2 << 30):
+        self.budget, self.nbytes, self.steps = budget, 0, {}
+        self.enabled = budget > 0
+
+    def put(self, step: int, gold: dict[str, torch.Tensor]) -> None:
+        if not self.enabled:
+            return
+        self.nbytes += sum(t.numel() * t.element_size() for t in gold.values())
+        if self.nbytes > self.budget:
+            self.enabled, self.steps = False, {}
+            logger.info(f"  the golden's points pass {self.budget / 2**30:.1f} GiB: the local pass computes the "
+                        "golden again instead of reusing it")
+            return
+        self.steps[step] = gold
+
+    def holds(self, steps: int) -> bool:
+        """Whether every one of ``steps`` steps is held."""
+        return self.enabled and all(s in self.steps for s in range(steps))
+
+    def take(self, step: int) -> dict[str, torch.Tensor]:
+        return self.steps.pop(step)
 
 
 def _row_index(flat_row: int, row_lens: list[int], starts: list[int], order: list[int] | None = None) -> tuple[int, int]:
@@ -80,6 +110,9 @@ class DiffPass:
         self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
         self.rows_not_produced: dict[str, int] = {}  # point -> golden rows the engine did not produce (coverage)
         self.stopped_at: int | None = None
+        cache = ctx.golden_cache
+        self.cache_out = None if isolated else cache        # the propagated pass fills it
+        self.cache_in = cache if isolated and cache is not None and cache.holds(ctx.decode_steps + 1) else None
 
     def run(self) -> list[Row]:
         c = self.ctx
@@ -115,7 +148,8 @@ class DiffPass:
         to the position a request runs again from)."""
         c = self.ctx
         cuts = self.log.advance(batch)
-        pools = [(self.g_caches, None if c.golden.model is None else c.golden.model)]
+        golden = None if c.golden.model is None or self.cache_in is not None else c.golden.model  # reused: no cache
+        pools = [(self.g_caches, golden)]
         pools += [(self.r_caches[name], c.ref.model) for name, _ in self.floor.references]
         for rid, cut in zip(batch.ids, cuts):
             for caches, model in pools:
@@ -131,14 +165,11 @@ class DiffPass:
     def _step(self, step: int, batch: StepBatch) -> tuple[list[Row], list[int]]:
         """One step: golden, engine, references (the floor); its rows and the golden's greedy next tokens."""
         c = self.ctx
-        tokens, starts = batch.tokens, batch.starts
+        tokens = batch.tokens
         g_caches, r_caches = self._caches(batch)
-        gold = c.golden.step(tokens, g_caches, starts, None, self.with_kv)
-        if c.save_golden is not None:
-            c.save_golden.write(step, tokens, starts, gold)
-        if c.select is not None:  # hold only what is compared, plus the logits and teacher inputs it needs
-            gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
-                    (self.isolated and (n == "embed" or split_point(n)[1] == "out"))}
+        gold = self.cache_in.take(step) if self.cache_in is not None else self._golden(step, batch, g_caches)
+        if self.cache_out is not None:
+            self.cache_out.put(step, gold)
         teacher = self._teacher(gold) if self.isolated else None
         eng_teacher = None if teacher is None else {i: t.to(c.dtype) for i, t in teacher.items()}
         points = c.engine.step(tokens, eng_teacher, self.with_kv)
@@ -146,6 +177,19 @@ class DiffPass:
         self._measure_references(step, batch, r_caches, gold, teacher, subsets)
         rows = self._rows(step, points, gold, batch, eng_teacher, subsets)
         return rows, gold["logits"][batch.last_rows()].argmax(-1).tolist()
+
+    def _golden(self, step: int, batch: StepBatch, g_caches: list) -> dict[str, torch.Tensor]:
+        """The golden's points of this step (``--save-golden``: written), holding only what is compared, plus the
+        logits and (with a local pass to come) the teacher inputs."""
+        c = self.ctx
+        gold = c.golden.step(batch.tokens, g_caches, batch.starts, None, self.with_kv)
+        if c.save_golden is not None and not self.isolated:
+            c.save_golden.write(step, batch.tokens, batch.starts, gold)
+        teacher_too = self.isolated or c.golden_cache is not None
+        if c.select is not None:
+            gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
+                    (teacher_too and (n == "embed" or split_point(n)[1] == "out"))}
+        return gold
 
     def _teacher(self, gold: dict) -> dict[int, torch.Tensor]:
         """Isolate mode: decoder layer i's input is the golden's (``embed`` or layer i-1's ``out``); the final

@@ -12,7 +12,7 @@ import pandas as pd
 from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, run_meta, write_atomic, \
     write_document
 from tpcheck.measure.metrics import K_FACTOR
-from tpcheck.capture.points import split_point
+from tpcheck.capture.points import point_order, split_point
 from tpcheck.inputs.validate import MAX_LAYERS, int_in, read_json
 
 NAN = math.nan
@@ -97,13 +97,16 @@ class DiffResult:
 
     @property
     def first_divergence(self) -> dict | None:
-        """The first failing point in execution order (earliest step first): the origin."""
-        bad = self._failing()
+        """The first failing point in execution order (earliest step first), over both passes: the origin. Where
+        a point fails in both the propagated and the local pass, the row with the larger excess (the local one,
+        for a bug deep in the model: its floor did not grow with depth)."""
+        t = self.table
+        bad = t[~t["passed"]]
         if bad.empty:
-            bad = self._failing("isolated")
-            if bad.empty:
-                return None
-        r = bad.iloc[0]
+            return None
+        first = bad[["step", "order"]].apply(tuple, axis=1)
+        at = bad[first == min(first)]
+        r = at.loc[worst_key(at).idxmax()]
         return {"point": r.point, "layer": None if pd.isna(r.layer) else int(r.layer), "step": int(r.step),
                 "mode": r["mode"], "rel_err": float(r.rel_err), "ref_rel_err": float(r.ref_rel_err),
                 "ref_by": r.ref_by if isinstance(r.ref_by, str) else "",
@@ -283,7 +286,7 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
             if row[c] is None:
                 row[c] = math.nan
         row["note"] = row["note"] or ""
-        row["order"] = i  # rows are saved in execution order within each (mode, step)
+        row["order"] = point_order(r["point"])  # execution order, comparable across the two passes
         out.append(row)
     return DiffResult.from_rows(out, meta, stamp=False)  # meta says where and when the result was made
 
