@@ -2,9 +2,11 @@
 
 Bare: HF float64 forward + HF forward at the test dtype (+ the same with the TP reductions emulated, the
 noise floor's second reference, at tp > 1) + impl forward (``LLM.logits``) on the same prompt. Diff:
-``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64 statistics). Models
-are loaded and warmed before timing, so both sides time forward work only. The two sides alternate
-(bare, diff, bare, diff, ...) so that a slow spell of a shared machine hits both; the ratio is of the
+``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64 statistics), by default
+(the propagated pass and the local pass, which reuses the golden's points) and with ``--no-isolate`` (the
+propagated pass alone: the default before the local pass). Models are loaded and warmed before timing, so every
+side times forward work only. The sides alternate (bare, diff, no-isolate, bare, ...) so that a slow spell of
+a shared machine hits all; the ratio is of the
 medians, and the min ratio is printed beside it. Peak memory is the largest summed RSS of this process and
 its TP workers while each side runs.
 
@@ -93,14 +95,18 @@ def main() -> int:
                         ref.reductions = None
             llm.logits(prompt)
 
-        def diff():
+        def diff():  # the default: the propagated and the local pass
             return tpcheck.diff(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], pool=pool,
                                 exact_ops=a.exact_ops)
+
+        def propagated():  # --no-isolate: the propagated pass alone (the default before the local pass)
+            return tpcheck.diff(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], pool=pool,
+                                exact_ops=a.exact_ops, isolate=False)
 
         print("warm-up...", file=log, flush=True)
         bare()
         diff()
-        sides = {"bare forwards": bare, "tpcheck diff": diff}
+        sides = {"bare forwards": bare, "tpcheck diff": diff, "--no-isolate": propagated}
         times: dict[str, list[float]] = {name: [] for name in sides}
         peak: dict[str, int] = {name: 0 for name in sides}
         for i in range(a.repeats):
@@ -117,21 +123,28 @@ def main() -> int:
         parts = breakdown(diff)
     finally:
         pool.close()
+    report(a, figures, parts)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "figures": figures, "breakdown": parts}, f, indent=1)
+    return 0
+
+
+def report(a, figures: dict, parts: dict) -> None:
+    """Print the sides' medians and ratios, and where one diff's time goes."""
     b, d = figures["bare forwards"], figures["tpcheck diff"]
     print(f"\n{a.preset}, tp {a.tp}, {a.dtype}, 1 prompt x {a.seq_len} tokens, {os.cpu_count()} CPU cores")
     print(f"{'':16s}{'median s':>10s}{'min s':>8s}{'peak RSS GiB':>14s}")
     for name, f in figures.items():
         print(f"{name:16s}{f['seconds']:10.2f}{f['min_seconds']:8.2f}{f['peak_rss_gib']:14.2f}")
-    print(f"{'ratio':16s}{d['seconds'] / b['seconds']:9.2f}x{d['min_seconds'] / b['min_seconds']:7.2f}x"
-          f"{d['peak_rss_gib'] / b['peak_rss_gib']:13.2f}x")
-    total = parts.pop("total")
+    n = figures["--no-isolate"]
+    for name, x, y in (("diff / bare", d, b), ("no-iso / bare", n, b), ("diff / no-iso", d, n)):
+        print(f"{name:16s}{x['seconds'] / y['seconds']:9.2f}x{x['min_seconds'] / y['min_seconds']:7.2f}x"
+              f"{x['peak_rss_gib'] / y['peak_rss_gib']:13.2f}x")
+    total = parts["total"]
     print(f"\nwhere one diff's {total:.2f}s go (cProfile, cumulative; the parts overlap where they nest):")
-    for name, secs in parts.items():
+    for name, secs in ((n, v) for n, v in parts.items() if n != "total"):
         print(f"  {name:44s}{secs:7.2f}s {100 * secs / total:5.1f}%")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "figures": figures, "breakdown": {**parts, "total": total}}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ class Capture:
                 raise ValueError(f"tpcheck.capture: {site.module_name}: fused point {site.name!r} wants a Fused "
                                  f"placement with parts {site.rule.parts}, got {placement}")
         entry = self._pending.setdefault(site.name, (placement, []))
-        entry[1].append(as_rows(value, self.name_map.token_dims))
+        entry[1].append(as_rows(value, site.rule.token_dims or self.name_map.token_dims))
 
     def _hook_out(self, sites: list[_Site]):
         if self.sink is not None:
@@ -155,7 +155,7 @@ class Capture:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"tpcheck.capture: {site.module_name} ({site.rule.point}) gave a "
                                 f"{type(value).__name__}, not a tensor: fix the rule's index")
-            return row_view(value, dims)
+            return row_view(value, site.rule.token_dims or dims)
 
         if is_input:
             def hook(module, args, kwargs):

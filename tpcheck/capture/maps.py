@@ -37,7 +37,14 @@ IMPL_MAP = NameMap("impl", (
     Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", declared()),
     Rule(_L + r"mlp\.gate_up_proj", _P + "mlp.", declared(), parts=("gate", "up")),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.act", of_sibling("act_fn"), input=True),
-    Rule(_L + r"mlp\.down_proj", _P + "mlp.out", declared()),
+    # mixture of experts (impl.layers.moe): router, top-k (weights, ids), the partial routed and shared outputs
+    Rule(_L + r"mlp\.gate", _P + "moe.router", declared()),
+    Rule(_L + r"mlp\.topk", _P + "moe.topk_weights", declared(), index=0),
+    Rule(_L + r"mlp\.topk", _P + "moe.topk_ids", declared(), index=1),
+    Rule(_L + r"mlp\.experts", _P + "moe.experts", declared()),
+    Rule(_L + r"mlp\.shared_expert", _P + "moe.shared", declared()),
+    Rule(_L + r"mlp\.shared_expert_gate", _P + "moe.shared_gate", declared()),
+    Rule(_L + "mlp", _P + "mlp.out", Replicate()),  # dense: down_proj's all-reduced output; sparse: the block's
     Rule(r"model\.layers\.{layer}", _P + "out", Replicate()),
     Rule(r"model\.norm", "final_norm", declared()),
     # the LM head returns the gathered logits (padding stripped) on rank 0, None elsewhere
@@ -66,11 +73,18 @@ HF_MAP = NameMap("hf", (
     Rule(_L + r"mlp\.gate_proj", _P + "mlp.gate"),
     Rule(_L + r"mlp\.up_proj", _P + "mlp.up"),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.act", input=True),
-    Rule(_L + r"mlp\.down_proj", _P + "mlp.out"),
+    # mixture of experts (transformers 5: the router returns (logits, top-k weights, top-k ids))
+    Rule(_L + r"mlp\.gate", _P + "moe.router", index=0, token_dims=1),  # the MoE modules see [tokens, ...]
+    Rule(_L + r"mlp\.gate", _P + "moe.topk_weights", index=1, token_dims=1),
+    Rule(_L + r"mlp\.gate", _P + "moe.topk_ids", index=2, token_dims=1),
+    Rule(_L + r"mlp\.experts", _P + "moe.experts", token_dims=1),
+    Rule(_L + r"mlp\.shared_expert", _P + "moe.shared", token_dims=1),
+    Rule(_L + r"mlp\.shared_expert_gate", _P + "moe.shared_gate", token_dims=1),
+    Rule(_L + "mlp", _P + "mlp.out"),
     Rule(r"model\.layers\.{layer}", _P + "out"),
     Rule(r"model\.norm", "final_norm"),
     Rule(r"lm_head", "logits"),
-), token_dims=2, doc="""Hugging Face ``Qwen2ForCausalLM`` (or Llama, Mistral, Qwen3) on one device: every point
+), token_dims=2, doc="""Hugging Face ``Qwen2ForCausalLM`` (or Llama, Mistral, Qwen3, and the MoE families) on one device: every point
 ``Replicate()``, tensors ``[batch, seq, ...]`` (run one prompt per forward: padding would become rows). Not
 reported: ``attn.q_rope`` / ``attn.k_rope`` (HF applies RoPE in a function, not a module: ``tpcheck.reference.hf``
 sees them through a registered attention function) and the KV cache.""")

@@ -28,7 +28,9 @@ class Rule:
     ``(module, parent) -> Placement`` read at every call (``declared()``, ``of_sibling(...)``). ``input``:
     take the module's input (a forward pre-hook) instead of its output. ``index``: which input (position, or
     keyword name) or which element of a tuple output (position) / attribute of an object output (name); a
-    plain tensor output is element 0, and has no other element (the site then gives nothing that call)."""
+    plain tensor output is element 0, and has no other element (the site then gives nothing that call).
+    ``token_dims``: how many leading dims of this site's tensor are tokens, where it differs from the map's
+    (Hugging Face's MoE modules work on ``[tokens, ...]``, its other modules on ``[batch, seq, ...]``)."""
 
     module: str
     point: str
@@ -36,6 +38,7 @@ class Rule:
     input: bool = False
     index: int | str = 0
     parts: tuple[str, ...] = ()
+    token_dims: int | None = None  # this site's leading token dims, where they differ from the map's
 
     def __post_init__(self):
         keys = set(_FORMAT_KEYS.findall(self.point)) - {"layer", "prev", "last"}

@@ -161,7 +161,9 @@ def _compare(engine, opts: DiffOptions, prompts: list[list[int]], tolerances: To
     modes = [False] + ([True] if isolate else [])
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
                      parse_dtype(dtype), reductions, keep, opts.exact_ops, stop_when, writer,
-                     bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate else None)
+                     bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate else None,
+                     sparse=getattr(cfg, "moe", None) is not None)
+    ctx.golden_routes = {} if ctx.sparse else None
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)
     meta = {"model": str(model_dir), "dtype": dtype, "coverage": coverage.as_meta(), "decode_steps": steps,

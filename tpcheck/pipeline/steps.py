@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -23,8 +23,9 @@ from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.measure import exact_ops
 from tpcheck.measure.metrics import compare, mismatch
 from tpcheck.measure.unshard import unshard
+from tpcheck.pipeline.routes import RouteBook, routes_of, sort_routes
 from tpcheck.reference.hf import cut_cache, new_cache
-from tpcheck.result.table import Row
+from tpcheck.result.table import NAN, Row
 
 logger = logging.getLogger("tpcheck.pipeline.diff")  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -50,6 +51,8 @@ class RunContext:
     save_golden: object = None
     progress: object = None
     golden_cache: "GoldenCache | None" = None
+    sparse: bool = False  # the model has mixture-of-experts layers (tpcheck.pipeline.routes)
+    golden_routes: dict | None = None  # step -> the routes the golden followed in the propagated pass
 
 
 class GoldenCache:
@@ -102,6 +105,7 @@ class DiffPass:
         self.ctx, self.isolated = ctx, isolated
         self.mode = "isolated" if isolated else "propagated"
         self.floor = NoiseFloor(ctx.reductions)
+        self.routes = RouteBook()
         self.with_kv = ctx.decode_steps > 0
         # every family's points (Qwen3's attn.q_norm / k_norm included), in execution order
         names = all_point_names(ctx.num_layers)
@@ -167,27 +171,39 @@ class DiffPass:
         c = self.ctx
         tokens = batch.tokens
         g_caches, r_caches = self._caches(batch)
-        gold = self.cache_in.take(step) if self.cache_in is not None else self._golden(step, batch, g_caches)
+        points = None
+        if c.sparse and not self.isolated:  # the engine first: the golden follows its routes (pipeline.routes)
+            points = c.engine.step(tokens, None, self.with_kv)
+            if c.golden_routes is not None:
+                c.golden_routes[step] = _engine_routes(points)
+        gold = self.cache_in.take(step) if self.cache_in is not None else \
+            self._golden(step, batch, g_caches, None if c.golden_routes is None else c.golden_routes.get(step))
+        if c.sparse:
+            gold = sort_routes(gold)
         if self.cache_out is not None:
             self.cache_out.put(step, gold)
         teacher = self._teacher(gold) if self.isolated else None
         eng_teacher = None if teacher is None else {i: t.to(c.dtype) for i, t in teacher.items()}
-        points = c.engine.step(tokens, eng_teacher, self.with_kv)
+        if points is None:
+            points = c.engine.step(tokens, eng_teacher, self.with_kv)
         subsets = dict(getattr(c.engine, "point_rows", None) or {})  # points that hold only some rows
         self._measure_references(step, batch, r_caches, gold, teacher, subsets)
         rows = self._rows(step, points, gold, batch, eng_teacher, subsets)
         return rows, gold["logits"][batch.last_rows()].argmax(-1).tolist()
 
-    def _golden(self, step: int, batch: StepBatch, g_caches: list) -> dict[str, torch.Tensor]:
+    def _golden(self, step: int, batch: StepBatch, g_caches: list, routes=None) -> dict[str, torch.Tensor]:
         """The golden's points of this step (``--save-golden``: written), holding only what is compared, plus the
-        logits and (with a local pass to come) the teacher inputs."""
+        logits, the routing points and (with a local pass to come) the teacher inputs. ``routes``: the MoE
+        routes it follows where its own differ (``tpcheck.pipeline.routes``)."""
         c = self.ctx
-        gold = c.golden.step(batch.tokens, g_caches, batch.starts, None, self.with_kv)
+        kw = {} if routes is None else {"routes": routes}
+        gold = c.golden.step(batch.tokens, g_caches, batch.starts, None, self.with_kv, **kw)
         if c.save_golden is not None and not self.isolated:
             c.save_golden.write(step, batch.tokens, batch.starts, gold)
         teacher_too = self.isolated or c.golden_cache is not None
         if c.select is not None:
             gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
+                    split_point(n)[1] in ("moe.router", "moe.topk_ids") or
                     (teacher_too and (n == "embed" or split_point(n)[1] == "out"))}
         return gold
 
@@ -204,9 +220,17 @@ class DiffPass:
         self.floor.begin_step(step)
         # a replayed golden (--golden) is held to the one-device reference: a wrong golden cannot raise the floor
         check = getattr(c.golden, "check_reference", None) if teacher is None else None
+        routes = routes_of(gold) if c.sparse else None  # the references follow the golden's routes
         for ref_name, red in self.floor.references:
-            ref = c.ref.step(batch.tokens, r_caches[ref_name], batch.starts, teacher, self.with_kv, red)
+            kw = {} if routes is None else {"routes": routes}
+            ref = c.ref.step(batch.tokens, r_caches[ref_name], batch.starts, teacher, self.with_kv, red, **kw)
+            if c.sparse:
+                ref = sort_routes(ref)
             for n, t in ref.items():
+                if n in gold and c.sparse:
+                    self.routes.observe(n, t, gold[n])
+                if n.endswith(".moe.topk_ids"):  # ids are judged as sets (tpcheck.judge.routing), not by a floor
+                    continue
                 if check is not None and red is None and n in gold and self._selected(n):
                     check(n, t, gold[n], c.dtype)
                 if n in gold and t.shape == gold[n].shape and self._selected(n):
@@ -224,30 +248,76 @@ class DiffPass:
         layer_input = (lambda i, t=eng_teacher: t[i]) if eng_teacher is not None else \
             (lambda i, h=held: h["embed" if i == 0 else f"layers.{i - 1}.out"])
         rows: list[Row] = []
+        units = []
         for name, (placement, per_rank) in points.items():
             parts = unshard(name, placement, per_rank)
             check_known({u.name for u in parts}, self.canonical)
-            subset = subsets.get(name)
-            for u in parts:
-                if u.name not in gold or not self._selected(u.name):
-                    continue
+            units += [(u, subsets.get(name)) for u in parts]
+        if self.ctx.sparse:
+            units = self._routes(units, gold)
+        for u, subset in units:
+            if u.name not in gold or not self._selected(u.name):
+                continue
+            if u.name.endswith(".moe.topk_ids"):
+                rows.append(self._route_row(u, gold[u.name], step, row_lens, starts, order))
                 self.reported.add(u.name)
-                want = None
-                if self.ctx.exact_ops and subset is None:
-                    if split_point(u.name)[1] in exact_ops.INPUT_KINDS:
-                        held[u.name] = u.tensor
-                    want = exact_ops.expected(self.ctx.ref.model, u.name, held.__getitem__, layer_input)
-                g = gold[u.name]
-                if subset is not None:
-                    self.rows_not_produced[u.name] = self.rows_not_produced.get(u.name, 0) + g.shape[0] - len(subset)
-                    g = g[subset]
-                is_kv = ".kv." in u.name
-                where = (kv_lens, [0] * len(kv_lens)) if is_kv else (row_lens, starts)
-                rows.append(self._row(u, g, step, *where, want, order, subset))
+                continue
+            excluded = self.routes.excluded(u.name, self.isolated)
+            if excluded:  # a token whose route legitimately differs: its rows are left out, and counted
+                if self.ctx.exact_ops and split_point(u.name)[1] in exact_ops.INPUT_KINDS:
+                    held[u.name] = u.tensor
+                keep = [r for r in range(gold[u.name].shape[0]) if r not in set(excluded)]
+                u = replace(u, tensor=u.tensor[keep])
+                rows.append(self._row(u, gold[u.name][keep], step, row_lens, starts, None, order, keep,
+                                      rows_excluded=len(excluded)))
+                self.reported.add(u.name)
+                continue
+            self.reported.add(u.name)
+            want = None
+            if self.ctx.exact_ops and subset is None:
+                if split_point(u.name)[1] in exact_ops.INPUT_KINDS:
+                    held[u.name] = u.tensor
+                want = exact_ops.expected(self.ctx.ref.model, u.name, held.__getitem__, layer_input)
+            g = gold[u.name]
+            if subset is not None:
+                self.rows_not_produced[u.name] = self.rows_not_produced.get(u.name, 0) + g.shape[0] - len(subset)
+                g = g[subset]
+            is_kv = ".kv." in u.name
+            where = (kv_lens, [0] * len(kv_lens)) if is_kv else (row_lens, starts)
+            rows.append(self._row(u, g, step, *where, want, order, subset))
         return rows
 
+    def _routes(self, units: list, gold: dict) -> list:
+        """MoE: the engine's top-k put in the one order (``routes.sort_routes``), and each layer's route checked
+        against the golden's (before any routed point of the step is measured: they leave its flips out)."""
+        self.routes.begin_step()
+        sorted_ = sort_routes({u.name: u.tensor for u, _ in units if ".moe.topk_" in u.name})
+        units = [(replace(u, tensor=sorted_[u.name]) if u.name in sorted_ else u, sub) for u, sub in units]
+        for u, _ in units:
+            layer = split_point(u.name)[0]
+            if u.name.endswith(".moe.topk_ids") and u.name in gold and f"layers.{layer}.moe.router" in gold:
+                if u.tensor.shape == gold[u.name].shape:
+                    self.routes.check(layer, u.tensor, gold)
+        return units
+
+    def _route_row(self, u, gold: torch.Tensor, step: int, row_lens: list[int], starts: list[int], order) -> Row:
+        """``moe.topk_ids``: the expert sets compared per token (``tpcheck.judge.routing``): ``route_flips`` tokens
+        differ, ``near_ties`` of them legitimately; any other is a finding in the note (the row fails)."""
+        layer = split_point(u.name)[0]
+        rc = self.routes.checks.get(layer)
+        n = u.tensor.shape[0]
+        if rc is None:  # a shape that differs from the golden's
+            return self._row(u, gold, step, row_lens, starts, None, order)
+        where = lambda r: "(batch, token) " + str(list(_row_index(r, row_lens, starts, order)))  # noqa: E731
+        bad = len(rc.illegitimate)
+        note = rc.note(where) or (u.rank_mismatch or "")
+        return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind="moe.topk_ids",
+                   rel_err=bad / n if n else 0.0, ref_rel_err=0.0, route_flips=float(len(rc.flipped)),
+                   near_ties=float(rc.near_ties), nan=0, inf=0, note=note, order=self.order.get(u.name, 10**6),
+                   max_abs=max(rc.margins) if rc.margins else 0.0)
+
     def _row(self, u, gold: torch.Tensor, step: int, row_lens: list[int], starts: list[int], want=None,
-             order: list[int] | None = None, subset: list[int] | None = None) -> Row:
+             order: list[int] | None = None, subset: list[int] | None = None, rows_excluded: int = 0) -> Row:
         layer, kind = split_point(u.name)
         note, op_mismatch = "", float("nan")
         if u.tensor.shape != gold.shape:
@@ -273,10 +343,18 @@ class DiffPass:
         # note, structural findings
         return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind=kind, **stats,
                    **self.floor.row_fields(u.name), op_mismatch=op_mismatch, note=note,
-                   order=self.order.get(u.name, 10**6))
+                   rows_excluded=float(rows_excluded) if rows_excluded else NAN, order=self.order.get(u.name, 10**6))
 
     def _selected(self, name: str) -> bool:
         return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
+
+
+def _engine_routes(points) -> dict[int, torch.Tensor] | None:
+    """``{layer: [rows, k] ids}`` of an engine step's ``moe.topk_ids`` points (replicated: rank 0's, or the
+    first rank that holds it)."""
+    ids = {name: next(t for t in per_rank if t is not None) for name, (_, per_rank) in points.items()
+           if name.endswith(".moe.topk_ids") and any(t is not None for t in per_rank)}
+    return routes_of(ids)
 
 
 def _subset(name: str, subsets: dict[str, list[int]]) -> list[int] | None:

@@ -18,6 +18,7 @@ from impl.config import HF_DTYPE_KEY, load_config, parse_dtype
 from tpcheck.capture.core import install
 from tpcheck.capture.maps import HF_MAP
 from tpcheck.capture.teacher import Teacher
+from tpcheck.judge.routing import forced_route
 from tpcheck.reference.reductions import Reductions, row_parallel_linear
 
 ATTN_NAME = "tpcheck_sdpa"
@@ -98,9 +99,15 @@ class HFCapture:
         self.num_layers = model.config.num_hidden_layers
         m = model.model
         self.teacher = Teacher(m.layers, m.norm, like=model, batch_dim=True)
-        for layer in m.layers:
-            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                proj.forward = self._row_parallel(proj)
+        self.routes: dict[int, torch.Tensor] | None = None  # layer -> the route to follow (this prompt's rows)
+        for i, layer in enumerate(m.layers):
+            mlp = layer.mlp
+            for proj in (layer.self_attn.o_proj, getattr(mlp, "down_proj", None),
+                         getattr(getattr(mlp, "shared_expert", None), "down_proj", None)):
+                if proj is not None:
+                    proj.forward = self._row_parallel(proj)
+            if hasattr(getattr(mlp, "gate", None), "top_k"):  # a mixture-of-experts router (transformers 5)
+                mlp.gate.register_forward_hook(self._follow_route(i), prepend=True)  # before the capture's hook
         self.capture = install(model, HF_MAP, sink=self._emit)
 
     def _emit(self, name: str, t: torch.Tensor) -> None:
@@ -113,6 +120,19 @@ class HFCapture:
                 return nn.Linear.forward(linear, x)
             return row_parallel_linear(x, linear.weight, linear.bias, self.reductions)
         return forward
+
+    def _follow_route(self, layer: int):
+        """A hook on an MoE router: where ``routes`` names a token's experts and they differ from the router's own
+        choice, return that choice instead, weighted by the router's own probabilities (``tpcheck.judge.routing``:
+        a reference follows the engine's legitimately flipped route, so later points compare like with like)."""
+        def hook(module, args, output):
+            want = None if self.routes is None else self.routes.get(layer)
+            if want is None:
+                return None
+            logits, weights, ids = output
+            w, new_ids = forced_route(logits, ids, want, getattr(module, "norm_topk_prob", True), weights.dtype)
+            return None if w is None else (logits, w, new_ids)
+        return hook
 
     @torch.no_grad()
     def run(self, input_ids: list[int], cache, start: int, sink, teacher: dict | None = None) -> None:
@@ -128,21 +148,24 @@ class HFCapture:
             _STATE["sink"] = None
 
     def step(self, tokens: list[list[int]], caches: list, starts: list[int], teacher: dict | None = None,
-             with_kv: bool = False, reductions: Reductions | None = None) -> dict[str, torch.Tensor]:
+             with_kv: bool = False, reductions: Reductions | None = None,
+             routes: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """One step of every prompt (each a batch of one: ``tokens[b]`` at positions ``starts[b]..``, into
         ``caches[b]``): every point, rows concatenated in prompt order. ``teacher``: ``{i: [rows, hidden]}``
         over all prompts' rows; ``with_kv``: also each layer's whole cache contents (``kv.k`` / ``kv.v``);
-        ``reductions``: row-parallel linears rounded as that TP engine rounds them (``tpcheck.reference.reductions``)."""
+        ``reductions``: row-parallel linears rounded as that TP engine rounds them (``tpcheck.reference.reductions``);
+        ``routes``: ``{layer: [rows, k] expert ids}`` each MoE router follows where its own choice differs."""
         parts: dict[str, list[torch.Tensor]] = {}
         offset = 0
         self.reductions = reductions
         try:
             for b, toks in enumerate(tokens):
                 t_b = None if teacher is None else {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
+                self.routes = None if routes is None else {i: r[offset:offset + len(toks)] for i, r in routes.items()}
                 self.run(toks, caches[b], starts[b], lambda n, t: parts.setdefault(n, []).append(t), t_b)
                 offset += len(toks)
         finally:
-            self.reductions = None
+            self.reductions = self.routes = None
         out = {n: ts[0] if len(ts) == 1 else torch.cat(ts) for n, ts in parts.items()}  # one prompt: no copy
         if with_kv:
             for i in range(self.num_layers):

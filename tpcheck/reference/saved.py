@@ -120,7 +120,7 @@ class SavedGolden:
             raise GoldenError(f"{path}: saved without the KV-cache points (a run with no decode steps); "
                               "this run decodes: save the golden of a decoding run")
 
-    def step(self, tokens, caches, starts, teacher=None, with_kv=False, reductions=None) -> dict:
+    def step(self, tokens, caches, starts, teacher=None, with_kv=False, reductions=None, routes=None) -> dict:
         if teacher is not None or reductions is not None:
             raise GoldenError("a saved golden replays the golden run only (no teacher, no TP emulation)")
         steps = self.meta["starts"]
@@ -141,6 +141,12 @@ class SavedGolden:
             verify_tensor(t, records[n], f"{path}: {n}", GoldenError)
         if "logits" not in points:
             raise GoldenError(f"{path}: no 'logits' (every golden step has them)")
+        for layer, want in (routes or {}).items():  # a recorded golden cannot follow another route
+            got = points.get(f"layers.{layer}.moe.topk_ids")
+            if got is not None and got.shape == want.shape and \
+                    bool((got.long().sort(-1).values != want.long().sort(-1).values).any()):
+                raise GoldenError(f"{path}: the engine routed a token of layer {layer} to other experts than the "
+                                  "saved golden did (a near tie); a saved golden cannot follow it: run without --golden")
         return points
 
     def check_reference(self, name: str, ref: torch.Tensor, gold: torch.Tensor, dtype: torch.dtype) -> None:

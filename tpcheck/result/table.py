@@ -46,6 +46,11 @@ class Row:
     nan: int = 0                   # NaN / Inf elements in the engine's tensor
     inf: int = 0
     op_mismatch: float = NAN       # --exact-ops: fraction of elements that differ from HF's op
+    # mixture of experts (tpcheck.judge.routing): moe.topk_ids' tokens whose expert set differs from the golden's,
+    # and how many of those are near ties; a routed point's rows left out for a legitimately different route
+    route_flips: float = NAN
+    near_ties: float = NAN
+    rows_excluded: float = NAN
     passed: bool = False
     note: str = ""                 # a structural finding (shape, ranks disagreeing, exact ops): always fails
     order: int = 0                 # execution order within (mode, step); not saved

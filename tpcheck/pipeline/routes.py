@@ -1,0 +1,79 @@
+"""Mixture-of-experts bookkeeping of one diff pass (``tpcheck.pipeline.steps``): the routes each run took, the
+router's noise floor for the near-tie rule, and which rows of a layer's routed points a flipped token leaves out.
+The rule itself, and why it is sound, is ``tpcheck.judge.routing``.
+
+* Every top-k is put in one order first (``sort_routes``): ids ascending per token, weights permuted alike, so
+  ``moe.topk_weights`` compares weight of expert e with weight of expert e whatever order an engine emits.
+* The propagated pass runs the engine first; the golden then follows the engine's route where it differs
+  (``HFCapture.step(routes=...)``) and the references follow the golden's, so every later point of the pass
+  compares like with like. The local pass reuses the golden (its inputs are the teacher): there the rows of a
+  token whose route differs are left out of that layer's routed points (``ROUTED_POINTS``), counted in the row.
+* ``tau`` of a layer: twice the largest router-logit error (max |ref - golden| over experts and rows) of the
+  references at that point, over this and earlier steps."""
+from __future__ import annotations
+
+import torch
+
+from tpcheck.capture.points import ROUTED_POINTS, split_point
+from tpcheck.judge.routing import RouteCheck, check_routes
+
+NEAR_TIE_FACTOR = 2.0  # tpcheck check's near_tie_flips uses the same factor on the logits
+
+
+def sort_routes(points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``points`` with every layer's ``moe.topk_ids`` sorted ascending per row and its ``moe.topk_weights``
+    permuted alike (a new dict; other points as they are)."""
+    out = dict(points)
+    for name, ids in points.items():
+        if not name.endswith(".moe.topk_ids"):
+            continue
+        order = ids.long().argsort(-1)
+        out[name] = ids.long().gather(-1, order)
+        w = name[: -len("topk_ids")] + "topk_weights"
+        if w in points and points[w].shape == ids.shape:
+            out[w] = points[w].gather(-1, order)
+    return out
+
+
+def routes_of(points: dict[str, torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    """``{layer: [rows, k] ids}`` of every layer's ``moe.topk_ids`` in ``points`` (None: no MoE layer)."""
+    out = {split_point(n)[0]: t.long() for n, t in points.items() if n.endswith(".moe.topk_ids")}
+    return out or None
+
+
+class RouteBook:
+    """One pass's routing state: the router floor per layer (``observe``), and per step the route checks and the
+    rows each layer's routed points leave out (``check``, ``excluded``)."""
+
+    def __init__(self):
+        self.router_err: dict[int, float] = {}  # layer -> worst max |ref - golden| router logit so far
+        self.checks: dict[int, RouteCheck] = {}  # this step: layer -> its route check
+
+    def begin_step(self) -> None:
+        self.checks = {}
+
+    def observe(self, name: str, ref: torch.Tensor, gold: torch.Tensor) -> None:
+        """A reference's tensor of ``name``: a router's logits raise that layer's floor."""
+        layer, kind = split_point(name)
+        if kind == "moe.router" and ref.shape == gold.shape and ref.numel():
+            err = float((ref.double() - gold.double()).abs().max())
+            if err == err and err > self.router_err.get(layer, 0.0):
+                self.router_err[layer] = err
+
+    def tau(self, layer: int) -> float:
+        return NEAR_TIE_FACTOR * self.router_err.get(layer, 0.0)
+
+    def check(self, layer: int, engine_ids: torch.Tensor, gold: dict[str, torch.Tensor]) -> RouteCheck:
+        """The engine's expert sets of ``layer`` against the golden's, with the golden's margins."""
+        rc = check_routes(engine_ids, gold[f"layers.{layer}.moe.topk_ids"], gold[f"layers.{layer}.moe.router"],
+                          self.tau(layer))
+        self.checks[layer] = rc
+        return rc
+
+    def excluded(self, name: str, exclude: bool) -> list[int]:
+        """The rows of ``name`` to leave out this step: a routed point's flipped tokens (``exclude``: the golden
+        did not follow the engine's route, i.e. the local pass)."""
+        layer, kind = split_point(name)
+        if not exclude or kind not in ROUTED_POINTS or layer not in self.checks:
+            return []
+        return self.checks[layer].flipped
