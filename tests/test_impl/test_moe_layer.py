@@ -257,3 +257,26 @@ def test_shard_plan_counts_what_each_rank_holds(preset, tp, ep, ckpt):
         model, _ = build(d, r, tp, ep, load=False)
         want = sum(plan.tensor_elements(n, s, cfg.tie_word_embeddings, rank=r) for n, s in shapes.items())
         assert sum(p.numel() for p in model.parameters()) == want, r
+
+
+# ------------------------------------------------------------------------------------------------ presets
+def test_ties_preset_draws_near_ties(ckpt, hf_model):
+    """``tiny-moe-ties``: router rows in pairs 1% apart, so in HF's own float32 router most tokens' 3rd and 4th
+    logits (the top-3 boundary) are within 0.02 of each other, where the other presets' rarely are."""
+    from tpcheck.inputs.checkpoints import describe_preset
+    assert "top-3 of 8 experts renormalised; near-tie router rows (pairs 0.01 apart)" in describe_preset("tiny-moe-ties")
+    router = load_file(str(ckpt("tiny-moe-ties") / "model.safetensors"))["model.layers.0.mlp.gate.weight"]
+    spread = (router[1::2] - router[0::2]).norm(dim=-1) / router[0::2].norm(dim=-1)
+    assert ((spread > 0.005) & (spread < 0.02)).all(), spread
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(3))
+    share = {}
+    for preset in ("tiny-moe-ties", "tiny-qwen3-moe"):
+        hf, logits = hf_model(ckpt(preset)), []
+        hook = hf.model.layers[1].mlp.gate.register_forward_hook(lambda m, i, o, out=logits: out.append(o[0]))
+        with torch.no_grad():
+            hf(ids)
+        hook.remove()
+        k = hf.config.num_experts_per_tok
+        top = logits[0].topk(k + 1, dim=-1).values
+        share[preset] = ((top[:, k - 1] - top[:, k]) < 0.02).float().mean().item()
+    assert share["tiny-moe-ties"] > 0.5 and share["tiny-qwen3-moe"] < 0.1, share

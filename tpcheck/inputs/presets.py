@@ -199,7 +199,7 @@ def describe_preset(name: str) -> str:
     if biases:
         extra.append("+".join(biases))
     extra += _describe_moe(name, c)
-    return (f"{name:15s} {config_family(c):7s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
+    return (f"{name:15s} {config_family(c):9s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
             f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
             f"{'tied' if c.get('tie_word_embeddings') else 'untied'}" + "".join(f"; {e}" for e in extra))
 
