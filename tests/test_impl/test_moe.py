@@ -119,8 +119,15 @@ def test_invalid_layouts_refused_before_workers_start(ckpt):
         cfg.check_tp(8, 8)
 
 
-def test_cli_ep(ckpt, capsys):
+def test_cli_ep(ckpt, engines, capsys):
+    """``python -m impl logits --tp 2 --ep 2`` runs the experts in two groups (the top-5 of the pooled engine at tp 1);
+    ``--ep 4`` at tp 2 is refused, exit 2, naming the numbers."""
+    import json
+
     from impl.__main__ import main
     d = str(ckpt("tiny-qwen3-moe"))
+    assert main(["logits", "--model", d, "--tp", "2", "--ep", "2", "--prompt-ids", "1,2,3"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["last_logits_top5"] == engines.get(d, 1).logits([1, 2, 3])[-1].topk(5).indices.tolist()
     assert main(["logits", "--model", d, "--tp", "2", "--ep", "4", "--prompt-ids", "1,2,3"]) == 2
     assert "impl: error: tp_size=2 is not divisible by ep_size=4" in capsys.readouterr().err
