@@ -19,8 +19,9 @@ Experts math, per token t with top-k ids ``e_1..e_k`` and weights ``w_1..w_k``:
 ``routed(t) = sum_j w_j * down_{e_j}(silu(gate_{e_j}(x_t)) * up_{e_j}(x_t))``. Each product ``w_j * y_j`` is
 formed in the promoted dtype of the two (the activations' dtype for Qwen, float32 for Mixtral), the k products
 are summed (``sum`` over the k slots) and cast to the activations' dtype, as transformers 5's default
-``grouped_mm`` experts do (its eager fallback adds the experts one by one into the output instead; in float32
-the two differ by rounding only).
+``grouped_mm`` experts do (bit for bit in bfloat16 at tp 1, tested). Its ``eager`` experts (the only ones that
+run in float64) add the experts one by one into an output of the activations' dtype instead: in float32 that
+differs by rounding only, in bfloat16 by one more rounding per expert.
 
 Sharding at tp ranks and ep expert groups (``impl.moe_config``; ``moe_tp = tp / ep``):
 
