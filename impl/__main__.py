@@ -19,8 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("generate", "logits"):
         p = sub.add_parser(name)
-        p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (llama, mistral, qwen2, qwen3)")
+        p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (llama, mistral, qwen2, "
+                       "qwen3, qwen2_moe, qwen3_moe, mixtral)")
         p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel groups of the tp ranks (MoE models; "
+                       "tp %% ep == 0)")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         p.add_argument("--prompt-ids", type=_ids, action="append", default=[], help="token ids, e.g. 1,2,3 (repeatable)")
         p.add_argument("--prompt", action="append", default=[], help="prompt text (needs a tokenizer in --model)")
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         kw = dict(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks) if a.cmd == "generate" else {}
-        with LLM(a.model, tp_size=a.tp, dtype=a.dtype, **kw) as llm:
+        with LLM(a.model, tp_size=a.tp, dtype=a.dtype, ep_size=a.ep, **kw) as llm:
             if a.cmd == "logits":
                 for p in prompts:
                     out = llm.logits(p)

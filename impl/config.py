@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 import transformers
 
+from impl.errors import ConfigError
 from impl.layers.rotary import Llama3RopeScaling
+from impl.moe_config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoeConfig, MoeSpelling, read_moe
 
 if TYPE_CHECKING:
     from torch import nn
@@ -33,10 +35,6 @@ ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-class ConfigError(ValueError):
-    """A checkpoint config or engine setting that impl refuses, with the numbers in the message."""
-
-
 @dataclass(frozen=True)
 class Family:
     """One supported ``model_type``: the transformers config class that reads its config.json, HF's causal LM
@@ -45,12 +43,15 @@ class Family:
     options:
 
     * ``qkv_bias``: ``True`` always (Qwen2), ``False`` never (Mistral), ``"attention_bias"`` from that config
-      flag, which then also gives ``o_proj`` a bias (Llama, Qwen3, as in HF);
+      flag, which then also gives ``o_proj`` a bias (Llama, Qwen3, as in HF), ``"qkv_bias"`` from that flag,
+      q/k/v only, true where absent (Qwen2-MoE: transformers 5 added the flag, 4.x always has the biases);
     * ``mlp_bias``: whether the config's ``mlp_bias`` flag exists (Llama) or the MLP never has biases;
     * ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3);
     * ``sliding``: ``"refuse"`` (Qwen2: ``use_sliding_window`` is refused), ``"all"`` (Mistral: a non-null
       ``sliding_window`` applies to every layer), ``"layer_types"`` (Qwen3: the layers HF marks
-      ``sliding_attention``), ``"none"`` (Llama has no sliding window)."""
+      ``sliding_attention``), ``"none"`` (Llama has no sliding window);
+    * ``moe``: how a mixture-of-experts family spells its experts (``impl.moe_config.MoeSpelling``); None for a
+      dense family."""
 
     config_class: str
     hf_model_class: str
@@ -59,10 +60,11 @@ class Family:
     mlp_bias: bool
     qk_norm: bool
     sliding: str
+    moe: MoeSpelling | None = None
 
     @property
     def available(self) -> bool:
-        """Whether the installed transformers has this family (Qwen3 needs >= 4.51)."""
+        """Whether the installed transformers has this family (Qwen3 and Qwen3-MoE need >= 4.51)."""
         return getattr(transformers, self.config_class, None) is not None
 
     def hf_config_class(self, path: Path | str = "") -> type[PretrainedConfig]:
@@ -87,7 +89,25 @@ FAMILIES: dict[str, Family] = {
                     qkv_bias=True, mlp_bias=False, qk_norm=False, sliding="refuse"),
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", "impl.models.qwen3:Qwen3ForCausalLM",
                     qkv_bias="attention_bias", mlp_bias=False, qk_norm=True, sliding="layer_types"),
+    # mixture of experts (impl.layers.moe); Qwen3-MoE's and Qwen2-MoE's sliding windows differ between
+    # transformers versions, so ``use_sliding_window`` is refused; Mixtral's applies to every layer, as Mistral's
+    "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "impl.models.qwen2_moe:Qwen2MoeForCausalLM",
+                        qkv_bias="qkv_bias", mlp_bias=False, qk_norm=False, sliding="refuse", moe=QWEN2_MOE),
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "impl.models.qwen3_moe:Qwen3MoeForCausalLM",
+                        qkv_bias="attention_bias", mlp_bias=False, qk_norm=True, sliding="refuse", moe=QWEN3_MOE),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", "impl.models.mixtral:MixtralForCausalLM",
+                      qkv_bias=False, mlp_bias=False, qk_norm=False, sliding="all", moe=MIXTRAL),
 }
+
+
+def family_biases(family: Family, hf) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias) of an HF config of ``family``, as HF's attention builds them."""
+    if family.qkv_bias == "attention_bias":  # Llama, Qwen3: one flag biases q/k/v and o_proj
+        qkv = bool(getattr(hf, "attention_bias", False))
+        return qkv, qkv
+    if family.qkv_bias == "qkv_bias":
+        return bool(getattr(hf, "qkv_bias", True)), False
+    return bool(family.qkv_bias), False
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -207,6 +227,7 @@ class ModelConfig:
     qk_norm: bool = False
     rope_scaling: Llama3RopeScaling | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer attends to all its past
+    moe: MoeConfig | None = None  # mixture of experts: the experts and which layers are sparse
 
     @property
     def family(self) -> Family:
@@ -216,13 +237,24 @@ class ModelConfig:
         """The sliding window of decoder layer ``layer`` (None: full causal attention)."""
         return self.sliding_windows[layer] if self.sliding_windows else None
 
-    def check_tp(self, tp: int) -> None:
-        """Refuse a TP size the head layout cannot be split over, with the numbers."""
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a mixture-of-experts block (else a dense MLP)."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
+    def check_tp(self, tp: int, ep: int = 1) -> None:
+        """Refuse a TP size (and expert-parallel size ``ep``) the head, MLP and expert layout cannot be split
+        over, with the numbers."""
         if tp < 1:
             raise ConfigError(f"tp_size must be >= 1, got {tp}")
         if self.num_heads % tp:
             raise ConfigError(f"num_attention_heads={self.num_heads} is not divisible by tp_size={tp}")
-        if self.intermediate_size % tp:
+        if self.moe is not None:
+            self.moe.check_layout(tp, ep)
+        elif ep != 1:
+            raise ConfigError(f"ep_size={ep} needs a mixture-of-experts model; model_type {self.model_type!r} has "
+                              "no experts")
+        dense = self.moe is None or self.moe.has_dense_layers  # MoE models may have no dense MLP at all
+        if dense and self.intermediate_size % tp:
             raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by tp_size={tp}")
         kv = self.num_kv_heads
         if tp <= kv and kv % tp:
@@ -288,10 +320,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if act != "silu":  # the MLP is SiluAndMul; another activation would be computed wrongly, not refused
         raise ConfigError(f"{path}: hidden_act={act!r} is not supported (only 'silu')")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if family.qkv_bias == "attention_bias":
-        qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
-    else:
-        qkv_bias, o_bias = bool(family.qkv_bias), False
+    qkv_bias, o_bias = family_biases(family, hf)
+    moe = read_moe(family.moe, raw, hf, path, model_type) if family.moe is not None else None
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -302,5 +332,5 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(hf.tie_word_embeddings), eos_token_ids=eos_ids,
         model_type=model_type, qkv_bias=qkv_bias, o_proj_bias=o_bias,
         mlp_bias=family.mlp_bias and bool(getattr(hf, "mlp_bias", False)), qk_norm=family.qk_norm,
-        rope_scaling=scaling, sliding_windows=_sliding_windows(family, hf, path),
+        rope_scaling=scaling, sliding_windows=_sliding_windows(family, hf, path), moe=moe,
     )

@@ -37,17 +37,19 @@ class LLM:
     """``with LLM(model_dir, tp_size=2) as llm: llm.logits([1, 2, 3])`` — closing it stops the workers.
 
     ``num_kv_blocks`` defaults to what ``cache.kv_cache_bytes`` (per rank) holds, capped at what
-    ``cache.max_num_seqs`` sequences of the model's maximum length could use (``CacheConfig``)."""
+    ``cache.max_num_seqs`` sequences of the model's maximum length could use (``CacheConfig``).
+    ``ep_size``: a mixture-of-experts model's experts split over ``ep_size`` groups of the ``tp_size`` ranks
+    (``impl.layers.moe``; ``tp_size % ep_size == 0``); 1 shards every expert over all ranks."""
 
     def __init__(self, model_dir: str | os.PathLike, tp_size: int = 1, dtype: str = "float32", block_size: int = 16,
                  num_kv_blocks: int | None = None, cache: CacheConfig | None = None, device: str = "cpu",
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, ep_size: int = 1):
         cache = cache or CacheConfig()
-        self.tp_size, self.device = tp_size, device
+        self.tp_size, self.ep_size, self.device = tp_size, ep_size, device
         self.max_num_seqs, self.kv_cache_bytes = cache.max_num_seqs, cache.kv_cache_bytes
         self.enable_prefix_caching, self._tokenizer = cache.enable_prefix_caching, None
         self._num_kv_blocks, self._max_batched = None, cache.max_num_batched_tokens
-        load_config(model_dir).check_tp(tp_size)  # refuse bad configs before any worker starts
+        load_config(model_dir).check_tp(tp_size, ep_size)  # refuse bad configs before any worker starts
         under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         self.executor = (LocalExecutor if under_torchrun else Executor)(tp_size, device=device, timeout_s=timeout_s)
         try:
@@ -57,11 +59,13 @@ class LLM:
             raise
 
     def load(self, model_dir: str | os.PathLike, dtype: str | None = None, block_size: int | None = None,
-             num_kv_blocks: int | None = None) -> None:
+             num_kv_blocks: int | None = None, ep_size: int | None = None) -> None:
         """(Re)load the workers with a checkpoint and cache layout, keeping the worker processes.
-        ``dtype`` / ``block_size`` None keep the current ones; ``num_kv_blocks`` None sizes the cache."""
+        ``dtype`` / ``block_size`` / ``ep_size`` None keep the current ones; ``num_kv_blocks`` None sizes the cache."""
         cfg = load_config(model_dir)
-        cfg.check_tp(self.tp_size)
+        ep_size = self.ep_size if ep_size is None else ep_size
+        cfg.check_tp(self.tp_size, ep_size)
+        self.ep_size = ep_size
         if block_size is not None:
             if block_size < 1:
                 raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -73,16 +77,17 @@ class LLM:
         self.dtype = parse_dtype(dtype) if dtype is not None else self.dtype
         self.num_kv_blocks = self._num_kv_blocks or self._default_num_blocks(self.kv_cache_bytes, self.max_num_seqs)
         self.max_num_batched_tokens = self._max_batched or max(8192, cfg.max_position)
-        self.executor.call("_load", self.model_dir, str(self.dtype).removeprefix("torch."), self.device)
+        self.executor.call("_load", self.model_dir, str(self.dtype).removeprefix("torch."), self.device,
+                           ep_size=self.ep_size)
         self.executor.call("allocate_kv_cache", self.num_kv_blocks, self.block_size)
         self.reset_scheduler()
 
     def reload(self) -> None:
         """Reload the current checkpoint and cache layout (undoes anything done to the ranks' models)."""
-        self.load(self.model_dir, None, self.block_size, self._num_kv_blocks)
+        self.load(self.model_dir, None, self.block_size, self._num_kv_blocks, self.ep_size)
 
     def _default_num_blocks(self, budget: int, max_num_seqs: int) -> int:
-        plan = shard_plan(self.cfg, self.tp_size)
+        plan = shard_plan(self.cfg, self.tp_size, self.ep_size)
         per_block = plan.kv_cache_bytes_per_block(self.cfg.num_layers, self.block_size, self.dtype.itemsize)
         c = self.cfg
         cap = max_num_seqs * -(-c.max_position // self.block_size)

@@ -3,8 +3,11 @@
 Checkpoint tensors are opened lazily (``safe_open(...).get_slice``) and handed to the target parameter's
 ``weight_loader(param, loaded, shard_id)``, which narrows them to the rank's rows or columns; only that
 slice is read from disk. Separate HF tensors of a fused parameter (q/k/v -> qkv_proj, gate/up ->
-gate_up_proj) are routed by the model's ``packed_modules_mapping``. A tensor the model has no place for,
-a parameter no tensor filled, or a shape mismatch is an error naming the tensor. Pickle files are refused."""
+gate_up_proj) are routed by the model's ``packed_modules_mapping``; a module with its own checkpoint names (a
+MoE block: ``checkpoint_tensors``) lists them itself, the experts of other expert-parallel groups among them,
+which this rank skips without reading. A tensor the model has no place for, a parameter no tensor filled, or a
+shape mismatch is an error naming the tensor. Pickle files are refused. ``load_weights`` returns how many
+elements it read of each tensor."""
 from __future__ import annotations
 
 import json
@@ -31,11 +34,14 @@ class LazySlice:
     def __init__(self, sl, dtype: torch.dtype):
         self._sl, self._dtype = sl, dtype
         self.shape = tuple(sl.get_shape())
+        self.elements_read = 0
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = [slice(None)] * len(self.shape)
         index[dim] = slice(start, start + length)
-        return self._sl[tuple(index)].to(self._dtype)
+        out = self._sl[tuple(index)].to(self._dtype)
+        self.elements_read += out.numel()
+        return out
 
 
 def default_weight_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -80,27 +86,39 @@ def open_safetensors(path: str):
         raise LoadError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def expected_tensors(model: nn.Module) -> dict[str, tuple[str, object]]:
-    """Every checkpoint tensor name the model needs -> (its parameter name, shard id)."""
-    out = {}
+def expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[str, object]], set[str]]:
+    """Every checkpoint tensor name the model needs -> (its parameter name, shard id); and the tensors this rank
+    skips (other expert groups' experts: ``checkpoint_tensors`` of a MoE block)."""
+    out: dict[str, tuple[str, object]] = {}
+    skipped: set[str] = set()
+    for mname, module in model.named_modules():
+        if hasattr(module, "checkpoint_tensors"):
+            wanted, other = module.checkpoint_tensors(mname)
+            out.update(wanted)
+            skipped |= other
+    covered = {pname for pname, _ in out.values()}
     for pname, _ in model.named_parameters():  # a tied lm_head shares the embedding's parameter: listed once
+        if pname in covered:
+            continue
         packed = [(hf, fused, sid) for hf, (fused, sid) in model.packed_modules_mapping.items()
                   if f".{fused}." in f".{pname}"]
         for hf, fused, sid in packed:
             out[pname.replace(fused, hf)] = (pname, sid)
         if not packed:
             out[pname] = (pname, None)
-    return out
+    return out, skipped
 
 
-def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) -> None:
+def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) -> dict[str, int]:
+    """Load this rank's slices of every tensor the model needs; returns ``{tensor: elements read}`` (the
+    tensors skipped as other ranks' experts are not in it)."""
     params = dict(model.named_parameters())
-    wanted = expected_tensors(model)
+    wanted, skipped = expected_tensors(model)
     tied = getattr(model.cfg, "tie_word_embeddings", False)
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
     for fname, names in checkpoint_files(model_dir).items():
         for name in names:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or name in skipped:
                 continue
             if tied and name == "lm_head.weight":
                 continue  # some tied checkpoints also store the (identical) head; the embedding is used
@@ -109,6 +127,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
                 if name.endswith(".bias"):  # the usual cause: a bias flag in config.json that disagrees
                     hint = (f" (config.json of model_type {model.cfg.model_type!r} gives this layer no bias: "
                             "check attention_bias / mlp_bias)")
+                elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                    hint = (" (experts fused in one 3-D tensor, transformers 5's in-memory layout: impl reads one "
+                            "tensor per expert, as save_pretrained writes them)")
                 raise LoadError(f"unexpected tensor {name!r} in {Path(fname).name}: the "
                                 f"{type(model).__name__} model has no parameter for it{hint}")
             pname, sid = wanted[name]
@@ -117,13 +138,14 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
             # one mapping per tensor: safetensors slices are views into an mmap of the file, and the pages a
             # slice touches stay resident until the mapping closes (a row-parallel column slice touches them all)
             with open_safetensors(fname) as f:
+                lazy = LazySlice(f.get_slice(name), dtype)
                 try:
-                    loader(param, LazySlice(f.get_slice(name), dtype), sid)
+                    loader(param, lazy, sid)
                 except ShapeMismatch as e:
                     raise LoadError(f"tensor {name!r} in {Path(fname).name}: {e} (parameter {pname}"
                                     f"{'' if sid is None else f', shard {sid!r}'}, local shape {list(param.shape)})") from None
-            seen.add(name)
-    missing = sorted(set(wanted) - seen)
+            seen[name] = lazy.elements_read
+    missing = sorted(set(wanted) - set(seen))
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         cfg, hint = model.cfg, ""
@@ -131,3 +153,4 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
             hint = (f" (the {cfg.model_type!r} config asks for biases: q/k/v {cfg.qkv_bias}, o_proj {cfg.o_proj_bias}, "
                     f"mlp {cfg.mlp_bias})")
         raise LoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {missing[:8]}{more}{hint}")
+    return seen

@@ -21,15 +21,16 @@ SeqInput = tuple[list[int], int, list[int]]
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu"):
-        self.rank, self.tp_size = get_tp_rank(), get_tp_size()
+    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu", ep_size: int = 1):
+        self.rank, self.tp_size, self.ep_size = get_tp_rank(), get_tp_size(), ep_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
         self.cfg = load_config(model_dir)
-        self.cfg.check_tp(self.tp_size)
+        self.cfg.check_tp(self.tp_size, ep_size)
         self.dtype, self.device = parse_dtype(dtype), torch.device(device)
         # the family's model class from the registry (impl.config.FAMILIES), by the config's model_type
-        self.model = model_class(self.cfg)(self.cfg, self.dtype).to(self.device)
-        load_weights(self.model, model_dir, self.dtype)
+        self.model = model_class(self.cfg)(self.cfg, self.dtype, ep_size).to(self.device)
+        # {checkpoint tensor: elements this rank read}: other expert groups' experts are not in it
+        self.loaded_tensors = load_weights(self.model, model_dir, self.dtype)
         self.block_size = 0
 
     def attention_layers(self) -> list[Attention]:

@@ -1,7 +1,7 @@
 """Simulated tensor-parallel ranks in one process, for unit tests of the parallel layers and the loader.
 
 The layers read ``get_tp_rank()`` / ``get_tp_size()`` at construction and call ``all_reduce`` / ``gather``
-in forward, all imported by name into ``impl.layers.linear`` and ``impl.layers.embedding``.  ``fake_rank``
+in forward, all imported by name into ``impl.layers.linear``, ``impl.layers.embedding`` and ``impl.layers.moe``.  ``fake_rank``
 patches those names so that code run inside it (construction, weight loading, forward) behaves as rank
 ``rank`` of a group of ``tp`` with the collectives replaced by identities that count their calls.  The
 test then reassembles the per-rank outputs itself with ``combine`` according to a placement.
@@ -17,9 +17,10 @@ import torch
 import impl.distributed
 import impl.layers.embedding
 import impl.layers.linear
+import impl.layers.moe
 from impl.placements import Fused, Partial, Replicate, Shard
 
-PATCHED_MODULES = (impl.layers.linear, impl.layers.embedding, impl.distributed)
+PATCHED_MODULES = (impl.layers.linear, impl.layers.embedding, impl.layers.moe, impl.distributed)
 
 
 @contextlib.contextmanager

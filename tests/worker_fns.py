@@ -66,3 +66,8 @@ def hf_tp_zero_o_proj(rank, layer: int, on_rank: int = 1):
     with torch.no_grad():
         (w.to_local() if hasattr(w, "to_local") else w).zero_()
     return True
+
+
+def loaded_tensors(runner):
+    """``{checkpoint tensor: elements read}`` of this rank's load (other expert groups' experts absent)."""
+    return runner.loaded_tensors

@@ -6,6 +6,10 @@ Weights follow ``nn.Linear``: ``W`` is ``[out_features, in_features]`` and ``y =
   and produces that slice of ``y`` with no communication.
 * Row parallel: ``W`` is split along dim 1 (in_features); rank r multiplies its slice of ``x`` and the
   partial products are summed with one all-reduce. The bias is added once (by rank 0, before the sum).
+  With ``reduce_results=False`` the rank's partial product is returned and the caller sums it (vLLM's
+  contract: a MoE block reduces its routed and shared experts in one all-reduce).
+* Replicated: every rank holds the whole ``W`` and computes the whole ``y`` (a MoE router, the shared
+  expert's gate).
 
 Each parameter carries ``weight_loader(param, loaded, shard_id=None)``. ``loaded`` is the full checkpoint
 tensor, or any object with ``.shape`` and ``.narrow(dim, start, length)`` (the loader passes lazy safetensors
@@ -18,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl.distributed import all_reduce, get_tp_rank, get_tp_size
-from impl.placements import Fused, Replicate, Shard
+from impl.placements import Fused, Partial, Replicate, Shard
 from impl.shard_plan import kv_split
 
 
@@ -49,6 +53,22 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+
+
+class ReplicatedLinear(LinearBase):
+    """``[out, in]`` held whole by every rank; output ``Replicate`` (vLLM's ``ReplicatedLinear``)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__(input_size, output_size, bias, dtype)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_placement = Replicate()
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        check_shape(loaded, param.shape)
+        param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -127,13 +147,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """``[out, in]`` split along in: rank r holds columns ``[r*in/tp, (r+1)*in/tp)`` and consumes the matching
-    ``Shard(-1)`` input; ``y = all_reduce(x_r W_r^T) + b`` with the bias added once. Output ``Replicate``."""
+    ``Shard(-1)`` input; ``y = all_reduce(x_r W_r^T) + b`` with the bias added once. Output ``Replicate``;
+    ``Partial`` with ``reduce_results=False`` (the caller all-reduces ``x_r W_r^T + [r == 0] b``)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 reduce_results: bool = True):
         tp = get_tp_size()
         super().__init__(divide(input_size, tp, "input_size"), output_size, bias, dtype)
-        self.input_size, self.output_size = input_size, output_size
-        self.output_placement = Replicate()
+        self.input_size, self.output_size, self.reduce_results = input_size, output_size, reduce_results
+        self.output_placement = Replicate() if reduce_results else Partial()
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias: not sharded
@@ -146,4 +168,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        y = F.linear(x, self.weight, bias)
+        return all_reduce(y) if self.reduce_results else y

@@ -1,7 +1,9 @@
-"""The decoder skeleton shared by every supported family (Llama, Mistral, Qwen2, Qwen3), built from the
-tensor-parallel layers. A family file (``qwen2.py``, ``llama.py``, ``qwen3.py``) only names its classes and
-overrides what is its own; the options HF spells in the config (biases, RoPE scaling, sliding windows) are
-read from ``ModelConfig``.
+"""The decoder skeleton shared by every supported family (Llama, Mistral, Qwen2, Qwen3 and the mixture-of-experts
+Qwen2-MoE, Qwen3-MoE, Mixtral), built from the tensor-parallel layers. A family file (``qwen2.py``, ``llama.py``,
+``qwen3.py``, ``qwen2_moe.py``, ``qwen3_moe.py``, ``mixtral.py``) only names its classes and overrides what is
+its own; the options HF spells in the config (biases, RoPE scaling, sliding windows, experts) are read from
+``ModelConfig``. Each layer's ``mlp`` is the dense ``GatedMLP`` or, on the layers ``ModelConfig.is_sparse``
+names, a ``SparseMoeBlock`` (``impl.layers.moe``: router, top-k, experts under TP / EP, one all-reduce).
 
 Module names mirror Hugging Face's (``model.layers.{i}.self_attn...``) except where projections are fused:
 ``qkv_proj`` = q_proj | k_proj | v_proj and ``gate_up_proj`` = gate_proj | up_proj (see
@@ -18,10 +20,11 @@ import torch
 from torch import nn
 
 from impl.config import ModelConfig
-from impl.layers.activation import SiluAndMul
 from impl.layers.attention import Attention
 from impl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from impl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from impl.layers.linear import QKVParallelLinear, RowParallelLinear
+from impl.layers.mlp import GatedMLP
+from impl.layers.moe import SparseMoeBlock
 from impl.layers.norm import RMSNorm
 from impl.layers.rotary import RotaryEmbedding
 
@@ -55,28 +58,20 @@ class DecoderAttention(nn.Module):
         return self.o_proj(context)
 
 
-class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; biases on all three when the config's ``mlp_bias`` says so."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        n = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], bias=cfg.mlp_bias, dtype=dtype)
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(n, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
+    """``h = x + attn(norm(x)); out = h + mlp(norm(h))``; ``mlp`` is a ``SparseMoeBlock`` on the sparse layers
+    (experts split over ``ep_size`` groups of the tp ranks), the dense ``GatedMLP`` on the others."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 attention_cls: type[DecoderAttention] = DecoderAttention):
+                 attention_cls: type[DecoderAttention] = DecoderAttention, ep_size: int = 1):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = attention_cls(cfg, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg, dtype)
+        if cfg.is_sparse(layer_idx):
+            self.mlp = SparseMoeBlock(cfg, dtype, ep_size)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # same op order and dtype as HF: residual adds in the activation dtype
@@ -85,10 +80,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_cls: type[DecoderAttention] = DecoderAttention):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_cls: type[DecoderAttention] = DecoderAttention,
+                 ep_size: int = 1):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, attention_cls) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, attention_cls, ep_size)
+                                     for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -101,7 +98,8 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """A family's causal LM: ``model`` (embedding, layers, final norm) and a vocab-parallel ``lm_head`` (the
     embedding's parameter when tied). A subclass sets ``model_type`` (checked against the config) and, where
-    its attention differs, ``attention_cls``."""
+    its attention differs, ``attention_cls``. ``ep_size``: the expert-parallel groups of a MoE model's tp
+    ranks (``impl.layers.moe``; 1 for a dense model)."""
 
     model_type: str = ""
     attention_cls: type[DecoderAttention] = DecoderAttention
@@ -110,13 +108,13 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, ep_size: int = 1):
         super().__init__()
         if cfg.model_type != self.model_type:
             raise ValueError(f"{type(self).__name__} builds model_type {self.model_type!r}, the config is "
                              f"{cfg.model_type!r} (build the model through impl.models.model_class)")
-        self.cfg = cfg
-        self.model = DecoderModel(cfg, dtype, self.attention_cls)
+        self.cfg, self.ep_size = cfg, ep_size
+        self.model = DecoderModel(cfg, dtype, self.attention_cls, ep_size)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

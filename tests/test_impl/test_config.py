@@ -124,16 +124,17 @@ def test_rope_theta_both_layouts_agrees_with_hf(tmp_path):
     assert cfg.rope_theta == hf_rope_theta(cfg.hf) == (10000.0 if TRANSFORMERS_5 else 55555.0)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "qwen2_moe", None])
+@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v2", None])
 def test_unsupported_model_type_refused(model_type, tmp_path):
-    """Anything outside impl.config.FAMILIES (llama, mistral, qwen2, qwen3) is refused, listing those."""
+    """Anything outside impl.config.FAMILIES (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe) is
+    refused, listing those."""
     def edit(raw):
         if model_type is None:
             del raw["model_type"]
         else:
             raw["model_type"] = model_type
 
-    with pytest.raises(ConfigError, match="supported: llama, mistral, qwen2, qwen3") as ei:
+    with pytest.raises(ConfigError, match="supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe") as ei:
         load_config(write_config(tmp_path, "tiny", edit))
     assert f"model_type is {model_type!r}" in str(ei.value)
 

@@ -97,14 +97,14 @@ def test_config_fields(preset, fam):
     assert model_class(cfg).__name__ == cfg.hf.architectures[0]
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "qwen2_moe", "Llama", None])
+@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v2", "Llama", None])
 def test_unsupported_model_type_refused(model_type, fam, tmp_path):
     def edit(raw):
         raw.pop("model_type") if model_type is None else raw.update(model_type=model_type)
     d = edit_config(fam("llama"), tmp_path / "x", edit)
     with pytest.raises(ConfigError) as ei:
         load_config(d)
-    assert str(ei.value) == f"{d / 'config.json'}: model_type is {model_type!r}; supported: llama, mistral, qwen2, qwen3"
+    assert str(ei.value) == f"{d / 'config.json'}: model_type is {model_type!r}; supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
 
 
 @pytest.mark.parametrize("preset", ["llama", "mistral", "qwen3"])

@@ -70,11 +70,32 @@ def test_loads_cleanly_and_sharded_matches(preset, tmp_path):
     assert l1.shape == (1, PROMPT.shape[1], cfg.vocab_size)
     assert torch.isfinite(l1).all()
     assert torch.equal(l1, l3)
-    # Loaded parameters are exactly the stored ones (nothing left at an init value).
+    # Loaded parameters are exactly the stored ones (nothing left at an init value); transformers 5 fuses a MoE
+    # layer's per-expert tensors into 3-D ones on load (gate | up, down), and names Mixtral's block ``mlp``
     stored = _tensors(single)
     for name, p in m1.state_dict().items():
-        ref = stored["model.embed_tokens.weight"] if name not in stored else stored[name]
-        assert torch.equal(p, ref), name
+        assert torch.equal(p, _stored_as_hf(stored, name)), name
+
+
+def _stored_as_hf(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The checkpoint tensor(s) behind HF's parameter ``name``: itself, the tied embedding, or the experts of a
+    fused ``experts.gate_up_proj`` ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]`` stacked in expert order."""
+    if name in stored:
+        return stored[name]
+    if name == "lm_head.weight":
+        return stored["model.embed_tokens.weight"]
+    base = name.rsplit(".experts.", 1)[0] if ".experts." in name else name.rsplit(".", 2)[0]
+    mixtral = any(".block_sparse_moe." in k for k in stored)
+    ckpt = base.replace(".mlp", ".block_sparse_moe") if mixtral else base
+    if name.endswith(".gate.weight"):
+        return stored[f"{ckpt}.gate.weight"]
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    n = sum(1 for k in stored if k.startswith(f"{ckpt}.experts.") and k.endswith(f".{down}.weight"))
+    if name.endswith("experts.gate_up_proj"):
+        return torch.stack([torch.cat([stored[f"{ckpt}.experts.{e}.{gate}.weight"],
+                                       stored[f"{ckpt}.experts.{e}.{up}.weight"]]) for e in range(n)])
+    assert name.endswith("experts.down_proj"), name
+    return torch.stack([stored[f"{ckpt}.experts.{e}.{down}.weight"] for e in range(n)])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

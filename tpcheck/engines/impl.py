@@ -16,17 +16,17 @@ FAULTS = True  # --inject patches impl's modules in its ranks
 
 
 def get_llm(pool, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
-            num_kv_blocks: int | None = None) -> LLM:
-    """``pool``'s ``impl.LLM`` of ``tp`` ranks, started once and reloaded when the checkpoint or cache layout
-    changes."""
-    key = (str(model_dir), dtype, block_size, num_kv_blocks)
+            num_kv_blocks: int | None = None, ep: int = 1) -> LLM:
+    """``pool``'s ``impl.LLM`` of ``tp`` ranks, started once and reloaded when the checkpoint, cache layout or
+    expert-parallel size ``ep`` (MoE models) changes."""
+    key = (str(model_dir), dtype, block_size, num_kv_blocks, ep)
 
     def start() -> LLM:
         return LLM(model_dir, tp_size=tp, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                   **pool.llm_kwargs)
+                   ep_size=ep, **pool.llm_kwargs)
 
     def reload(llm: LLM) -> None:
-        llm.load(model_dir, dtype, block_size, num_kv_blocks)
+        llm.load(model_dir, dtype, block_size, num_kv_blocks, ep)
 
     return pool.acquire("impl", tp, key, start, reload, close=LLM.close)
 

@@ -30,11 +30,11 @@ from safetensors.torch import save_file
 # re-exported: the presets and the value recipe live in their own modules; ``from tpcheck.inputs.checkpoints
 # import PRESETS`` (and ``ck._tensor_specs`` in the tests) keep working
 from tpcheck.inputs.presets import (  # noqa: F401
-    DTYPES, OUTLIERS, PRESETS, _check_dtype, _check_preset, config_family, config_from_kwargs, describe_preset,
+    DTYPES, OUTLIERS, PRESETS, ROUTER_TIES, _check_dtype, _check_preset, config_family, config_from_kwargs, describe_preset,
     preset_available, preset_config, preset_family, preset_names,
 )
 from tpcheck.inputs.weight_recipe import (  # noqa: F401
-    _add_outliers, _draw, _tensor_specs, family_options, outlier_channels,
+    _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
@@ -70,16 +70,18 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
     Returns ``out`` as a Path.
     """
     return make_config_checkpoint(preset_config(preset, dtype), out, seed=seed, dtype=dtype, shards=shards,
-                                  outliers=OUTLIERS.get(preset, 0.0))
+                                  outliers=OUTLIERS.get(preset, 0.0), router_ties=ROUTER_TIES.get(preset, 0.0))
 
 
 def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype: str = "float32",
-                           shards: int = 1, bias_std: float = 0.5, outliers: float = 0.0) -> pathlib.Path:
+                           shards: int = 1, bias_std: float = 0.5, outliers: float = 0.0,
+                           router_ties: float = 0.0) -> pathlib.Path:
     """``make_checkpoint`` for any shape of a supported family: ``config`` is an HF config or a dict of its
     keyword arguments with ``model_type`` (``config_from_kwargs``; an explicit ``head_dim`` is honoured, as HF
     does).  Same value recipe, same atomic write;
     ``bias_std`` scales every bias (default 0.5: the presets' recipe); ``outliers > 0`` adds the
-    massive-activation recipe at that strength (``_add_outliers``; 1.0 is ``small-outliers``').  Presets
+    massive-activation recipe at that strength (``_add_outliers``; 1.0 is ``small-outliers``'); ``router_ties
+    > 0`` draws every MoE router in near-tied pairs of rows at that spread (``_tie_router``).  Presets
     written through here are bit-for-bit those of ``make_checkpoint``."""
     cfg = config_from_kwargs(config, dtype) if isinstance(config, dict) else config
     tdtype = _check_dtype(dtype)
@@ -108,7 +110,8 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
             for (name, shape, kind), o in zip(specs, owner):
                 if o == s:  # shards are contiguous, so the draw order is always `specs`
                     t = _draw(shape, kind, gen, bias_std)
-                    tensors[name] = (_add_outliers(name, t, cfg, outliers) if outliers else t).to(tdtype)
+                    t = _add_outliers(name, t, cfg, outliers) if outliers else t
+                    tensors[name] = (_tie_router(name, t, router_ties) if router_ties else t).to(tdtype)
                     weight_map[name] = fname
             save_file(tensors, tmp / fname, metadata={"format": "pt"})
             del tensors
@@ -138,6 +141,14 @@ def _check_impl_reads(model_dir: pathlib.Path, cfg) -> None:
     want = family_options(cfg)
     if got != want:
         raise ValueError(f"{model_dir}: impl reads the optional tensors {got}, the checkpoint writer {want}")
+    moe, m = moe_options(cfg), mc.moe
+    got_moe = None if m is None else (m.num_experts, m.intermediate_size, m.shared_expert_intermediate_size,
+                                      m.sparse_layers)
+    want_moe = None if moe is None else (moe["num_experts"], moe["intermediate_size"],
+                                         moe["shared_expert_intermediate_size"], moe["sparse_layers"])
+    if got_moe != want_moe:
+        raise ValueError(f"{model_dir}: impl reads the experts (number, width, shared width, sparse layers) "
+                         f"{got_moe}, the checkpoint writer {want_moe}")
 
 
 def default_cache_root() -> pathlib.Path:

@@ -1,5 +1,5 @@
 """The named presets of ``tpcheck.inputs.checkpoints``: one HF config's keyword dict per preset, for every family
-impl runs (Qwen2, Llama, Mistral, Qwen3), the HF config a dict makes, and the one-line description
+impl runs (Qwen2, Llama, Mistral, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral), the HF config a dict makes, and the one-line description
 ``tpcheck presets`` prints.
 
 Qwen2 presets (no ``model_type`` key: a preset dict is a ``Qwen2Config``'s keywords; head_dim = hidden /
@@ -38,6 +38,22 @@ and 4, with KV heads replicated at tp 4):
 * ``llama-hd32``      Llama 3 with head_dim 32 (hidden 128, 4 heads / 2 KV heads, 2 layers, llama3 RoPE,
                       tied, vocab 256): the Llama shape ``--engine vllm`` runs on CPU.
 * ``small-qwen3``     4 layers, 8 heads / 2 KV heads, head_dim 32 != 128 / 8, q/k norms; untied.
+
+Mixture of experts (``impl.layers.moe``; 8 experts of width 32 per sparse layer, so every one splits at tp 1, 2
+and 4 with ep 1, 2 and 4 wherever ep divides tp):
+
+* ``tiny-qwen2-moe``  Qwen2-MoE: 3 layers, layer 1 dense (``mlp_only_layers``, width 96), top-2 of 8 experts
+                      without renormalisation (``norm_topk_prob`` false), a shared expert of width 48 with its
+                      sigmoid gate; 4 heads / 2 KV heads (replicated at tp 4); untied.
+* ``tiny-qwen3-moe``  Qwen3-MoE: 2 sparse layers, top-2 of 8 renormalised (``norm_topk_prob``), q/k norms,
+                      head_dim 32, 4 heads / 1 KV head; tied.
+* ``tiny-mixtral``    Mixtral: 2 sparse layers of 8 ``block_sparse_moe`` experts (``w1``/``w3``/``w2``), top-2,
+                      always renormalised, weights kept in float32; ``sliding_window`` 16; untied.
+* ``tiny-moe-ties``   Qwen3-MoE with near-tie routing drawn deliberately: top-3 of 8, the router's rows come in
+                      pairs (row ``2i+1`` = row ``2i`` + 0.01 x its own draw, ``ROUTER_TIES``), so the 3rd and
+                      4th choice of every token are the two experts of one pair and their logits differ by
+                      ~0.01 x |x| / sqrt(hidden): a choice a bfloat16 router may legitimately flip;
+                      renormalised; 2 layers; tied.
 
 What the presets' checkpoints hold (the value recipe) is in ``tpcheck.inputs.weight_recipe``; writing and caching
 them is ``tpcheck.inputs.checkpoints``, whose RECIPE_VERSION covers these dicts too.
@@ -124,8 +140,27 @@ PRESETS.update({
                         tie_word_embeddings=False, rope_theta=1000000.0),
 })
 
+_MOE_ATTN = dict(_FAMILY, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256,
+                 rope_theta=1000000.0)
+_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+PRESETS.update({
+    "tiny-qwen2-moe": dict(_MOE_ATTN, **_EXPERTS, model_type="qwen2_moe", num_key_value_heads=2, num_hidden_layers=3,
+                           intermediate_size=96, mlp_only_layers=[1], shared_expert_intermediate_size=48,
+                           norm_topk_prob=False, use_sliding_window=False, tie_word_embeddings=False),
+    "tiny-qwen3-moe": dict(_MOE_ATTN, **_EXPERTS, model_type="qwen3_moe", num_key_value_heads=1, head_dim=32,
+                           intermediate_size=96, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=True),
+    "tiny-mixtral": dict(_MOE_ATTN, model_type="mixtral", num_attention_heads=8, num_key_value_heads=2,
+                         num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=16,
+                         tie_word_embeddings=False),
+    "tiny-moe-ties": dict(_MOE_ATTN, **dict(_EXPERTS, num_experts_per_tok=3), model_type="qwen3_moe",
+                          num_key_value_heads=1, head_dim=32, intermediate_size=96, mlp_only_layers=[],
+                          norm_topk_prob=True, tie_word_embeddings=True),
+})
+
 # presets drawn with the massive-activation recipe (``outliers=`` of ``make_config_checkpoint``)
 OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
+# presets whose routers are drawn in near-tied pairs of rows, at this spread (``router_ties=``; ``_tie_router``)
+ROUTER_TIES: dict[str, float] = {"tiny-moe-ties": 0.01}
 
 
 def preset_names() -> list[str]:
@@ -139,7 +174,8 @@ def config_family(config: dict) -> str:
 
 
 def preset_family(name: str) -> str:
-    """The ``model_type`` of preset ``name`` (``qwen2``, ``llama``, ``mistral``, ``qwen3``)."""
+    """The ``model_type`` of preset ``name`` (``qwen2``, ``llama``, ``mistral``, ``qwen3``, ``qwen2_moe``,
+    ``qwen3_moe``, ``mixtral``)."""
     return config_family(_check_preset(name))
 
 
@@ -157,14 +193,32 @@ def describe_preset(name: str) -> str:
     scaling = c.get("rope_scaling")
     if scaling:
         extra.append(f"{scaling['rope_type']} rope (original {scaling['original_max_position_embeddings']} positions)")
-    if c.get("sliding_window") is not None and config_family(c) == "mistral":
+    if c.get("sliding_window") is not None and config_family(c) in ("mistral", "mixtral"):
         extra.append(f"sliding window {c['sliding_window']}")
     biases = [b for b in ("attention_bias", "mlp_bias") if c.get(b)]
     if biases:
         extra.append("+".join(biases))
-    return (f"{name:15s} {config_family(c):7s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
+    extra += _describe_moe(name, c)
+    return (f"{name:15s} {config_family(c):9s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
             f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
             f"{'tied' if c.get('tie_word_embeddings') else 'untied'}" + "".join(f"; {e}" for e in extra))
+
+
+def _describe_moe(name: str, c: dict) -> list[str]:
+    """``tpcheck presets``' words for a mixture-of-experts preset: experts, top-k, renormalisation, shared
+    expert, dense layers, near-tie routing."""
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    if experts is None:
+        return []
+    renorm = config_family(c) == "mixtral" or c.get("norm_topk_prob")
+    out = [f"top-{c['num_experts_per_tok']} of {experts} experts{' renormalised' if renorm else ''}"]
+    if c.get("shared_expert_intermediate_size"):
+        out.append("shared expert")
+    if c.get("mlp_only_layers"):
+        out.append(f"dense layer(s) {c['mlp_only_layers']}")
+    if name in ROUTER_TIES:
+        out.append(f"near-tie router rows (pairs {ROUTER_TIES[name]} apart)")
+    return out
 
 
 def _check_dtype(dtype: str) -> torch.dtype:

@@ -8,7 +8,11 @@ tensors are drawn in one fixed order, so output is bit-for-bit deterministic for
 embeddings N(0, 1), biases N(0, 0.5**2), norm weights ``1 + s*u`` with u ~ U(0.2, 0.6)
 and a random sign s.  Activations stay O(1)-O(10) through many layers, finite in fp16.
 ``_tensor_specs`` lists the tensors each family has, in draw order; for a Qwen2 config they are the
-ones (and the order) of RECIPE_VERSION 1, so Qwen2 checkpoints are unchanged byte for byte.
+ones (and the order) of RECIPE_VERSION 1, so Qwen2 checkpoints are unchanged byte for byte; dense families'
+specs do not change with the mixture-of-experts ones (a sparse layer's MLP tensors replace the dense ones in
+the same place of the order: the router, each expert's gate / up / down, the shared expert and its gate).
+Routers, experts and the shared expert's gate are linear weights (N(0, 1/fan_in)); ``_tie_router`` makes a
+router's rows near-tied pairs for the ``ROUTER_TIES`` presets.
 """
 
 from __future__ import annotations
@@ -31,13 +35,47 @@ def family_options(cfg) -> dict[str, bool]:
     """Which optional tensors an HF config's model has, spelt as ``impl.config.Family`` says the family spells
     them (the same reading as ``impl.config.load_config``, which ``make_config_checkpoint`` checks against):
     ``qkv_bias``, ``o_proj_bias``, ``mlp_bias`` (gate/up/down biases) and ``qk_norm`` (per-head q/k norms)."""
+    from impl.config import family_biases
     family = _family(cfg)
-    if family.qkv_bias == "attention_bias":  # Llama, Qwen3: one flag biases q/k/v and o_proj
-        qkv = o = bool(getattr(cfg, "attention_bias", False))
-    else:
-        qkv, o = bool(family.qkv_bias), False
+    qkv, o = family_biases(family, cfg)
     return {"qkv_bias": qkv, "o_proj_bias": o, "mlp_bias": family.mlp_bias and bool(getattr(cfg, "mlp_bias", False)),
             "qk_norm": family.qk_norm}
+
+
+def moe_options(cfg) -> dict | None:
+    """The experts of an HF config's model as its family spells them (``impl.moe_config.MoeSpelling``): number,
+    width, shared expert width, which layers are sparse (HF's rule), checkpoint names; None for a dense family.
+    ``make_config_checkpoint`` checks it against impl's reading (``impl.config.load_config``)."""
+    spelling = _family(cfg).moe
+    if spelling is None:
+        return None
+    n = cfg.num_hidden_layers
+    if spelling.sparse_step:
+        only, step = list(getattr(cfg, "mlp_only_layers", None) or []), getattr(cfg, "decoder_sparse_step", 1)
+        sparse = tuple(i not in only and (i + 1) % step == 0 for i in range(n))
+    else:
+        sparse = (True,) * n
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0) if spelling.shared_expert else 0
+    return {"num_experts": getattr(cfg, spelling.experts_key), "intermediate_size": getattr(cfg, spelling.intermediate_key),
+            "shared_expert_intermediate_size": shared, "sparse_layers": sparse,
+            "prefix": spelling.checkpoint_prefix, "expert_names": spelling.expert_names}
+
+
+def _moe_specs(i: int, h: int, moe: dict) -> list[tuple[str, tuple[int, int], str]]:
+    """Layer ``i``'s sparse-MLP tensors in draw order: router, each expert's gate / up / down, shared expert
+    gate / up / down and its gate (Qwen2-MoE)."""
+    m, inter, shared = f"model.layers.{i}.{moe['prefix']}.", moe["intermediate_size"], moe["shared_expert_intermediate_size"]
+    g, u, d = moe["expert_names"]
+    specs = [(m + "gate.weight", (moe["num_experts"], h), "linear")]
+    for e in range(moe["num_experts"]):
+        x = f"{m}experts.{e}."
+        specs += [(x + g + ".weight", (inter, h), "linear"), (x + u + ".weight", (inter, h), "linear"),
+                  (x + d + ".weight", (h, inter), "linear")]
+    if shared:
+        x = m + "shared_expert."
+        specs += [(x + "gate_proj.weight", (shared, h), "linear"), (x + "up_proj.weight", (shared, h), "linear"),
+                  (x + "down_proj.weight", (h, shared), "linear"), (m + "shared_expert_gate.weight", (1, h), "linear")]
+    return specs
 
 
 def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
@@ -45,7 +83,7 @@ def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
     per layer q/k/v (each with its bias where the model has one), o_proj (+ bias), Qwen3's q_norm / k_norm,
     gate / up / down (+ biases), the two norms. Where a family lacks an optional tensor nothing is drawn for
     it, so a Qwen2 config draws exactly the tensors, in the order, of RECIPE_VERSION 1."""
-    opt = family_options(cfg)
+    opt, moe = family_options(cfg), moe_options(cfg)
     h, v, inter = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
     d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads  # an explicit head_dim wins, as in HF
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -60,8 +98,11 @@ def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
         specs += linear(a + "v_proj", (kv, h), opt["qkv_bias"]) + linear(a + "o_proj", (h, q), opt["o_proj_bias"])
         if opt["qk_norm"]:
             specs += [(a + "q_norm.weight", (d,), "norm"), (a + "k_norm.weight", (d,), "norm")]
-        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-            specs += linear(m + name, shape, opt["mlp_bias"])
+        if moe is not None and moe["sparse_layers"][i]:
+            specs += _moe_specs(i, h, moe)
+        else:
+            for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                specs += linear(m + name, shape, opt["mlp_bias"])
         specs += [(f"model.layers.{i}.input_layernorm.weight", (h,), "norm"),
                   (f"model.layers.{i}.post_attention_layernorm.weight", (h,), "norm")]
     specs.append(("model.norm.weight", (h,), "norm"))
@@ -81,6 +122,20 @@ def _draw(shape: tuple[int, ...], kind: str, gen: torch.Generator, bias_std: flo
     u = torch.rand(shape, generator=gen).mul_(0.4).add_(0.2)
     sign = torch.randint(0, 2, shape, generator=gen).mul_(2).sub_(1)
     return u.mul_(sign).add_(1.0)
+
+
+_ROUTER = re.compile(r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.gate\.weight")
+
+
+def _tie_router(name: str, t: torch.Tensor, spread: float) -> torch.Tensor:
+    """The near-tie routing recipe (in place on the float32 tensor ``name``): a router ``[E, hidden]``'s odd rows
+    become their even neighbour plus ``spread`` times their own draw, so experts ``2i`` and ``2i+1`` get logits
+    that differ by ``spread * (w_{2i+1} . x)``, about ``spread * |x| / sqrt(hidden)``; no extra draw, so the other
+    tensors are those of the same seed without it."""
+    if _ROUTER.fullmatch(name) is not None:
+        n = t.shape[0] // 2 * 2  # an odd last expert keeps its own row
+        t[1:n:2] = t[0:n:2] + spread * t[1:n:2]
+    return t
 
 
 def outlier_channels(hidden: int) -> list[int]:
