@@ -39,6 +39,8 @@ class DiffOptions:
     dtype: str = _opt("float32", "--dtype", "the engine's and the noise floor's dtype", "engine", choices=DTYPES)
     prompts: tuple[tuple[int, ...], ...] | None = _opt(None, "--prompt-ids", "a prompt as token ids (repeatable)",
                                                         "inputs", type=int_list, action="append")
+    ep: int = _opt(1, "--ep", "expert-parallel size of a mixture-of-experts model (with --tp: tp %% ep == 0; the "
+                   "tp ranks form ep groups, each holding E/ep experts split tp/ep ways)", "engine", type=int)
     decode_steps: int = _opt(0, "--decode-steps", "one-token steps after the prefill", "run", type=int)
     block_size: int = _opt(16, "--block-size", "the engine's KV-cache block size", "engine", type=int)
     isolate: bool | None = _opt(None, "--isolate", "the local pass: each layer of the engine and of the noise "

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on st
 # needs q/k norms, llama3 RoPE, no q/k/v bias, a sliding window) reaches the first tiny preset of a family
 # that has the option (tpcheck.inputs.checkpoints: tiny-llama, tiny-mistral, tiny-qwen3)
 PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small",
-                "tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3")
+                "tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe",
+                "tiny-mixtral")
 TP_ORDER = (1, 2, 4)
 DTYPE_ORDER = ("float32", "bfloat16")
 CLEAN_DTYPES = ("float32", "bfloat16")

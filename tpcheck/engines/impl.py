@@ -41,8 +41,10 @@ def start(pool, opts, model_dir: str) -> "ImplAdapter":
                                            "model": model_dir}
     # --exact-ops reads the inputs of the checked ops: then every point is captured
     points = None if opts.exact_ops else selection(opts.points, opts.layers)
-    return ImplAdapter(get_llm(pool, model_dir, opts.tp, opts.dtype), list(opts.inject), opts.inject_layer,
-                       opts.block_size, dump, points)
+    if points:  # the routing check needs every MoE layer's router and top-k ids (tpcheck.pipeline.routes)
+        points = f"(?:{points})|layers\\.\\d+\\.moe\\.(?:router|topk_ids)"
+    llm = get_llm(pool, model_dir, opts.tp, opts.dtype, ep=opts.ep)
+    return ImplAdapter(llm, list(opts.inject), opts.inject_layer, opts.block_size, dump, points)
 
 
 class ImplAdapter:

@@ -32,6 +32,7 @@ class RouteCheck:
     margins: list[float] = field(default_factory=list)     # the golden's margin at each flipped row
     tau: float = 0.0
     sets: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (engine, golden) sets per flipped row
+    excluded: list[int] = field(default_factory=list)  # rows whose set differs from the route the golden followed
 
     @property
     def near_ties(self) -> int:

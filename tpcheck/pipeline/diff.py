@@ -63,7 +63,13 @@ def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, comm
         raise ValueError(f"--inject applies to impl only (faults patch impl's modules), not --engine {opts.engine}")
     model_dir = str(opts.model or cached_checkpoint(opts.preset))
     cfg = load_config(model_dir)
-    cfg.check_tp(opts.tp)
+    if opts.ep != 1:
+        if getattr(cfg, "moe", None) is None:
+            raise ValueError(f"--ep {opts.ep}: expert parallelism needs a mixture-of-experts model; this is "
+                             f"model_type {cfg.model_type!r}")
+        if opts.engine != "impl":
+            raise ValueError(f"--ep {opts.ep} applies to --engine impl only (not {opts.engine})")
+    cfg.check_tp(opts.tp, opts.ep)
     opts.validate(cfg)  # every flag against this model, before any engine work
     if hasattr(module, "check_layout"):
         module.check_layout(cfg, opts.tp)
@@ -79,7 +85,7 @@ def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, comm
     pool = pool or EnginePool()
     try:
         adapter = module.start(pool, opts, model_dir)
-        meta = {"tp": opts.tp, "engine": opts.engine, "inject": list(opts.inject), "inject_layer": opts.inject_layer,
+        meta = {"tp": opts.tp, "ep": opts.ep, "engine": opts.engine, "inject": list(opts.inject), "inject_layer": opts.inject_layer,
                 "inject_silent": silent, "command": command or opts.command()}
         return _compare(adapter, opts, [list(p) for p in prompts], tolerances, meta)
     finally:

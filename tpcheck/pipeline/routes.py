@@ -64,9 +64,14 @@ class RouteBook:
         return NEAR_TIE_FACTOR * self.router_err.get(layer, 0.0)
 
     def check(self, layer: int, engine_ids: torch.Tensor, gold: dict[str, torch.Tensor]) -> RouteCheck:
-        """The engine's expert sets of ``layer`` against the golden's, with the golden's margins."""
-        rc = check_routes(engine_ids, gold[f"layers.{layer}.moe.topk_ids"], gold[f"layers.{layer}.moe.router"],
-                          self.tau(layer))
+        """The engine's expert sets of ``layer`` against the golden's own choice (the top-k of its router logits:
+        its ``moe.topk_ids`` may be the engine's route it followed), with the golden's margins; ``excluded``:
+        the tokens whose set differs from the route the golden followed (the local pass leaves them out)."""
+        logits, followed = gold[f"layers.{layer}.moe.router"], gold[f"layers.{layer}.moe.topk_ids"]
+        own = logits.double().topk(followed.shape[-1], dim=-1).indices
+        rc = check_routes(engine_ids, own, logits, self.tau(layer))
+        rc.excluded = torch.nonzero((engine_ids.long().sort(-1).values != followed.long().sort(-1).values)
+                                    .any(-1)).flatten().tolist()
         self.checks[layer] = rc
         return rc
 
@@ -76,4 +81,4 @@ class RouteBook:
         layer, kind = split_point(name)
         if not exclude or kind not in ROUTED_POINTS or layer not in self.checks:
             return []
-        return self.checks[layer].flipped
+        return self.checks[layer].excluded

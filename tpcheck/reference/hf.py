@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from impl.config import HF_DTYPE_KEY, load_config, parse_dtype
+from impl.config import HF_DTYPE_KEY, TRANSFORMERS_5, load_config, parse_dtype
 from tpcheck.capture.core import install
 from tpcheck.capture.maps import HF_MAP
 from tpcheck.capture.teacher import Teacher
@@ -83,6 +83,10 @@ def load_hf_model(model_dir, dtype: str | torch.dtype = "float32", **kwargs) -> 
     from transformers.utils import logging as hf_logging
     _, model_cls = hf_classes(model_dir)
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per reference model would bury tpcheck's output
+    if parse_dtype(dtype) == torch.float64 and getattr(load_config(model_dir), "moe", None) is not None \
+            and TRANSFORMERS_5:
+        # transformers 5's default experts kernel (grouped_mm) has no float64: the golden adds expert by expert
+        kwargs.setdefault("experts_implementation", "eager")
     return model_cls.from_pretrained(str(model_dir), **{HF_DTYPE_KEY: parse_dtype(dtype)}, **kwargs).eval()
 
 
