@@ -71,3 +71,19 @@ def hf_tp_zero_o_proj(rank, layer: int, on_rank: int = 1):
 def loaded_tensors(runner):
     """``{checkpoint tensor: elements read}`` of this rank's load (other expert groups' experts absent)."""
     return runner.loaded_tensors
+
+
+def moe_route_second_best(runner, layer: int):
+    """Inside a rank: decoder layer ``layer``'s MoE top-k picks the experts ranked 2..k+1 instead of 1..k (a
+    routing bug whose router logits are right)."""
+    topk = runner.model.model.layers[layer].mlp.topk
+    orig = topk.forward
+
+    def forward(router_logits):
+        weights, ids = orig(router_logits)
+        probs = torch.softmax(router_logits.float(), dim=-1)
+        ids = probs.topk(ids.shape[-1] + 1, dim=-1).indices[:, 1:]
+        return probs.gather(-1, ids).to(weights.dtype), ids
+
+    topk.forward = forward
+    return runner.rank

@@ -46,8 +46,7 @@ def unshard(name: str, placement, tensors: list[torch.Tensor | None]) -> list[Un
     if isinstance(placement, Replicate):
         return [Unsharded(name, held[0][1], _agree(name, held))]
     if isinstance(placement, Partial):
-        # summed in float64: the full tensor the partials stand for, with no rounding of the harness's own
-        return [Unsharded(name, torch.stack([t.double() for _, t in held]).sum(0))]
+        return [Unsharded(name, torch.stack([t for _, t in held]).sum(0))]
     if isinstance(placement, Shard):
         groups, mismatch = [], ""
         for start in range(0, len(tensors), placement.replicas):
