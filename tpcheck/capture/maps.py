@@ -108,7 +108,15 @@ HF_TP_MAP = NameMap("hf-tp", (
     Rule(_L + r"mlp\.gate_proj", _P + "mlp.gate", weight_placement("out")),
     Rule(_L + r"mlp\.up_proj", _P + "mlp.up", weight_placement("out")),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.act", weight_placement("in"), input=True),
-    Rule(_L + r"mlp\.down_proj", _P + "mlp.out", weight_placement("out")),
+    # mixture of experts: the router replicated; the experts ("moe_tp_experts") each split over the ranks, their
+    # partial outputs all-reduced by transformers' own output hook, which runs before this capture's
+    Rule(_L + r"mlp\.gate", _P + "moe.router", index=0, token_dims=1),
+    Rule(_L + r"mlp\.gate", _P + "moe.topk_weights", index=1, token_dims=1),
+    Rule(_L + r"mlp\.gate", _P + "moe.topk_ids", index=2, token_dims=1),
+    Rule(_L + r"mlp\.experts", _P + "moe.experts", token_dims=1),
+    Rule(_L + r"mlp\.shared_expert", _P + "moe.shared", token_dims=1),          # not in the TP plan: replicated
+    Rule(_L + r"mlp\.shared_expert_gate", _P + "moe.shared_gate", token_dims=1),
+    Rule(_L + "mlp", _P + "mlp.out"),  # dense: down_proj's all-reduced output; sparse: the block's
     Rule(r"model\.layers\.{layer}", _P + "out"),
     Rule(r"model\.norm", "final_norm"),
     Rule(r"lm_head", "logits"),                                             # colwise_gather_output: full
@@ -161,6 +169,9 @@ VLLM_MAP = NameMap("vllm", (
     Rule(_L + r"mlp\.gate_up_proj", _P + "mlp.", vllm_gate_up_placement, index=0, parts=("gate", "up")),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.act", Shard(-1), input=True),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.out", index=0),
+    # mixture of experts: the router (a replicated linear: (logits, bias)); vLLM's FusedMoE selects the experts
+    # inside its kernel (no module gives the top-k) and all-reduces the block's output
+    Rule(_L + r"mlp\.gate", _P + "moe.router", index=0),
     Rule(r"model\.norm", "final_norm", index=0),
     Rule(r"model\.norm", "layers.{last}.out", index=1),
     Rule(r"logits_processor", "logits"),                                   # gathered, padding stripped

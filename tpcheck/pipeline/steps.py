@@ -176,6 +176,10 @@ class DiffPass:
             points = c.engine.step(tokens, None, self.with_kv)
             if c.golden_routes is not None:
                 c.golden_routes[step] = _engine_routes(points)
+                if step == 0 and c.golden_routes[step] is None:
+                    logger.warning("tpcheck diff: note: the engine reports no moe.topk_ids: the golden cannot follow "
+                                   "its routes, so a token that legitimately picks other experts (a near tie, "
+                                   "bfloat16/float16) shows as an error after its MoE layer")
         gold = self.cache_in.take(step) if self.cache_in is not None else \
             self._golden(step, batch, g_caches, None if c.golden_routes is None else c.golden_routes.get(step))
         if c.sparse:
