@@ -40,7 +40,8 @@ def script(tmp_path_factory):
     ("tpcheck diff --inject qkv_s", ["qkv_shard_dim1"]),  # fault names
     ("tpcheck diff --inject rope_skipped,qkv_b", ["rope_skipped,qkv_bias_missing"]),  # the last of a list
     ("tpcheck faults matrix --faults untied", ["untied_lm_head"]),
-    ("tpcheck sweep --preset tiny,tiny-m", ["tiny,tiny-mha", "tiny,tiny-mqa", "tiny,tiny-mistral"]),  # preset names
+    ("tpcheck sweep --preset tiny,tiny-m", ["tiny,tiny-mha", "tiny,tiny-mqa", "tiny,tiny-mistral", "tiny,tiny-mixtral",
+                                           "tiny,tiny-moe-ties"]),  # preset names
 ])
 def test_bash_completes(script, line, want):
     assert _complete(script, line) == want

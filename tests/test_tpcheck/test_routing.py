@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tpcheck
+from tpcheck.inputs.faults import FAULTS
 from tpcheck.judge.routing import check_routes, forced_route
 from tpcheck.pipeline.routes import RouteBook, sort_routes
 
@@ -86,3 +87,14 @@ def test_moe_clean_under_tp_and_ep(preset, tp, ep, ckpt, engines):
     r = tpcheck.diff(model=str(ckpt(preset)), tp=tp, ep=ep, dtype="bfloat16", decode_steps=2, pool=engines)
     assert r.passed, r.summary()
     assert r.meta["ep"] == ep and (r.table["kind"] == "moe.experts").any()
+
+
+MOE_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.moe"]
+
+
+@pytest.mark.parametrize("name", MOE_FAULTS)
+def test_moe_fault_found_at_its_origin(name, ckpt, engines):
+    """Each MoE fault on its smallest configuration (tpcheck faults matrix) is found at its expected origin."""
+    from tpcheck.cli import fault_matrix
+    row = fault_matrix.fault_row(name, engines, ckpt)
+    assert row["ok"] and row["by"] == "noise floor", row
