@@ -30,16 +30,17 @@ from safetensors.torch import save_file
 # re-exported: the presets and the value recipe live in their own modules; ``from tpcheck.inputs.checkpoints
 # import PRESETS`` (and ``ck._tensor_specs`` in the tests) keep working
 from tpcheck.inputs.presets import (  # noqa: F401
-    DTYPES, OUTLIERS, PRESETS, ROUTER_TIES, _check_dtype, _check_preset, config_family, config_from_kwargs, describe_preset,
-    preset_available, preset_config, preset_family, preset_names,
+    DTYPES, OUTLIERS, PRESETS, ROUTER_TIES, SINKS, _check_dtype, _check_preset, config_family, config_from_kwargs,
+    describe_preset, preset_available, preset_config, preset_family, preset_names,
 )
+from tpcheck.inputs.sink_recipe import _add_sink, check_sink_config, sink_channels  # noqa: F401
 from tpcheck.inputs.weight_recipe import (  # noqa: F401
     _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
-# the massive-activation recipe (``_add_outliers``), the tensor draw order and the PRESETS configs
-# (``tpcheck.inputs.presets``). It is part of the cache key (``cache_key``), so a cache never hands back a checkpoint
+# the massive-activation recipe (``_add_outliers``), the attention-sink recipe (``tpcheck.inputs.sink_recipe``),
+# the tensor draw order and the PRESETS configs (``tpcheck.inputs.presets``). It is part of the cache key (``cache_key``), so a cache never hands back a checkpoint
 # made by an older recipe. Bump it whenever any of these changes what a (preset, seed, dtype) writes.
 # It lives here, where ``cache_key`` reads it, so that setting ``checkpoints.RECIPE_VERSION`` takes effect.
 RECIPE_VERSION = 1
@@ -70,21 +71,25 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
     Returns ``out`` as a Path.
     """
     return make_config_checkpoint(preset_config(preset, dtype), out, seed=seed, dtype=dtype, shards=shards,
-                                  outliers=OUTLIERS.get(preset, 0.0), router_ties=ROUTER_TIES.get(preset, 0.0))
+                                  outliers=OUTLIERS.get(preset, 0.0), router_ties=ROUTER_TIES.get(preset, 0.0),
+                                  sink=preset in SINKS)
 
 
 def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype: str = "float32",
                            shards: int = 1, bias_std: float = 0.5, outliers: float = 0.0,
-                           router_ties: float = 0.0) -> pathlib.Path:
+                           router_ties: float = 0.0, sink: bool = False) -> pathlib.Path:
     """``make_checkpoint`` for any shape of a supported family: ``config`` is an HF config or a dict of its
     keyword arguments with ``model_type`` (``config_from_kwargs``; an explicit ``head_dim`` is honoured, as HF
     does).  Same value recipe, same atomic write;
     ``bias_std`` scales every bias (default 0.5: the presets' recipe); ``outliers > 0`` adds the
     massive-activation recipe at that strength (``_add_outliers``; 1.0 is ``small-outliers``'); ``router_ties
-    > 0`` draws every MoE router in near-tied pairs of rows at that spread (``_tie_router``).  Presets
-    written through here are bit-for-bit those of ``make_checkpoint``."""
+    > 0`` draws every MoE router in near-tied pairs of rows at that spread (``_tie_router``); ``sink`` the
+    attention-sink recipe (``tpcheck.inputs.sink_recipe``: ``deep-sink``'s; a ValueError names what a config
+    lacks for it).  Presets written through here are bit-for-bit those of ``make_checkpoint``."""
     cfg = config_from_kwargs(config, dtype) if isinstance(config, dict) else config
     tdtype = _check_dtype(dtype)
+    if sink:
+        check_sink_config(cfg)
     specs = _tensor_specs(cfg)
     if not isinstance(shards, int) or not 1 <= shards <= len(specs):
         raise ValueError(f"shards must be an int in [1, {len(specs)}], got {shards!r}")
@@ -111,7 +116,8 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
                 if o == s:  # shards are contiguous, so the draw order is always `specs`
                     t = _draw(shape, kind, gen, bias_std)
                     t = _add_outliers(name, t, cfg, outliers) if outliers else t
-                    tensors[name] = (_tie_router(name, t, router_ties) if router_ties else t).to(tdtype)
+                    t = _tie_router(name, t, router_ties) if router_ties else t
+                    tensors[name] = (_add_sink(name, t, cfg) if sink else t).to(tdtype)
                     weight_map[name] = fname
             save_file(tensors, tmp / fname, metadata={"format": "pt"})
             del tensors

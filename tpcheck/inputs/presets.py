@@ -38,6 +38,11 @@ and 4, with KV heads replicated at tp 4):
 * ``llama-hd32``      Llama 3 with head_dim 32 (hidden 128, 4 heads / 2 KV heads, 2 layers, llama3 RoPE,
                       tied, vocab 256): the Llama shape ``--engine vllm`` runs on CPU.
 * ``small-qwen3``     4 layers, 8 heads / 2 KV heads, head_dim 32 != 128 / 8, q/k norms; untied.
+* ``deep-sink``       trained-model magnitudes at depth: Llama with attention_bias + mlp_bias, 24 layers, hidden
+                      128, 4 heads / 2 KV heads (head_dim 32), intermediate 256, vocab 384, untied, drawn with
+                      the attention-sink recipe (``tpcheck.inputs.sink_recipe``): one residual channel at token 0
+                      grows to ~2e4 by layer 6, holds to layer 20 and falls to ~2.5e3 at layer 23, a second
+                      one holds ~-1.55e3, every other entry stays O(1-10) (median |x| 1.3-5.4), for any prompt.
 
 Mixture of experts (``impl.layers.moe``; 8 experts of width 32 per sparse layer, so every one splits at tp 1, 2
 and 4 with ep 1, 2 and 4 wherever ep divides tp):
@@ -138,6 +143,9 @@ PRESETS.update({
                        rope_theta=500000.0, rope_scaling=_llama3(8.0, 64)),
     "small-qwen3": dict(_FAMILY, **dict(_SMALL_SHAPE, intermediate_size=256), model_type="qwen3", head_dim=32,
                         tie_word_embeddings=False, rope_theta=1000000.0),
+    "deep-sink": dict(_FAMILY, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+                      num_hidden_layers=24, model_type="llama", vocab_size=384, attention_bias=True, mlp_bias=True,
+                      tie_word_embeddings=False, rope_theta=10000.0),
 })
 
 _MOE_ATTN = dict(_FAMILY, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256,
@@ -161,6 +169,8 @@ PRESETS.update({
 OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
 # presets whose routers are drawn in near-tied pairs of rows, at this spread (``router_ties=``; ``_tie_router``)
 ROUTER_TIES: dict[str, float] = {"tiny-moe-ties": 0.01}
+# presets drawn with the attention-sink recipe (``sink=True`` of ``make_config_checkpoint``: ``_add_sink``)
+SINKS: tuple[str, ...] = ("deep-sink",)
 
 
 def preset_names() -> list[str]:
@@ -199,6 +209,8 @@ def describe_preset(name: str) -> str:
     if biases:
         extra.append("+".join(biases))
     extra += _describe_moe(name, c)
+    if name in SINKS:
+        extra.append("attention sink at token 0: ~2e4 mid-depth, ~2.5e3 at the last layer")
     return (f"{name:15s} {config_family(c):9s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
             f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
             f"{'tied' if c.get('tie_word_embeddings') else 'untied'}" + "".join(f"; {e}" for e in extra))

@@ -42,7 +42,7 @@ class Case:
     def describe(self) -> str:
         c = self.config
         hd = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-        return (f"tp={self.tp} {self.dtype} heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv "
+        return (f"{f'preset {self.preset}: ' if self.preset else ''}tp={self.tp} {self.dtype} heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv "
                 f"({self.layout}) head_dim {hd} hidden {c['hidden_size']} inter {c['intermediate_size']} "
                 f"layers {c['num_hidden_layers']} vocab {c['vocab_size']} "
                 f"{'tied' if c['tie_word_embeddings'] else 'untied'}"

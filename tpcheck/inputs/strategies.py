@@ -17,7 +17,9 @@ smallest case that still fails. Everything drawn is valid for impl and for Huggi
   (batch 1-8 of ragged lengths 1-300, lengths at block boundaries +-1 drawn often), ``decode_lengths(K)``,
   ``dtypes()``, ``bias_stds()``, ``outlier_strengths()`` (massive activations, as trained weights have
   them), ``seeds()``.
-* ``cases(...)``: all of it together as a ``Case`` (what it draws from: a ``CaseSpace``), which writes its
+* ``cases(...)``: all of it together as a ``Case`` (what it draws from: a ``CaseSpace``; with its ``presets``,
+  e.g. ``DEPTH_PRESETS``, one example in ``PRESET_SHARE`` is that named preset instead of a drawn config:
+  ``deep-sink``'s 24 layers and 2e4 attention sink, which no small drawn shape reaches), which writes its
   checkpoint (``Case.checkpoint``), runs the layer-by-layer diff (``Case.diff``), asserts the properties
   (``Case.check``: ranks agree on replicated points, every point within the noise floor) and prints a
   one-line reproduction (``Case.repro``) that recreates the drawn checkpoint if it is gone.
@@ -63,6 +65,8 @@ GROUPS = (1, 2, 4, 3, 7, 8)                  # query heads per KV head (7: Qwen2
 ROPE_THETAS = (10000.0, 1000000.0, 500000.0, 100.0)
 BIAS_STDS = (0.5, 0.0, 4.0)                  # q/k/v bias scale: the presets' recipe, no bias, large (real Qwen2 k)
 OUTLIER_STRENGTHS = (0.0, 1.0, 2.0)          # massive-activation recipe: off, small-outliers' strength, stronger
+DEPTH_PRESETS = ("deep-sink",)               # trained-model magnitudes at depth (24 layers, a 2e4 sink at token 0)
+PRESET_SHARE = 4                             # with ``CaseSpace.presets``: one example in 4 draws one of them
 MAX_POSITION = 1024
 _FIXED = dict(max_position_embeddings=MAX_POSITION, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
 FAMILIES = ("qwen2", "llama", "mistral", "qwen3")  # model_type; the first is where shrinking goes
@@ -328,6 +332,22 @@ class CaseSpace:
     weight_seeds: bool = False
     outliers: tuple[float, ...] = (0.0,)  # strengths to draw, e.g. ``OUTLIER_STRENGTHS``; default: none
     families: tuple[str, ...] = FAMILIES
+    presets: tuple[str, ...] = ()  # named presets drawn in one example of PRESET_SHARE, e.g. ``DEPTH_PRESETS``
+
+
+def _preset_config(draw, s: CaseSpace) -> tuple[dict, int, str] | None:
+    """With ``s.presets``: one draw in ``PRESET_SHARE`` a named preset (its config and a TP size of ``s.tps`` in
+    one of ``s.layouts`` that splits it), else None; without, nothing is drawn (the choice sequence of a
+    space without presets is the one it always was)."""
+    if not s.presets or draw(st.integers(0, PRESET_SHARE - 1)) != PRESET_SHARE - 1:
+        return None
+    from tpcheck.inputs.presets import PRESETS
+    name = draw(st.sampled_from(tuple(s.presets)))
+    config = dict(PRESETS[name])
+    ok = [t for t in s.tps if tp_compatible(config, t) and kv_layout(config["num_key_value_heads"], t) in s.layouts]
+    if not ok:
+        raise ValueError(f"preset {name!r}: no tp of {s.tps} splits it in a layout of {s.layouts}")
+    return config, draw(st.sampled_from(ok)), name
 
 
 @st.composite
@@ -335,12 +355,23 @@ def cases(draw, space: CaseSpace | None = None, **fields) -> Case:
     """A whole ``Case`` drawn from ``space`` (default ``CaseSpace()``) with ``fields`` (``CaseSpace``'s) replaced:
     ``cases(dtypes=("bfloat16",), max_decode=4)``. Shrinks toward: tp 1, partition, few small heads, 1 layer,
     short prompts, no decode, block size 16, the first dtype, the presets' bias recipe, the first outlier
-    strength."""
+    strength, a drawn config rather than a named preset. A drawn preset (``presets``) keeps its own recipe,
+    shape and weight seed 0 (``Case.preset``: its cached checkpoint); the bounds of the drawn shape do not
+    apply to it."""
     s = replace(space or CaseSpace(), **fields)
-    config, tp = draw(config_and_tp(s.tps, s.layouts, s.max_hidden, s.max_layers, s.max_vocab, families=s.families))
+    named = _preset_config(draw, s)
+    if named is None:
+        config, tp = draw(config_and_tp(s.tps, s.layouts, s.max_hidden, s.max_layers, s.max_vocab,
+                                        families=s.families))
+    else:
+        config, tp, _ = named
     dtype = draw(st.sampled_from(tuple(s.dtypes)))
     bs = draw(st.sampled_from(tuple(s.block_sizes)))
     ps = draw(prompts(config["vocab_size"], bs, s.max_batch, s.max_len, s.common_batch))
     steps = draw(decode_lengths(s.max_decode))
-    return Case(config, tp, dtype, ps, steps, bs, weight_seed=draw(st.integers(0, 3)) if s.weight_seeds else 0,
-                bias_std=draw(st.sampled_from(tuple(s.bias))), outliers=draw(outlier_strengths(s.outliers)))
+    seed = draw(st.integers(0, 3)) if s.weight_seeds else 0
+    bias, outliers = draw(st.sampled_from(tuple(s.bias))), draw(outlier_strengths(s.outliers))
+    if named is not None:  # the preset's checkpoint: its own recipe and seed
+        seed, bias, outliers = 0, 0.5, 0.0
+    return Case(config, tp, dtype, ps, steps, bs, weight_seed=seed, bias_std=bias, outliers=outliers,
+                preset=None if named is None else named[2])
