@@ -29,9 +29,9 @@ from tpcheck.inputs.property_runner import Case
 from tpcheck.inputs.tp_layout import kv_layout
 
 
-# share of the profile's max_examples each property runs; ci: 50 -> 70 + 70 + 2 x 25 + 50 + 30 = 270
+# share of the profile's max_examples each property runs; ci: 50 -> 70 + 70 + 2 x 25 + 50 + 30 + 20 = 290
 WEIGHTS = {"diff[float32]": 1.4, "diff[bfloat16]": 1.4, "diff[outliers,bfloat16]": 0.5,
-           "diff[outliers,float16]": 0.5, "greedy_float32": 1.0, "kv_cache_heads": 0.6}
+           "diff[outliers,float16]": 0.5, "greedy_float32": 1.0, "kv_cache_heads": 0.6, "diff[moe]": 0.4}
 CI_MINIMUM = 250
 MAX_DECODE = 6
 
@@ -104,6 +104,29 @@ def test_outliers_within_tp_aware_noise_floor(dtype, engines, root):
     prop()
     record_examples(name, len(seen))
     assert len(seen) >= examples(WEIGHTS[name])
+
+
+def test_moe_within_noise_floor_under_tp_and_ep(engines, root):
+    """Mixture-of-experts models drawn (experts, top-k, expert width, shared expert, renormalisation, sparse layers,
+    tp and an ep that splits them) in float32 and bfloat16: every point within the noise floor, every differing
+    route a near tie (tpcheck.judge.routing)."""
+    from tpcheck.inputs.moe_strategies import MOE_FAMILIES
+    name = "diff[moe]"
+    seen: list[tuple] = []
+
+    @settings(max_examples=examples(WEIGHTS[name]))
+    @given(case=tst.cases(families=MOE_FAMILIES, dtypes=("float32", "bfloat16"), max_decode=4, max_batch=4,
+                          max_len=64))
+    def prop(case):
+        seen.append((case.tp, case.ep, case.config["model_type"]))
+        note(f"case: {case.describe()}")
+        case.check(pool=engines, root=root)
+
+    prop()
+    record_examples(name, len(seen))
+    assert len(seen) >= examples(WEIGHTS[name])
+    if len(seen) >= 20:  # the matrix is covered: an ep > 1, and each MoE family
+        assert any(ep > 1 for _, ep, _ in seen) and {m for *_, m in seen} == set(MOE_FAMILIES), seen
 
 
 # ---- greedy decode: token for token with HF generate (float32) ---------------------------------------------

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on st
 # the default matrix: the tiny presets of every family (Qwen2's four, then Llama 3 RoPE, Llama biases,
 # Mistral's sliding window, Qwen3's q/k norms)
 TINY_PRESETS = ("tiny", "tiny-untied", "tiny-mha", "tiny-mqa", "tiny-llama", "tiny-llama-bias", "tiny-mistral",
-                "tiny-qwen3")
+                "tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-moe-ties")
 
 
 @dataclass

@@ -34,6 +34,7 @@ class Case:
     preset: str | None = None  # a named preset (``tpcheck.inputs.checkpoints.PRESETS``): its cached checkpoint
     exact_ops: bool = False  # also hold the elementwise ops to HF's bits (``tpcheck.measure.exact_ops``)
     outliers: float = 0.0  # strength of the massive-activation recipe (0: off)
+    ep: int = 1  # expert-parallel size (mixture-of-experts models)
 
     @property
     def layout(self) -> str:
@@ -46,8 +47,13 @@ class Case:
                 f"({self.layout}) head_dim {hd} hidden {c['hidden_size']} inter {c['intermediate_size']} "
                 f"layers {c['num_hidden_layers']} vocab {c['vocab_size']} "
                 f"{'tied' if c['tie_word_embeddings'] else 'untied'}"
-                f"{f', outliers {self.outliers:g}' if self.outliers else ''}; prompts {[len(p) for p in self.prompts]}, "
+                f"{f', outliers {self.outliers:g}' if self.outliers else ''}{self._moe()}; prompts {[len(p) for p in self.prompts]}, "
                 f"decode {self.decode_steps}, block {self.block_size}")
+
+    def _moe(self) -> str:
+        c = self.config
+        experts = c.get("num_experts", c.get("num_local_experts"))
+        return "" if experts is None else f", {c['model_type']} top-{c['num_experts_per_tok']} of {experts} ep={self.ep}"
 
     def checkpoint(self, root: str | os.PathLike | None = None) -> pathlib.Path:
         """Write (once) and return the checkpoint directory of this case's model under ``root``."""
@@ -63,7 +69,7 @@ class Case:
         source = {"preset": self.preset} if by_name else {"model": str(model_dir)}
         return DiffOptions(**source, tp=self.tp, dtype=self.dtype, prompts=self.prompts,
                            decode_steps=self.decode_steps, block_size=self.block_size, exact_ops=self.exact_ops,
-                           inject=tuple(inject), inject_layer=inject_layer).command()
+                           inject=tuple(inject), inject_layer=inject_layer, ep=self.ep).command()
 
     def repro(self, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None) -> str:
         """One shell line that recreates the checkpoint if needed and runs ``tpcheck diff`` on this case."""
@@ -81,7 +87,7 @@ class Case:
         model = self.checkpoint(root)
         return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
                             decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,
-                            pool=pool, block_size=self.block_size, exact_ops=self.exact_ops,
+                            pool=pool, block_size=self.block_size, exact_ops=self.exact_ops, ep=self.ep,
                             command=self.diff_command(model, inject, inject_layer), **kw)
 
     def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None):

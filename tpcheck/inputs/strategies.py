@@ -54,6 +54,7 @@ from hypothesis import strategies as st
 # re-exported: the drawn case and its checkpoints live in their own modules (``from tpcheck import strategies as
 # tst; tst.Case``, ``tst.config_checkpoint``, ``tst.tp_compatible`` keep working)
 from tpcheck.inputs.config_checkpoints import checkpoint_key, config_checkpoint, default_root, recreate_command  # noqa: F401
+from tpcheck.inputs.moe_strategies import MOE_FAMILIES, base_family, draw_ep, moe_options
 from tpcheck.inputs.property_runner import Case
 from tpcheck.inputs.tp_layout import kv_layout, splits, tp_compatible
 
@@ -111,13 +112,16 @@ def _family(draw, families: tuple[str, ...]) -> dict:
     alone nothing is drawn, so Qwen2-only strategies draw what they drew before the families existed."""
     if families == ("qwen2",):
         return {}
-    family = draw(st.sampled_from(families))
+    model_type = draw(st.sampled_from(families))
+    family = base_family(model_type)  # an MoE family draws its attention's options (moe_strategies)
     attention_bias, mlp_bias = draw(st.booleans()), draw(st.booleans())  # False first: the plain model
     rope = draw(st.sampled_from((None,) + LLAMA3_ROPE))
     window = draw(st.sampled_from(WINDOWS))
+    if model_type == "qwen3_moe":
+        window = None  # impl refuses Qwen3-MoE's use_sliding_window (transformers versions disagree on it)
     if family == "qwen2":
-        return {}
-    out: dict = {"model_type": family}
+        return {} if model_type == "qwen2" else {"model_type": model_type}
+    out: dict = {"model_type": model_type}
     if family == "llama":
         out.update(attention_bias=attention_bias, mlp_bias=mlp_bias)
         if rope is not None:
@@ -162,13 +166,15 @@ def _shape(draw, heads: int, kv: int, tp_multiple: int, max_hidden: int, max_lay
     if explicit:
         cfg["head_dim"] = head_dim
     fam = draw(_family(families))
-    if fam.get("model_type") in ("llama", "mistral"):
+    if fam.get("model_type") in ("llama", "mistral", "mixtral"):
         del cfg["use_sliding_window"]  # a Qwen config key: Llama / Mistral do not read it
+    if fam.get("model_type") in MOE_FAMILIES:
+        fam.update(draw(moe_options(fam["model_type"], cfg["num_hidden_layers"], unit, inter)))
     if fam.get("model_type") == "llama" and hidden % heads:
         # transformers' LlamaConfig refuses hidden % heads != 0 even with an explicit head_dim: the nearest
         # hidden size it takes (no extra draw, so the choice sequence stays the same)
         cfg["hidden_size"] = heads * max(1, hidden // heads)
-    if fam.get("model_type") == "qwen3":
+    if fam.get("model_type") in ("qwen3", "qwen3_moe"):
         cfg.setdefault("head_dim", hidden // heads)  # Qwen3Config's default head_dim is 128, not hidden / heads
     return {**cfg, **fam}
 
@@ -365,6 +371,7 @@ def cases(draw, space: CaseSpace | None = None, **fields) -> Case:
                                         families=s.families))
     else:
         config, tp, _ = named
+    ep = draw_ep(draw, config, tp)  # MoE: an expert-parallel size that splits the experts (dense: 1, no draw)
     dtype = draw(st.sampled_from(tuple(s.dtypes)))
     bs = draw(st.sampled_from(tuple(s.block_sizes)))
     ps = draw(prompts(config["vocab_size"], bs, s.max_batch, s.max_len, s.common_batch))
@@ -374,4 +381,4 @@ def cases(draw, space: CaseSpace | None = None, **fields) -> Case:
     if named is not None:  # the preset's checkpoint: its own recipe and seed
         seed, bias, outliers = 0, 0.5, 0.0
     return Case(config, tp, dtype, ps, steps, bs, weight_seed=seed, bias_std=bias, outliers=outliers,
-                preset=None if named is None else named[2])
+                preset=None if named is None else named[2], ep=ep)
