@@ -83,6 +83,22 @@ def _span(values, fmt: str = "{:.3g}") -> str:
     return f"{fmt.format(min(values))}..{fmt.format(max(values))}"
 
 
+def table(stats: list[list[dict]], low: dict, layers: int, sink: int) -> tuple[list[str], list[list[str]]]:
+    """The printed table: one row per layer, each cell ``min..max`` over the prompts."""
+    header = ["layer", f"|x| ch {sink} tok 0", "largest other |x|", f"ch {sink} other tokens", "other tokens' largest",
+              "median |x|"]
+    header += [f"{dt} ch {sink} tok 0" for dt in low] + [f"{dt} finite, peak, mlp.act peak" for dt in low]
+    rows = []
+    for i in range(layers):
+        col = [[s[i][k] for s in stats] for k in ("sink0", "other", "sink_rest", "rest_max", "median")]
+        row = [str(i)] + [_span(c, f) for c, f in zip(col, ("{:.0f}", "{:.0f}", "{:.1f}", "{:.1f}", "{:.2f}"))]
+        row += [_span([abs(r[i]["sink0"]) for r in low[dt]], "{:.0f}") for dt in low]
+        row += [f"{all(r[i]['finite'] for r in low[dt])}, {max(r[i]['peak'] for r in low[dt]):.3g}, "
+                f"{max(r[i]['act'] for r in low[dt]):.3g}" for dt in low]
+        rows.append(row)
+    return header, rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_checkpoint_args(ap, "weight seed")
@@ -114,17 +130,7 @@ def main() -> None:
         m = load_hf_model(d, dt)
         low[dt] = [low_precision(m, p, toks, n, sink) for p, (_, toks) in zip(ps, runs)]
         log(f"{dt} done ({time.perf_counter() - t0:.1f}s)")
-    header = ["layer", f"|x| ch {sink} tok 0", "largest other |x|", f"ch {sink} other tokens", "other tokens' largest", "median |x|"]
-    header += [f"{dt} ch {sink} tok 0" for dt in low] + [f"{dt} finite, peak, mlp.act peak" for dt in low]
-    rows = []
-    for i in range(n):
-        col = lambda k: [s[i][k] for s in stats]  # noqa: E731
-        row = [str(i), _span(col("sink0"), "{:.0f}"), _span(col("other"), "{:.0f}"), _span(col("sink_rest"), "{:.1f}"),
-               _span(col("rest_max"), "{:.1f}"), _span(col("median"), "{:.2f}")]
-        row += [_span([abs(r[i]["sink0"]) for r in low[dt]], "{:.0f}") for dt in low]
-        row += [f"{all(r[i]['finite'] for r in low[dt])}, {max(r[i]['peak'] for r in low[dt]):.3g}, "
-                f"{max(r[i]['act'] for r in low[dt]):.3g}" for dt in low]
-        rows.append(row)
+    header, rows = table(stats, low, n, sink)
     print(f"{args.preset} (weight seed {args.seed}): {len(ps)} prompts of {min(map(len, ps))}-{max(map(len, ps))} "
           f"tokens + {args.decode} decode steps; min..max over prompts; sink channel {sink}")
     print_table(header, rows)

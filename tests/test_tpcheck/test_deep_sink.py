@@ -117,12 +117,16 @@ def test_finite_in_low_precision(dtype, ckpt):
 
 def test_strategies_draw_the_preset():
     """``cases(presets=DEPTH_PRESETS)`` draws deep-sink (its own config and recipe, every TP size of the space,
-    KV replicated at tp 4); a space without presets never does."""
+    KV replicated at tp 4, at most 2 prompts of at most 64 tokens); a space without presets never does."""
     prop = settings(max_examples=400, database=None)
     case = find(tst.cases(presets=tst.DEPTH_PRESETS, tps=(4,)), lambda c: c.preset == PRESET, settings=prop)
     assert case.config == ck.PRESETS[PRESET] and case.tp == 4 and case.layout == "replication"
     assert (case.weight_seed, case.outliers) == (0, 0.0) and case.describe().startswith("preset deep-sink: tp=4")
+    assert len(case.prompts) <= 2 and max(map(len, case.prompts)) <= 64
     assert "--preset deep-sink --tp 4" in case.repro()
     find(tst.cases(presets=tst.DEPTH_PRESETS), lambda c: c.preset is None, settings=prop)
+    with pytest.raises(NoSuchExample):  # preset_share 1: every example is the preset
+        find(tst.cases(presets=tst.DEPTH_PRESETS, preset_share=1), lambda c: c.preset is None,
+             settings=settings(max_examples=30, database=None))
     with pytest.raises(NoSuchExample):
         find(tst.cases(), lambda c: c.preset is not None, settings=settings(max_examples=50, database=None))

@@ -2,7 +2,8 @@
 
 * stay within the noise floor of Hugging Face at every point of every step (``tpcheck.diff``), with its
   RMSNorms and residual adds bit-identical to HF's on its own inputs (``--exact-ops``), also with massive
-  activations in bfloat16/float16 (``outliers``: the TP-aware floor),
+  activations in bfloat16/float16 (``outliers``: the TP-aware floor) and on trained-model magnitudes at depth
+  (``deep-sink``: 24 layers, an attention sink of 2e4 at token 0),
 * have its ranks agree on every replicated point (residual stream, replicated KV heads),
 * decode greedily in float32 exactly as HF ``generate`` does (up to a near-tie),
 * keep only its own, un-repeated KV heads in the paged cache.
@@ -29,9 +30,10 @@ from tpcheck.inputs.property_runner import Case
 from tpcheck.inputs.tp_layout import kv_layout
 
 
-# share of the profile's max_examples each property runs; ci: 50 -> 70 + 70 + 2 x 25 + 50 + 30 + 20 = 290
+# share of the profile's max_examples each property runs; ci: 50 -> 70 + 70 + 2 x 25 + 2 x 2 + 50 + 30 + 20 = 294
 WEIGHTS = {"diff[float32]": 1.4, "diff[bfloat16]": 1.4, "diff[outliers,bfloat16]": 0.5,
-           "diff[outliers,float16]": 0.5, "greedy_float32": 1.0, "kv_cache_heads": 0.6, "diff[moe]": 0.4}
+           "diff[outliers,float16]": 0.5, "diff[deep-sink,bfloat16]": 0.04, "diff[deep-sink,float16]": 0.04,
+           "greedy_float32": 1.0, "kv_cache_heads": 0.6, "diff[moe]": 0.4}
 CI_MINIMUM = 250
 MAX_DECODE = 6
 
@@ -88,17 +90,37 @@ def test_diff_within_noise_floor_and_ranks_agree(dtype, engines, root):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_outliers_within_tp_aware_noise_floor(dtype, engines, root):
     """Massive activations (trained-model statistics) at low precision: where a one-device floor fails correct
-    engines at tp > 1, the TP-aware floor must not; one example in ``tst.PRESET_SHARE`` is ``deep-sink`` (24
-    layers, a 2e4 attention sink at token 0)."""
+    engines at tp > 1, the TP-aware floor must not."""
     name = f"diff[outliers,{dtype}]"
     seen: list[tuple] = []
 
     @settings(max_examples=examples(WEIGHTS[name]))
     @given(case=tst.cases(dtypes=(dtype,), max_decode=MAX_DECODE, max_batch=8, max_len=120,
-                          outliers=tst.OUTLIER_STRENGTHS[1:], presets=tst.DEPTH_PRESETS))
+                          outliers=tst.OUTLIER_STRENGTHS[1:]))
     def prop(case):
         seen.append((case.tp, case.layout, case.decode_steps))
         note(f"case: {case.describe()}")
+        case.check(pool=engines, root=root)
+
+    prop()
+    record_examples(name, len(seen))
+    assert len(seen) >= examples(WEIGHTS[name])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_deep_sink_within_tp_aware_noise_floor(dtype, engines, root):
+    """Trained-model magnitudes at depth (``deep-sink``: 24 layers, a 2e4 attention sink at token 0, a second
+    channel of 1.5e3) at low precision, with drawn prompts (at most 2 of at most 64 tokens), tp, block size and
+    decode length. Its own small budget: a 24-layer example costs ~5 s after an engine reload."""
+    name = f"diff[deep-sink,{dtype}]"
+    seen: list[tuple] = []
+
+    @settings(max_examples=examples(WEIGHTS[name]))
+    @given(case=tst.cases(dtypes=(dtype,), max_decode=MAX_DECODE, presets=tst.DEPTH_PRESETS, preset_share=1))
+    def prop(case):
+        seen.append((case.tp, case.layout, case.decode_steps))
+        note(f"case: {case.describe()}")
+        assert case.preset == "deep-sink"
         case.check(pool=engines, root=root)
 
     prop()

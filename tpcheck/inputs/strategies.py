@@ -18,7 +18,7 @@ smallest case that still fails. Everything drawn is valid for impl and for Huggi
   ``dtypes()``, ``bias_stds()``, ``outlier_strengths()`` (massive activations, as trained weights have
   them), ``seeds()``.
 * ``cases(...)``: all of it together as a ``Case`` (what it draws from: a ``CaseSpace``; with its ``presets``,
-  e.g. ``DEPTH_PRESETS``, one example in ``PRESET_SHARE`` is that named preset instead of a drawn config:
+  e.g. ``DEPTH_PRESETS``, one example in ``preset_share`` is that named preset instead of a drawn config:
   ``deep-sink``'s 24 layers and 2e4 attention sink, which no small drawn shape reaches), which writes its
   checkpoint (``Case.checkpoint``), runs the layer-by-layer diff (``Case.diff``), asserts the properties
   (``Case.check``: ranks agree on replicated points, every point within the noise floor) and prints a
@@ -67,7 +67,7 @@ ROPE_THETAS = (10000.0, 1000000.0, 500000.0, 100.0)
 BIAS_STDS = (0.5, 0.0, 4.0)                  # q/k/v bias scale: the presets' recipe, no bias, large (real Qwen2 k)
 OUTLIER_STRENGTHS = (0.0, 1.0, 2.0)          # massive-activation recipe: off, small-outliers' strength, stronger
 DEPTH_PRESETS = ("deep-sink",)               # trained-model magnitudes at depth (24 layers, a 2e4 sink at token 0)
-PRESET_SHARE = 4                             # with ``CaseSpace.presets``: one example in 4 draws one of them
+PRESET_SHARE = 8                             # with ``CaseSpace.presets``: about one example in 8 draws one of them
 MAX_POSITION = 1024
 _FIXED = dict(max_position_embeddings=MAX_POSITION, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
 FAMILIES = ("qwen2", "llama", "mistral", "qwen3")  # model_type; the first is where shrinking goes
@@ -338,14 +338,16 @@ class CaseSpace:
     weight_seeds: bool = False
     outliers: tuple[float, ...] = (0.0,)  # strengths to draw, e.g. ``OUTLIER_STRENGTHS``; default: none
     families: tuple[str, ...] = FAMILIES
-    presets: tuple[str, ...] = ()  # named presets drawn in one example of PRESET_SHARE, e.g. ``DEPTH_PRESETS``
+    presets: tuple[str, ...] = ()  # named presets drawn in one example of ``preset_share``, e.g. ``DEPTH_PRESETS``
+    preset_share: int = PRESET_SHARE  # 1: every example is one of ``presets``
 
 
 def _preset_config(draw, s: CaseSpace) -> tuple[dict, int, str] | None:
-    """With ``s.presets``: one draw in ``PRESET_SHARE`` a named preset (its config and a TP size of ``s.tps`` in
+    """With ``s.presets``: one draw in ``s.preset_share`` a named preset (its config and a TP size of ``s.tps`` in
     one of ``s.layouts`` that splits it), else None; without, nothing is drawn (the choice sequence of a
     space without presets is the one it always was)."""
-    if not s.presets or draw(st.integers(0, PRESET_SHARE - 1)) != PRESET_SHARE - 1:
+    # sampled_from draws uniformly (small integer ranges lean toward their lower bound)
+    if not s.presets or not draw(st.sampled_from((False,) * (s.preset_share - 1) + (True,))):
         return None
     from tpcheck.inputs.presets import PRESETS
     name = draw(st.sampled_from(tuple(s.presets)))
@@ -363,7 +365,7 @@ def cases(draw, space: CaseSpace | None = None, **fields) -> Case:
     short prompts, no decode, block size 16, the first dtype, the presets' bias recipe, the first outlier
     strength, a drawn config rather than a named preset. A drawn preset (``presets``) keeps its own recipe,
     shape and weight seed 0 (``Case.preset``: its cached checkpoint); the bounds of the drawn shape do not
-    apply to it."""
+    apply to it, and its prompts are at most 2 of at most 64 tokens (a 24-layer model costs ~10x a drawn one)."""
     s = replace(space or CaseSpace(), **fields)
     named = _preset_config(draw, s)
     if named is None:
@@ -374,7 +376,9 @@ def cases(draw, space: CaseSpace | None = None, **fields) -> Case:
     ep = draw_ep(draw, config, tp)  # MoE: an expert-parallel size that splits the experts (dense: 1, no draw)
     dtype = draw(st.sampled_from(tuple(s.dtypes)))
     bs = draw(st.sampled_from(tuple(s.block_sizes)))
-    ps = draw(prompts(config["vocab_size"], bs, s.max_batch, s.max_len, s.common_batch))
+    batch, length, common = ((s.max_batch, s.max_len, s.common_batch) if named is None
+                             else (min(s.max_batch, 2), min(s.max_len, 64), min(s.common_batch, 2)))
+    ps = draw(prompts(config["vocab_size"], bs, batch, length, common))
     steps = draw(decode_lengths(s.max_decode))
     seed = draw(st.integers(0, 3)) if s.weight_seeds else 0
     bias, outliers = draw(st.sampled_from(tuple(s.bias))), draw(outlier_strengths(s.outliers))
