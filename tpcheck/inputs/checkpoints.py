@@ -41,7 +41,8 @@ from tpcheck.inputs.weight_recipe import (  # noqa: F401
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
 # the massive-activation recipe (``_add_outliers``), the attention-sink recipe (``tpcheck.inputs.sink_recipe``),
 # the tensor draw order and the PRESETS configs (``tpcheck.inputs.presets``). It is part of the cache key
-# (``cache_key``), so a cache never hands back a checkpoint made by an older recipe. Bump it whenever any of these changes what a (preset, seed, dtype) writes.
+# (``cache_key``), so a cache never hands back a checkpoint made by an older recipe. Bump it whenever any of these
+# changes what a (preset, seed, dtype) writes.
 # It lives here, where ``cache_key`` reads it, so that setting ``checkpoints.RECIPE_VERSION`` takes effect.
 RECIPE_VERSION = 1
 
