@@ -74,6 +74,10 @@ def depth_row(name: str, config: dict, layer: int, pool, ckpt) -> dict:
         t = r.table[r.table["point"] == exp_point]
         origin_ok, excess = False, float(t["excess"].max()) if len(t) else float("nan")
         note = f"undetected: {exp_point} reached {excess:.3g}x its threshold"
+    prop = r.table[(r.table["mode"] == "propagated") & (r.table["point"] == exp_point) &
+                   (r.table["step"] == exp_step)]["excess"]
+    if len(prop):  # the propagated pass alone at the expected origin: the verdict before the local pass
+        note = (note + "; " if note else "") + f"propagated pass there: {float(prop.max()):.3g}x"
     config = dict(config, inject_layer=layer)
     return fm._row(name, config, "diff", detected=detected, origin=fm._at(fd and fd["point"], fd and fd["step"]),
                    expected_origin=fm._at(exp_point, exp_step), origin_ok=origin_ok, ok=detected and origin_ok,
