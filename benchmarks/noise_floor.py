@@ -3,8 +3,10 @@ judged two ways from the same run's table.
 
 * one-device floor (the rule before the TP reference): ``rel_err <= k * ref_rel_err_hf + floor``, with
   ``ref_rel_err_hf`` HF at the dtype on one device, at the same step;
-* TP-aware floor (``tpcheck diff`` now): ``k * ref_rel_err + floor``, with ``ref_rel_err`` the larger of that,
-  HF at the dtype with the row-parallel reductions emulated, and the references' worst row at earlier steps.
+* TP-aware floor (the propagated pass): ``k * ref_rel_err + floor``, with ``ref_rel_err`` the larger of that,
+  HF at the dtype with the row-parallel reductions emulated, and the references' worst row at earlier steps;
+* now (``tpcheck diff``'s verdict): the TP-aware floor on both passes, the propagated one and the local one
+  (each layer fed the golden input), the origin the first failing point over both.
 
 Rows a structural check failed (shape, ranks disagree, exact ops) fail under both rules.
 
@@ -53,6 +55,11 @@ def verdicts(r) -> dict:
                              point=t.loc[i, "point"], step=int(t.loc[i, "step"]))
         else:
             out[rule] = dict(origin="-", excess=float(excess.max()), point=None, step=None)
+    # the verdict tpcheck diff gives now: both passes (the local pass on by default), its origin and worst point
+    fd = r.first_divergence
+    out["now"] = dict(origin="-", excess=float(r.worst().excess), point=None, step=None) if fd is None else \
+        dict(origin=f"{fd['point']} @ step {fd['step']} ({fd['mode']})", excess=fd["excess"], point=fd["point"],
+             step=fd["step"])
     return out
 
 
@@ -82,10 +89,11 @@ def clean_runs(presets, seeds, decodes, pool) -> pd.DataFrame:
                         rows.append(dict(preset=preset, tp=tp, dtype=dtype, seed=seed, decode=steps,
                                          one_device=v["one_device"]["origin"],
                                          one_device_excess=v["one_device"]["excess"],
-                                         tp_aware=v["tp_aware"]["origin"], tp_aware_excess=v["tp_aware"]["excess"]))
+                                         tp_aware=v["tp_aware"]["origin"], tp_aware_excess=v["tp_aware"]["excess"],
+                                         now=v["now"]["origin"], now_excess=v["now"]["excess"]))
                         print(f"clean {preset} tp={tp} {dtype} seed {seed} decode {steps}: one-device "
-                              f"{v['one_device']['excess']:.2f}x, tp-aware {v['tp_aware']['excess']:.2f}x",
-                              file=sys.stderr, flush=True)
+                              f"{v['one_device']['excess']:.2f}x, tp-aware {v['tp_aware']['excess']:.2f}x, "
+                              f"both passes {v['now']['excess']:.2f}x", file=sys.stderr, flush=True)
     return pd.DataFrame(rows)
 
 
@@ -145,7 +153,7 @@ def main(argv=None) -> int:
             out["clean"] = c.to_dict(orient="records")
             print(f"\nclean runs: {len(c)} (bfloat16/float16 x tp 1/2/4 where the layout allows x {a.seeds} seeds x "
                   f"decode {a.decode})")
-            for rule in ("one_device", "tp_aware"):
+            for rule in ("one_device", "tp_aware", "now"):
                 bad = c[c[rule] != "-"]
                 print(f"  {rule.replace('_', '-')} floor: {len(bad)} false alarm(s); worst excess "
                       f"{c[rule + '_excess'].max():.2f}x")
@@ -153,7 +161,9 @@ def main(argv=None) -> int:
                                                   one_device_alarms=("one_device", lambda s: int((s != "-").sum())),
                                                   one_device_worst=("one_device_excess", "max"),
                                                   tp_aware_alarms=("tp_aware", lambda s: int((s != "-").sum())),
-                                                  tp_aware_worst=("tp_aware_excess", "max")).to_string())
+                                                  tp_aware_worst=("tp_aware_excess", "max"),
+                                                  now_alarms=("now", lambda s: int((s != "-").sum())),
+                                                  now_worst=("now_excess", "max")).to_string())
         if not a.no_faults:
             f = fault_runs(pool)
             out["faults"] = f.to_dict(orient="records")
