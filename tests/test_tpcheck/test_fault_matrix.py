@@ -142,3 +142,16 @@ def test_cli_matrix_table_exit_codes_and_json(ckpt, engines, tmp_path, capsys, m
     assert "MISS" in capsys.readouterr().out
     with pytest.raises(ValueError, match="known faults"):
         M.run(ap.parse_args(["matrix", "--faults", "nope"]), pool=engines, ckpt=ckpt)
+
+
+def test_depth_axis_finds_each_fault_in_the_layer_it_was_injected(ckpt, engines):
+    """``tpcheck faults matrix --depth``: a per-layer fault injected into the first, the middle and the last layer
+    is found in that layer, and each row notes the propagated pass's excess there."""
+    from tpcheck.cli.fault_depth import depth_layers, run_depth
+    assert depth_layers(24) == [0, 12, 23] and depth_layers(4) == [0, 2, 3] and depth_layers(1) == [0]
+    df = run_depth(["qkv_bias_missing", "gate_up_swapped", "untied_lm_head"], pool=engines, ckpt=ckpt,
+                   presets=["small"], tps=[2], dtypes=["bfloat16"])
+    assert len(df) == 6 and df["ok"].all(), df[["fault", "config", "origin", "note"]]  # untied_lm_head: not per layer
+    assert sorted(df["inject_layer"]) == [0, 0, 2, 2, 3, 3]
+    assert all(p.startswith(f"layers.{i}.") for p, i in zip(df["origin_point"], df["inject_layer"]))
+    assert df["note"].str.contains("propagated pass there: ").all()
