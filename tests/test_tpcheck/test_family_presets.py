@@ -316,6 +316,7 @@ def test_qwen2_only_draws_no_family_keys():
 
 
 def test_sweep_default_covers_every_family():
-    assert {ck.preset_family(p) for p in TINY_PRESETS} == {"qwen2", "llama", "mistral", "qwen3"}
+    assert {ck.preset_family(p) for p in TINY_PRESETS} == {"qwen2", "llama", "mistral", "qwen3", "qwen2_moe",
+                                                           "qwen3_moe", "mixtral"}
     assert {"tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3"} <= set(TINY_PRESETS)
     assert all(p in M.PRESET_ORDER for p in ("tiny-llama", "tiny-mistral", "tiny-qwen3"))
