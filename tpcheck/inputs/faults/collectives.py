@@ -39,8 +39,10 @@ def _init_row_parallel(m) -> None:
 def row_bias_every_rank(runner, i, layer):
     o = layer.self_attn.o_proj
     if mark(o, "row_bias_every_rank"):
-        # Qwen2's o_proj has no bias: a fixed b (zero for a correct engine) that every rank adds
-        o._tpcheck_extra_bias = seeded_randn((o.output_size,), 1000 + i, o.weight.dtype, o.weight.device) * 0.1
+        # the model's own o_proj bias where it has one (Llama with attention_bias); Qwen2's o_proj has none: a
+        # fixed b (zero for a correct engine) that every rank adds
+        o._tpcheck_extra_bias = o.bias.detach().clone() if o.bias is not None else \
+            seeded_randn((o.output_size,), 1000 + i, o.weight.dtype, o.weight.device) * 0.1
         _init_row_parallel(o)
 
 
