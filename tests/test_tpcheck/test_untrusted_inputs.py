@@ -157,13 +157,14 @@ def test_ctrl_c_is_reported_once_by_the_driver(tmp_path):
     # ranks idle in their pipe while the driver runs the golden (most of a step on `small`): on SIGINT each
     # printed its KeyboardInterrupt traceback before the fix
     p = subprocess.Popen([sys.executable, "-m", "tpcheck", "diff", "--preset", "small", "--tp", "2", "--seq-len",
-                          "16", "--decode-steps", "500"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          "16", "--decode-steps", "500", "--no-isolate"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
     os.set_blocking(p.stderr.fileno(), False)
     seen, deadline = b"", time.monotonic() + 120
-    while b"decode 2/" not in seen and time.monotonic() < deadline:
+    while b"decode 2/" not in seen and time.monotonic() < deadline and p.poll() is None:
         seen += p.stderr.read() or b""
         time.sleep(0.1)
+    assert p.poll() is None and b"decode 2/" in seen, seen.decode()[-2000:]  # interrupted mid-run, not after
     os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     os.set_blocking(p.stderr.fileno(), True)
     err = (seen + p.stderr.read()).decode()
