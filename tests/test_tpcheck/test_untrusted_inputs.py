@@ -158,7 +158,10 @@ def test_ctrl_c_is_reported_once_by_the_driver(tmp_path):
     # printed its KeyboardInterrupt traceback before the fix
     p = subprocess.Popen([sys.executable, "-m", "tpcheck", "diff", "--preset", "small", "--tp", "2", "--seq-len",
                           "16", "--decode-steps", "500", "--no-isolate"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                         # a terminal's process starts with SIGINT at its default; a test runner's worker may
+                         # ignore it, and an ignored SIGINT is inherited through exec
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.set_blocking(p.stderr.fileno(), False)
     seen, deadline = b"", time.monotonic() + 120
     while b"decode 2/" not in seen and time.monotonic() < deadline and p.poll() is None:
@@ -168,7 +171,7 @@ def test_ctrl_c_is_reported_once_by_the_driver(tmp_path):
     os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     os.set_blocking(p.stderr.fileno(), True)
     err = (seen + p.stderr.read()).decode()
-    assert p.wait(timeout=60) == 130
+    assert p.wait(timeout=60) == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and err.count("tpcheck: interrupted") == 1, err
     for _ in range(40):
         if not _group_left(p.pid):
