@@ -190,9 +190,12 @@ def preset_family(name: str) -> str:
 
 
 def preset_available(name: str) -> bool:
-    """Whether the installed transformers can read preset ``name``'s family (Qwen3 needs transformers >= 4.51)."""
-    from impl.config import FAMILIES
-    return FAMILIES[preset_family(name)].available
+    """Whether the installed transformers can read preset ``name``'s family (Qwen3 needs transformers >= 4.51) and
+    tpcheck can capture it: the MoE presets need transformers 5, whose router returns (logits, top-k weights, ids)
+    and whose experts are one module (``tpcheck.capture.maps.HF_MAP``; 4.x routes inside the block)."""
+    from impl.config import FAMILIES, TRANSFORMERS_5
+    family = FAMILIES[preset_family(name)]
+    return family.available and (family.moe is None or TRANSFORMERS_5)
 
 
 def describe_preset(name: str) -> str:
