@@ -6,15 +6,15 @@ Checkpoints come from ``tests/family_checkpoints.py`` (HF's own config classes a
 tensor redrawn to be distinguishable); the HF reference is the class the config names."""
 from __future__ import annotations
 
-import json
 import random
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from family_checkpoints import FAMILY_PRESETS, family_checkpoint, family_config, load_hf_family_model
+from hf_compare import check_logits, edit_config, edit_tensors, hf_greedy, hf_logits, max_diff
 from fake_tp import fake_rank
 from impl import SamplingParams
 from impl.config import TRANSFORMERS_5, ConfigError, load_config
@@ -44,35 +44,6 @@ def hf_ref(d):
     if str(d) not in _HF:
         _HF[str(d)] = load_hf_family_model(d)
     return _HF[str(d)]
-
-
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
-
-
-def max_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert torch.isfinite(got).all()
-    return (got.double() - ref.double()).abs().max().item()
-
-
-def edit_config(src, dst, edit):
-    """A copy of checkpoint ``src`` in ``dst`` with ``edit(raw config dict)`` applied."""
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
-def edit_tensors(d, edit):
-    """Checkpoint directory ``d`` with ``edit(tensors)`` applied to its safetensors file in place (``edit``
-    changes the dict, or returns the dict to write instead)."""
-    tensors = load_file(str(d / "model.safetensors"))
-    out = edit(tensors)
-    save_file(tensors if out is None else out, str(d / "model.safetensors"), metadata={"format": "pt"})
-    return d
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -352,28 +323,11 @@ def test_logits_match_hf(preset, tp, fam, engines):
     worst = 0.0
     for n in LENGTHS:
         ids = [rng.randrange(cfg.vocab_size) for _ in range(n)]
-        ref = hf_logits(hf, ids)
-        got = llm.logits(ids)
-        diff = max_diff(got, ref)
-        assert diff <= ATOL, f"{preset} tp {tp} length {n}: max |diff| {diff:.3g} > {ATOL}"
-        top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > ATOL
-        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
-        worst = max(worst, diff)
+        worst = max(worst, check_logits(llm, hf, ids, ATOL, f"{preset} tp {tp}"))
     print(f"\nmax |diff| {preset} tp{tp}: {worst:.3g}")
 
 
 NEW = 24
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """HF's greedy continuation (never stopping at EOS) and, per new token, its top-2 logit gap."""
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return out.sequences[0, len(prompt):].tolist(), gaps
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
+from hf_compare import check_logits, hf_greedy
 from impl import LLM, SamplingParams
 from impl.config import ConfigError, load_config
 
@@ -19,12 +19,6 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]  # (tp, ep): every on
 LENGTHS = (1, 3, 17, 40)  # 40 runs past tiny-mixtral's sliding window (16)
 ATOL = 1e-4
 CASES = [(p, tp, ep) for p in PRESETS for tp, ep in LAYOUTS]
-
-
-def max_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert torch.isfinite(got).all()
-    return (got.double() - ref.double()).abs().max().item()
 
 
 @pytest.mark.parametrize("preset,tp,ep", CASES, ids=[f"{p}-tp{t}-ep{e}" for p, t, e in CASES])
@@ -37,29 +31,11 @@ def test_logits_match_hf(preset, tp, ep, ckpt, engines, hf_model):
     worst = 0.0
     for n in LENGTHS:
         ids = [rng.randrange(llm.cfg.vocab_size) for _ in range(n)]
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0]
-        got = llm.logits(ids)
-        diff = max_diff(got, ref)
-        assert diff <= ATOL, f"{preset} tp {tp} ep {ep} length {n}: max |diff| {diff:.3g} > {ATOL}"
-        top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > ATOL
-        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
-        worst = max(worst, diff)
+        worst = max(worst, check_logits(llm, hf, ids, ATOL, f"{preset} tp {tp} ep {ep}"))
     print(f"\nmax |diff| {preset} tp{tp} ep{ep}: {worst:.3g}")
 
 
 NEW = 16
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """HF's greedy continuation (never stopping at EOS) and, per new token, its top-2 logit gap."""
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return out.sequences[0, len(prompt):].tolist(), gaps
 
 
 @pytest.mark.parametrize("preset,tp,ep", [("tiny-qwen2-moe", 4, 2), ("tiny-qwen3-moe", 2, 2), ("tiny-mixtral", 4, 4),

@@ -12,9 +12,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fake_tp import fake_rank
+from hf_compare import edit_config, edit_tensors
 from impl.config import ConfigError, load_config
 from impl.layers.mlp import GatedMLP
 from impl.layers.moe import SparseMoeBlock
@@ -24,21 +25,6 @@ from impl.placements import Partial, Replicate
 from impl.shard_plan import shard_plan
 
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
-
-
-def edit_config(src, dst, edit):
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
-def edit_tensors(d, edit):
-    tensors = load_file(str(d / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    return d
 
 
 def build(d, rank=0, tp=1, ep=1, dtype=torch.float32, load=True):
@@ -224,7 +210,7 @@ def test_missing_expert_named_only_where_held(ckpt, tmp_path):
     d = tmp_path / "x"
     shutil.copytree(ckpt("tiny-qwen2-moe"), d)
     gone = "model.layers.2.mlp.experts.5.up_proj.weight"
-    edit_tensors(d, lambda t: t.pop(gone))
+    edit_tensors(d, lambda t: t.__delitem__(gone))  # changes the dict in place (returns None)
     with pytest.raises(LoadError, match=rf"lacks 1 tensor\(s\): \['{gone}'\]"):
         build(d)
     build(d, rank=0, tp=2, ep=2)  # experts 0-3: expert 5 is rank 1's business
