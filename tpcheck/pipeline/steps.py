@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from tpcheck.capture.batches import RequestLog, StepBatch
-from tpcheck.capture.points import all_point_names, split_point
+from tpcheck.capture.points import all_point_names, point_order, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.measure import exact_ops
@@ -109,7 +109,6 @@ class DiffPass:
         self.with_kv = ctx.decode_steps > 0
         # every family's points (Qwen3's attn.q_norm / k_norm included), in execution order
         names = all_point_names(ctx.num_layers)
-        self.order = {n: i for i, n in enumerate(names)}
         self.canonical = set(names)
         self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
         self.rows_not_produced: dict[str, int] = {}  # point -> golden rows the engine did not produce (coverage)
@@ -317,7 +316,7 @@ class DiffPass:
         note = rc.note(where) or (u.rank_mismatch or "")
         return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind="moe.topk_ids",
                    rel_err=bad / n if n else 0.0, ref_rel_err=0.0, route_flips=float(len(rc.flipped)),
-                   near_ties=float(rc.near_ties), nan=0, inf=0, note=note, order=self.order.get(u.name, 10**6),
+                   near_ties=float(rc.near_ties), nan=0, inf=0, note=note, order=point_order(u.name),
                    max_abs=max(rc.margins) if rc.margins else 0.0)
 
     def _row(self, u, gold: torch.Tensor, step: int, row_lens: list[int], starts: list[int], want=None,
@@ -347,7 +346,7 @@ class DiffPass:
         # note, structural findings
         return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind=kind, **stats,
                    **self.floor.row_fields(u.name), op_mismatch=op_mismatch, note=note,
-                   rows_excluded=float(rows_excluded) if rows_excluded else NAN, order=self.order.get(u.name, 10**6))
+                   rows_excluded=float(rows_excluded) if rows_excluded else NAN, order=point_order(u.name))
 
     def _selected(self, name: str) -> bool:
         return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
