@@ -43,6 +43,9 @@ and 4, with KV heads replicated at tp 4):
                       the attention-sink recipe (``tpcheck.inputs.sink_recipe``): one residual channel at token 0
                       grows to ~2e4 by layer 6, holds to layer 20 and falls to ~2.5e3 at layer 23, a second
                       one holds ~-1.55e3, every other entry stays O(1-10) (median |x| 1.3-5.4), for any prompt.
+* ``deep-sink-3``     the same recipe with 6 heads / 3 KV heads (head_dim 64, hidden 192, intermediate 384), so
+                      it splits at tp 3 (and 1, 6): the tp at which a shared-memory all-reduce adds partials in a
+                      rank-dependent order (a public 135M Llama-family model has 9 / 3 heads).
 
 Mixture of experts (``impl.layers.moe``; 8 experts of width 32 per sparse layer, so every one splits at tp 1, 2
 and 4 with ep 1, 2 and 4 wherever ep divides tp):
@@ -146,6 +149,10 @@ PRESETS.update({
     "deep-sink": dict(_FAMILY, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
                       num_hidden_layers=24, model_type="llama", vocab_size=384, attention_bias=True, mlp_bias=True,
                       tie_word_embeddings=False, rope_theta=10000.0),
+    "deep-sink-3": dict(_FAMILY, hidden_size=192, num_attention_heads=6, num_key_value_heads=3, head_dim=64,
+                        intermediate_size=384,
+                        num_hidden_layers=24, model_type="llama", vocab_size=384, attention_bias=True, mlp_bias=True,
+                        tie_word_embeddings=False, rope_theta=10000.0),
 })
 
 _MOE_ATTN = dict(_FAMILY, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256,
@@ -170,7 +177,7 @@ OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
 # presets whose routers are drawn in near-tied pairs of rows, at this spread (``router_ties=``; ``_tie_router``)
 ROUTER_TIES: dict[str, float] = {"tiny-moe-ties": 0.01}
 # presets drawn with the attention-sink recipe (``sink=True`` of ``make_config_checkpoint``: ``_add_sink``)
-SINKS: tuple[str, ...] = ("deep-sink",)
+SINKS: tuple[str, ...] = ("deep-sink", "deep-sink-3")
 
 
 def preset_names() -> list[str]:

@@ -5,16 +5,20 @@ A diff run (``tpcheck.pipeline.diff``) records measurements (``rel_err``, the re
 ``max_abs``, ...) and structural findings (a shape that differs from the golden, ranks that disagree on a
 replicated point, an op whose bits differ from HF's under ``--exact-ops``), each written in the row's ``note``.
 A row passes when ``rel_err <= threshold`` (``Tolerances.threshold``: ``k * ref_rel_err + floor``, or
-``rel_max``), ``max_abs <= abs_max`` where a bound is set, and it has no structural finding. NaN never
-passes. ``tpcheck diff``, ``tpcheck gate`` (re-judging a saved result), ``tpcheck sweep`` and the pytest
+``rel_max``), ``max_abs <= abs_max`` where a bound is set, and it has no structural finding; or, failing that,
+as *inherited* (``inherited`` column) when its op recomputed on the engine's own inputs errs within the same
+threshold beyond a correct kernel's rounding (``own_err``, ``tpcheck.measure.own_input``) and every input of that
+op passed: the excess came in through inputs that are themselves within their floors. NaN never passes. ``tpcheck diff``, ``tpcheck gate`` (re-judging a saved result), ``tpcheck sweep`` and the pytest
 plugin all call this function."""
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from tpcheck.result.table import DiffResult
+from tpcheck.capture.points import point_order, split_point
 from tpcheck.judge.tolerances import Tolerances
+from tpcheck.measure import own_input
+from tpcheck.result.table import DiffResult
 
 
 def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResult:
@@ -35,5 +39,32 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
         abs_excess = np.where(np.isnan(bound), 0.0, np.where(bound > 0, mx / bound, np.where(mx > 0, np.inf, 0.0)))
     excess = np.where(np.isnan(rel), np.nan, np.maximum(rel_excess, np.nan_to_num(abs_excess, nan=np.inf)))
     ok = (rel <= thr) & (np.isnan(bound) | (mx <= bound)) & ~structural
-    t["threshold"], t["excess"], t["passed"] = thr, excess, ok.astype(bool)
+    own = pd.to_numeric(t["own_err"], errors="coerce").astype(float).to_numpy() if "own_err" in t else \
+        np.full(len(t), np.nan)
+    rescuable = (own <= thr) & (np.isnan(bound) | (mx <= bound)) & ~structural  # only the rel_err gate failed
+    inherited = _inherited(t, ok, rescuable, result.meta.get("num_layers"))
+    ok, excess = ok | inherited, np.where(inherited, own / np.where(thr > 0, thr, np.inf), excess)
+    t["threshold"], t["excess"], t["passed"], t["inherited"] = thr, excess, ok.astype(bool), inherited
     return DiffResult(t, {**result.meta, "tolerances": tol.source})
+
+
+def _inherited(t: pd.DataFrame, ok: np.ndarray, own_ok: np.ndarray, num_layers: int | None) -> np.ndarray:
+    """Rows that fail only through their inputs (``tpcheck.measure.own_input``): ``own_err`` within the threshold
+    and every input point of the op passed, raw or inherited, in the same pass and step (in an isolated pass the
+    layer's input is the golden's own). Decided in execution order, so an inherited input counts."""
+    out = np.zeros(len(t), dtype=bool)
+    candidates = np.flatnonzero(~ok & own_ok)
+    if not len(candidates):
+        return out
+    if num_layers is None:
+        layers = pd.to_numeric(t["layer"], errors="coerce")
+        num_layers = int(layers.max()) + 1 if layers.notna().any() else 0
+    passed = {(m, s, p): bool(v) for m, s, p, v in zip(t["mode"], t["step"], t["point"], ok)}
+    for i in sorted(candidates, key=lambda i: (t["mode"].iat[i], t["step"].iat[i], point_order(t["point"].iat[i]))):
+        mode, step, point = t["mode"].iat[i], t["step"].iat[i], t["point"].iat[i]
+        inputs = own_input.input_points(point, num_layers) or [None]
+        if mode == "isolated" and split_point(point)[1] in ("input_norm", "attn.residual", "final_norm"):
+            inputs = inputs[1:]  # the layer's input is the teacher: the golden's
+        if all(passed.get((mode, step, p), False) for p in inputs):
+            out[i] = passed[(mode, step, point)] = True
+    return out

@@ -20,8 +20,8 @@ from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.capture.points import all_point_names, point_order, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.noise_floor import NoiseFloor
-from tpcheck.measure import exact_ops
-from tpcheck.measure.metrics import compare, mismatch
+from tpcheck.measure import exact_ops, own_input
+from tpcheck.measure.metrics import FLOOR, K_FACTOR, compare, mismatch
 from tpcheck.measure.unshard import unshard
 from tpcheck.pipeline.routes import RouteBook, routes_of, sort_routes
 from tpcheck.reference.hf import cut_cache, new_cache
@@ -258,6 +258,7 @@ class DiffPass:
             units += [(u, subsets.get(name)) for u in parts]
         if self.ctx.sparse:
             units = self._routes(units, gold)
+        engine_of = {u.name: u.tensor for u, sub in units if sub is None}  # the op inputs own_input reads
         for u, subset in units:
             if u.name not in gold or not self._selected(u.name):
                 continue
@@ -288,7 +289,27 @@ class DiffPass:
             is_kv = ".kv." in u.name
             where = (kv_lens, [0] * len(kv_lens)) if is_kv else (row_lens, starts)
             rows.append(self._row(u, g, step, *where, want, order, subset))
+            if subset is None and not self.ctx.sparse:
+                self._own(rows[-1], u.tensor, g, engine_of, eng_teacher)
         return rows
+
+    def _own(self, row: Row, tensor: torch.Tensor, golden: torch.Tensor, engine_of: dict, eng_teacher) -> None:
+        """``row.own_err`` (``tpcheck.measure.own_input``) where the point exceeds half its default threshold: its
+        op recomputed on the engine's own inputs of this step (the teacher as the layer input when isolated)."""
+        dt = str(self.ctx.dtype).removeprefix("torch.")
+        if not row.rel_err > 0.5 * (K_FACTOR.get(dt, 2.0) * row.ref_rel_err + FLOOR.get(dt, 0.0)):
+            return
+        layer, kind = split_point(row.point)
+        inputs = own_input.input_points(row.point, self.ctx.num_layers) or []
+        teacher_at = (self.ctx.num_layers if kind == "final_norm" else layer) \
+            if eng_teacher is not None and kind in ("input_norm", "attn.residual", "final_norm") else None
+
+        def get(p: str) -> torch.Tensor:
+            return eng_teacher[teacher_at] if teacher_at is not None and p == inputs[0] else engine_of[p]
+        red = self.ctx.reductions
+        rd = None if getattr(red, "dtype", None) is None else getattr(torch, red.dtype)
+        row.own_err = own_input.own_error(self.ctx.ref.model, row.point, tensor, golden, get,
+                                          getattr(red, "tp", 1), rd)
 
     def _routes(self, units: list, gold: dict) -> list:
         """MoE: the engine's top-k put in the one order (``routes.sort_routes``), and each layer's route checked

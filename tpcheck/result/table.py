@@ -51,6 +51,11 @@ class Row:
     route_flips: float = NAN
     near_ties: float = NAN
     rows_excluded: float = NAN
+    # the point's op recomputed in float64 on the engine's own inputs (tpcheck.measure.own_input): its error beyond
+    # a correct kernel's rounding, relative to the golden; NaN where not computed. ``inherited``: the row passed
+    # because that is within its threshold and the op's inputs passed (its excess came in through its inputs)
+    own_err: float = NAN
+    inherited: bool = False
     passed: bool = False
     note: str = ""                 # a structural finding (shape, ranks disagreeing, exact ops): always fails
     order: int = 0                 # execution order within (mode, step); not saved
@@ -176,7 +181,10 @@ class DiffResult:
             if m.get("exact_ops") and "op_mismatch" in self.table:
                 n_ops = int(self.table["op_mismatch"].notna().sum())
                 ops = f" and all {n_ops} checked ops (norms, residual adds) bit-identical to HF's"
-            return head + ", every point within the noise floor" + ops + tail
+            n_inh = int(self.table["inherited"].sum()) if "inherited" in self.table else 0
+            inh = "" if not n_inh else (f" ({n_inh} as inherited: over the floor only through their inputs, their "
+                                        "own op within it on the engine's inputs)")
+            return head + ", every point within the noise floor" + inh + ops + tail
         lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
                        f"rel_err {fd['rel_err']:.3g} vs HF {m['dtype']} {fd['ref_rel_err']:.3g}"
                        + (f" ({fd['ref_by']})" if fd.get("ref_by") else "") + " "
@@ -280,8 +288,9 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
         for c in FLOAT_COLUMNS:
             if c in r and not _num(r[c]):
                 raise ResultFormatError(f"{source}: rows[{i}].{c} must be a number or null, got {r[c]!r}")
-        if "passed" in r and not isinstance(r["passed"], bool):
-            raise ResultFormatError(f"{source}: rows[{i}].passed must be true or false, got {r['passed']!r}")
+        for c in ("passed", "inherited"):
+            if c in r and not isinstance(r[c], bool):
+                raise ResultFormatError(f"{source}: rows[{i}].{c} must be true or false, got {r[c]!r}")
         _check_row_fields(r, f"{source}: rows[{i}]")
         layer, kind = split_point(r["point"])
         if layer is not None and layer >= MAX_LAYERS:

@@ -1,0 +1,95 @@
+"""Whose error is it (``tpcheck.measure.own_input``): a point's op recomputed in float64 on the engine's own inputs,
+the rounding allowance of a correct kernel, and the judge's inherited rule (``tpcheck.judge.verdict``)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tpcheck.judge import judge
+from tpcheck.measure.own_input import input_points, own_error
+from tpcheck.reference.hf import HFCapture, new_cache
+from tpcheck.result.table import DiffResult, Row
+
+
+def _points(model, dtype=torch.float64):
+    cap = HFCapture(model)
+    return cap.step([[5, 17, 42, 9]], [new_cache(model)], [0])
+
+
+def test_input_points():
+    assert input_points("layers.0.input_norm", 3) == ["embed"]
+    assert input_points("layers.2.attn.residual", 3) == ["layers.1.out", "layers.2.attn.out"]
+    assert input_points("layers.1.mlp.act", 3) == ["layers.1.mlp.gate", "layers.1.mlp.up"]
+    assert input_points("final_norm", 3) == ["layers.2.out"] and input_points("logits", 3) == ["final_norm"]
+    assert input_points("layers.0.attn.q_rope", 3) is None and input_points("embed", 3) is None
+
+
+def test_a_correct_float32_op_has_no_own_error_and_a_wrong_one_does(ckpt, hf_model):
+    d = ckpt("tiny")
+    gold, f32 = _points(hf_model(d, "float64")), _points(hf_model(d, "float32"))
+    model = hf_model(d, "float32")
+    get = f32.__getitem__
+    for name in ("layers.0.input_norm", "layers.1.mlp.act", "layers.1.out", "final_norm"):
+        assert own_error(model, name, f32[name], gold[name], get) == 0, name  # within their roundings
+    for name in ("layers.0.attn.q", "layers.0.attn.out", "layers.1.mlp.out", "logits"):
+        # a well-conditioned dot product's accumulation counts: HF's own, ~sqrt(n) u, is the scale a floor has
+        assert 0 <= own_error(model, name, f32[name], gold[name], get) < 4 * 128 ** 0.5 * 2.0 ** -24, name
+    bad = f32["layers.1.mlp.out"].clone()
+    bad[:, 3] += 1e-3 * bad.abs().max()  # one output channel off: the op's own error, at full size
+    err = own_error(model, "layers.1.mlp.out", bad, gold["layers.1.mlp.out"], get)
+    rel = float((bad.double() - gold["layers.1.mlp.out"]).norm() / gold["layers.1.mlp.out"].norm())
+    assert err > 0.9 * rel > 0
+    assert math.isnan(own_error(model, "layers.1.mlp.out", bad, gold["layers.1.mlp.out"], {}.__getitem__))
+    assert math.isnan(own_error(model, "layers.0.attn.q_rope", f32["layers.0.attn.q_rope"],
+                                gold["layers.0.attn.q_rope"], get))
+
+
+def test_a_cancelling_dot_product_may_carry_its_rounding(ckpt, hf_model):
+    """An output that cancels (|W||x| / |y| large) gets the probabilistic bound of any summation order."""
+    model = hf_model(ckpt("tiny"), "float32")
+    lin = model.model.layers[0].mlp.down_proj
+    n = lin.in_features
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, n, generator=g)
+    w = lin.weight.double()
+    x[:, 0] = 1e3 * torch.sign(w[0, 0]).float()  # a massive input that cancels in output 0 ...
+    x[:, 1] = -(1e3 * w[0, 0].abs() / w[0, 1]).float()  # ... against its neighbour
+    exact = x.double() @ w.T
+    engine = exact.float().clone()
+    engine[:, 0] += float(1e3 * w[0, 0].abs()) * 2e-6  # ~30 ulps of the terms: legitimate for a cancelling sum
+    get = {"layers.0.mlp.act": x}.__getitem__
+    assert own_error(model, "layers.0.mlp.out", engine, exact, get) == 0
+    engine[:, 5] += 1e-3 * exact[:, 5].abs().float() + 1e-3  # a well-conditioned element gets no such allowance
+    assert own_error(model, "layers.0.mlp.out", engine, exact, get) > 0
+
+
+def _row(point, rel, own=math.nan, note="", mode="propagated"):
+    layer = None if "layers" not in point else int(point.split(".")[1])
+    return Row(point=point, layer=layer, step=0, mode=mode, kind=point.split(".", 2)[-1] if layer is not None
+               else point, rel_err=rel, ref_rel_err=1e-6, own_err=own, note=note)
+
+
+@pytest.mark.parametrize("input_rel, own, note, inherited", [
+    (1e-6, 1e-7, "", True),            # the op is right on inputs within their floors: inherited
+    (1.0, 1e-7, "", False),            # its input failed: the error is the input's, reported there and here
+    (1e-6, 1.0, "", False),            # the op itself is wrong
+    (1e-6, math.nan, "", False),       # not recomputed
+    (1e-6, 1e-7, "ranks 0 vs 1 hold shapes [2] vs [3]", False),  # structural: never rescued
+])
+def test_inherited_rule(input_rel, own, note, inherited):
+    rows = [_row("layers.0.mlp.act", input_rel), _row("layers.0.mlp.out", 1e-3, own, note)]
+    r = judge(DiffResult.from_rows(rows, {"dtype": "float32", "tp": 1, "num_layers": 1}))
+    out = r.table.set_index("point").loc["layers.0.mlp.out"]
+    assert bool(out["inherited"]) is inherited and bool(out["passed"]) is inherited
+    assert not r.table.set_index("point").loc["layers.0.mlp.act", "inherited"]
+    if inherited:
+        assert out["excess"] == pytest.approx(1e-7 / out["threshold"])  # the verdict's figure: its own error
+
+
+def test_inherited_chains_in_execution_order():
+    rows = [_row("layers.0.mlp.act", 1e-6), _row("layers.0.mlp.out", 1e-3, 1e-7),
+            _row("layers.0.attn.residual", 1e-6), _row("layers.0.out", 1e-3, 1e-7)]
+    t = judge(DiffResult.from_rows(rows, {"dtype": "float32", "tp": 1, "num_layers": 1})).table.set_index("point")
+    assert t.loc["layers.0.out", "inherited"] and t.loc["layers.0.mlp.out", "inherited"]

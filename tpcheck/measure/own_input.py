@@ -1,0 +1,145 @@
+"""Whose error is it: a point's op recomputed exactly (float64) on the engine's *own* inputs of that step, and the
+rounding a correct kernel may add to it.
+
+A point's error against the golden, ``d = y_engine - y_golden``, is the sum of two parts: what the engine's op
+did wrong on the inputs it had (``e_own = y_engine - op(x_engine)``, ``op`` exact) and what its inputs already
+carried (``op(x_engine) - op(x_golden)``). The noise floor judges ``d`` as a whole against the references, which is
+sound while the references' inherited part is a fair sample of a correct engine's. It is not where an op is
+ill-conditioned: a massive activation's MLP output is a dot product of a few terms of ~2.5e3 that cancel to ~8
+(``deep-sink``, ``layers.11.mlp.out`` at token 0: ``sum|w||x| / |y|`` ~ 900), so an input error of 1e-6 per
+element moves the output by ~1e-2 or by ~1e-4 depending on whether the input errors are correlated. Hugging
+Face's are (its four units read one normalised channel), vLLM's GEMMs give independent ones: measured 0.00504 of
+vLLM's 0.00694 there is inherited, its own op errs 0.00189, HF's 0.00047, and the point failed at 20.6x.
+
+So each point of ``OWN_INPUTS`` also gets ``own_err``: ``|| max(|e_own| - B, 0) || / ||y_golden||``, the op's own
+error relative to the golden (the same scale as ``rel_err``) less an allowance ``B`` for what a correct kernel may
+add where the noise floor's references cannot sample it. A well-conditioned dot product's accumulation error
+(~sqrt(n) u of the result) is not allowed for: it is what the references' own ops show, so ``own_err`` is of the
+references' scale there and a bug in the op is measured at full size. ``B`` per element:
+
+* every op: ``2 u |y|``, the output's rounding to the run's dtype and one intermediate rounding (HF rounds SiLU
+  before the product, RMSNorm before its weight), plus for an RMSNorm its float32 mean of squares and rsqrt;
+* a linear op (``y = x W^T + b``, ``W`` and ``b`` at the run's dtype, as every engine holds them, so the
+  weights' own rounding is not the engine's to explain), only at elements whose dot product cancels, where
+  ``kappa = (|W||x| + |b|) / |y| >= KAPPA_MIN * sqrt(n)`` (n terms; a dot product of random signs has
+  kappa ~ 0.8 sqrt(n)): ``lambda sqrt(n) u_acc (|W||x| + |b|)``, the probabilistic bound of a sum of n products
+  accumulated in any order (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019: it holds with probability at least
+  ``1 - 2n exp(-lambda^2 / 2)`` for independent roundings; lambda 6), ``u_acc`` the accumulator's (float32 for
+  every float32/bfloat16/float16 GEMM), plus ``(tp - 1) u_red`` for a row-parallel sum rounded in the reduce dtype.
+
+The judge (``tpcheck.judge.verdict``) lets a point whose ``rel_err`` exceeds its threshold pass as *inherited*
+when its ``own_err`` is within the same threshold and every input point of its op passed (raw or inherited) at
+that step: its op is right on the inputs it had, and those inputs are within their own floors. A bug in the op
+shows in ``e_own`` at full size on the well-conditioned elements (where ``B`` is only the output's rounding), so
+the point still fails at its origin; a bug upstream fails at its own point first, and then no point downstream of
+it can pass as inherited. ``own_err`` is computed only where a point exceeds half its default threshold (the
+gate's defaults, ``tpcheck.measure.metrics``): elsewhere it cannot change the verdict, and it costs one float64
+op on the point's inputs."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tpcheck.capture.points import split_point
+
+PREV = "<layer input>"  # the layer's input: ``embed`` or the previous layer's ``out`` (the teacher when isolated)
+#: point kind -> the points (of the same layer) its op reads, in argument order
+OWN_INPUTS: dict[str, tuple[str, ...]] = {
+    "input_norm": (PREV,), "attn.q": ("input_norm",), "attn.k": ("input_norm",), "attn.v": ("input_norm",),
+    "attn.out": ("attn.context",), "attn.residual": (PREV, "attn.out"), "post_attn_norm": ("attn.residual",),
+    "mlp.gate": ("post_attn_norm",), "mlp.up": ("post_attn_norm",), "mlp.act": ("mlp.gate", "mlp.up"),
+    "mlp.out": ("mlp.act",), "out": ("attn.residual", "mlp.out"), "final_norm": (PREV,), "logits": ("final_norm",),
+}
+_LINEARS = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
+            "attn.out": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
+            "mlp.out": "mlp.down_proj"}
+_ROW_PARALLEL = ("attn.out", "mlp.out")
+LAMBDA = 6.0       # the probabilistic bound's lambda: 2n exp(-18) ~ 3e-8 n
+KAPPA_MIN = 4.0    # elements with kappa >= KAPPA_MIN sqrt(n) are cancelling dot products
+_U = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def input_points(name: str, num_layers: int) -> list[str] | None:
+    """The points ``name``'s op reads (``PREV`` resolved to ``embed`` / ``layers.{i-1}.out``), or None for a point
+    kind this module does not recompute."""
+    layer, kind = split_point(name)
+    if kind not in OWN_INPUTS:
+        return None
+    if kind == "final_norm":
+        return [f"layers.{num_layers - 1}.out"]
+    if kind == "logits":
+        return ["final_norm"]
+    prev = "embed" if layer == 0 else f"layers.{layer - 1}.out"
+    return [prev if p == PREV else f"layers.{layer}.{p}" for p in OWN_INPUTS[kind]]
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """An RMSNorm in float64 and the relative error a float32 mean of squares and rsqrt may add."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if eps is None or x.shape[-1:] != norm.weight.shape:
+        raise KeyError("norm")
+    y = norm.weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y, (LAMBDA * math.sqrt(x.shape[-1]) / 2 + 4) * _U[torch.float32]
+
+
+def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_parallel: bool, tp: int,
+                      red_dtype: torch.dtype) -> torch.Tensor:
+    """``B``'s dot-product part: nonzero only at cancelling elements (see the module docstring)."""
+    n = x.shape[-1]
+    mag = x.abs() @ lin.weight.double().abs().T
+    if lin.bias is not None:
+        mag += lin.bias.double().abs()
+    u_acc = _U[torch.float64] if lin.weight.dtype == torch.float64 else _U[torch.float32]
+    gamma = LAMBDA * math.sqrt(n) * u_acc + ((tp - 1) * _U[red_dtype] if row_parallel and tp > 1 else 0.0)
+    cancelling = mag >= KAPPA_MIN * math.sqrt(n) * y.abs()
+    return torch.where(cancelling, gamma * mag, torch.zeros_like(mag))
+
+
+@torch.no_grad()
+def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.Tensor,
+              get: Callable[[str], torch.Tensor], tp: int = 1, red_dtype: torch.dtype | None = None) -> float:
+    """``own_err`` of point ``name`` (module docstring): ``engine`` its engine tensor, ``golden`` the golden's,
+    ``get(point)`` the engine's tensor of an input point (the teacher for ``PREV`` in an isolated pass), ``model``
+    Hugging Face's model at the run's dtype (its weights and norms, as the engine holds them). NaN where the op
+    cannot be recomputed: an input missing (KeyError) or of another shape, a streamed model, a sparse layer."""
+    layer, kind = split_point(name)
+    if kind not in OWN_INPUTS or model is None or engine.shape != golden.shape:
+        return math.nan
+    try:
+        y, b = _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
+    except (KeyError, AttributeError, IndexError, RuntimeError):
+        return math.nan
+    if y.shape != engine.shape:
+        return math.nan
+    e = engine.double()
+    over = (e - y).abs().sub_(b + 2 * _U.get(engine.dtype, 0.0) * e.abs()).clamp_(min=0)
+    g = float(golden.double().norm())
+    err = float(over.norm())
+    return err / g if g > 0 else err
+
+
+def _own_op(model: nn.Module, layer: int | None, kind: str, get: Callable[[str], torch.Tensor], tp: int,
+            red_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """(the op of ``kind`` in float64 on the engine's inputs, the allowance beyond the output's rounding)."""
+    m = model.model
+    num_layers = len(m.layers)
+    name = kind if layer is None else f"layers.{layer}.{kind}"
+    xs = [get(p).double() for p in input_points(name, num_layers)]
+    if kind in ("input_norm", "post_attn_norm", "final_norm"):
+        norm = m.norm if kind == "final_norm" else \
+            getattr(m.layers[layer], "input_layernorm" if kind == "input_norm" else "post_attention_layernorm")
+        y, rel = _rms_norm(norm, xs[0])
+        return y, rel * y.abs()
+    if kind in ("attn.residual", "out"):
+        return xs[0] + xs[1], 0.0
+    if kind == "mlp.act":
+        return torch.nn.functional.silu(xs[0]) * xs[1], 4 * _U[torch.float32] * (xs[0].abs() * xs[1].abs())
+    lin = model.lm_head if kind == "logits" else m.layers[layer].get_submodule(_LINEARS[kind])
+    if type(lin) is not nn.Linear or lin.weight.device.type == "meta":
+        raise KeyError(kind)
+    w = lin.weight.double()
+    y = xs[0] @ w.T + (lin.bias.double() if lin.bias is not None else 0.0)
+    return y, _linear_allowance(lin, xs[0], y, kind in _ROW_PARALLEL, tp, red_dtype)
