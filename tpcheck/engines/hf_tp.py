@@ -31,7 +31,8 @@ from tpcheck.engines.adapter import by_point
 from tpcheck.capture.core import as_rows, install
 from tpcheck.capture.maps import HF_TP_MAP
 from tpcheck.capture.teacher import Teacher
-from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, load_hf_model, new_cache, register_attention
+from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_keyword, cache_kv, load_hf_model, new_cache, \
+    register_attention
 from tpcheck.reference.reductions import Reductions
 
 RUNNER = "tpcheck.engines.hf_tp:HFTPRank"
@@ -114,7 +115,8 @@ class HFTPRank:
                     {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
                 ids = torch.tensor([toks], device=dev)
                 pos = torch.arange(starts[b], starts[b] + len(toks), device=dev)[None]
-                self.model(input_ids=ids, position_ids=pos, past_key_values=self.caches[b], use_cache=True)
+                kv = {cache_keyword(self.model): self.caches[b]}
+                self.model(input_ids=ids, position_ids=pos, use_cache=True, **kv)
                 offset += len(toks)
             points = self.capture.step_done()
         finally:

@@ -7,9 +7,10 @@ replicated point, an op whose bits differ from HF's under ``--exact-ops``), each
 A row passes when ``rel_err <= threshold`` (``Tolerances.threshold``: ``k * ref_rel_err + floor``, or
 ``rel_max``), ``max_abs <= abs_max`` where a bound is set, and it has no structural finding; or, failing that,
 as *inherited* (``inherited`` column) when its op recomputed on the engine's own inputs errs within the same
-threshold beyond a correct kernel's rounding (``own_err``, ``tpcheck.measure.own_input``) and every input of that
-op passed: the excess came in through inputs that are themselves within their floors. NaN never passes. ``tpcheck diff``, ``tpcheck gate`` (re-judging a saved result), ``tpcheck sweep`` and the pytest
-plugin all call this function."""
+threshold beyond a correct kernel's rounding (``own_err``, ``tpcheck.measure.own_input``) and every input of
+that op passed: the excess came in through inputs that are themselves within their floors. NaN never passes.
+``tpcheck diff``, ``tpcheck gate`` (re-judging a saved result), ``tpcheck sweep`` and the pytest plugin all call
+this function."""
 from __future__ import annotations
 
 import numpy as np

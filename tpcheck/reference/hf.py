@@ -146,7 +146,7 @@ class HFCapture:
         try:
             ids = torch.tensor([input_ids])
             pos = torch.arange(start, start + len(input_ids))[None]
-            self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            self.model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_keyword(self.model): cache})
         finally:
             self.sink = self.teacher.inputs = None
             _STATE["sink"] = None
@@ -176,6 +176,20 @@ class HFCapture:
                 ks, vs = zip(*(cache_kv(c, i) for c in caches))
                 out[f"layers.{i}.kv.k"], out[f"layers.{i}.kv.v"] = torch.cat(ks), torch.cat(vs)
         return out
+
+
+def cache_keyword(model) -> str:
+    """The forward's keyword for a KV cache: ``cache`` where the class takes it (transformers 5.2x renames it and
+    warns at every call given ``past_key_values``), else ``past_key_values`` (transformers 4.x, early 5.x)."""
+    cls = type(model)
+    if cls not in _CACHE_KEYWORD:
+        import inspect
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KEYWORD[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KEYWORD[cls]
+
+
+_CACHE_KEYWORD: dict[type, str] = {}
 
 
 def new_cache(model):
