@@ -1,0 +1,94 @@
+"""False alarms of a clean engine, one prompt per run: what a user of a real engine sees when they run tpcheck on
+the prompts they care about (short ones included). Each run is judged twice from its own table: by the noise
+floor alone (``rel_err <= threshold``) and by the verdict (the inherited rule of ``tpcheck.measure.own_input``
+included).
+
+    python benchmarks/engine_floor.py [--engine vllm] [--preset deep-sink] [--tp 1,2] [--dtype float32,bfloat16]
+        [--prompts 20] [--max-len 40] [--decode 2] [--json reports/engine_floor.json]
+
+Prompts: ``--prompts`` random token-id prompts (seeded), of lengths 1, 2, 3 and then spread up to ``--max-len``.
+One engine per (tp, dtype), reused for every prompt (``tpcheck.engines.pool.EnginePool``). Per configuration it
+prints the runs, the false alarms under each rule, the closest point (its excess) and how many points passed as
+inherited (and their largest raw excess)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import tpcheck
+from tpcheck.engines.pool import EnginePool
+from tpcheck.inputs.checkpoints import cached_checkpoint
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
+from common import check_json_arg, make_log, print_table  # noqa: E402
+
+
+def prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` random prompts: lengths 1, 2, 3, then evenly spread up to ``max_len``."""
+    rng = random.Random(f"engine-floor-{seed}")
+    lens = [1, 2, 3][:n] + [round(3 + (max_len - 3) * (i + 1) / max(1, n - 3)) for i in range(max(0, n - 3))]
+    return [[rng.randrange(vocab) for _ in range(k)] for k in lens]
+
+
+def judge_run(r) -> dict:
+    """One run's figures: the floor alone and the verdict; the closest point; the inherited points."""
+    t = r.table
+    raw = t["rel_err"] / t["threshold"]
+    inh = t[t["inherited"]]
+    return {"floor_alone_fails": bool((raw > 1).any() | (t["note"] != "").any()), "passed": bool(r.passed),
+            "closest": float(t["excess"].max()), "inherited": int(len(inh)),
+            "inherited_raw": float((inh["rel_err"] / inh["threshold"]).max()) if len(inh) else 0.0,
+            "origin": (r.first_divergence or {}).get("point", "-")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", default="impl")
+    ap.add_argument("--preset", default="deep-sink")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--dtype", default="float32,bfloat16")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-len", type=int, default=40)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    check_json_arg(ap, a)
+    log = make_log("engine_floor")
+    ckpt = cached_checkpoint(a.preset)
+    vocab = json.load(open(os.path.join(ckpt, "config.json")))["vocab_size"]
+    ps = prompts(a.prompts, a.max_len, vocab)
+    pool, rows, runs = EnginePool(), [], []
+    t0 = time.monotonic()
+    try:
+        for tp in (int(x) for x in a.tp.split(",")):
+            for dtype in a.dtype.split(","):
+                res = []
+                for p in ps:
+                    r = tpcheck.diff(str(ckpt), tp=tp, dtype=dtype, prompts=[p], decode_steps=a.decode,
+                                     engine=a.engine, pool=pool)
+                    res.append({"tp": tp, "dtype": dtype, "len": len(p), **judge_run(r)})
+                    log(f"{a.engine} tp={tp} {dtype} {len(p)} tokens: {'PASS' if r.passed else 'FAIL'} "
+                        f"closest {res[-1]['closest']:.3g}x, {res[-1]['inherited']} inherited")
+                runs += res
+                worst = max(res, key=lambda x: x["closest"])
+                rows.append([f"{a.engine} {a.preset}", str(tp), dtype, str(len(res)),
+                             str(sum(x["floor_alone_fails"] for x in res)), str(sum(not x["passed"] for x in res)),
+                             f"{worst['closest']:.3g}x ({worst['len']} tok)", str(sum(x["inherited"] for x in res)),
+                             f"{max(x['inherited_raw'] for x in res):.3g}x"])
+    finally:
+        pool.close()
+    print_table(["engine", "tp", "dtype", "runs", "floor alone: fail", "verdict: fail", "closest",
+                 "inherited points", "their worst raw excess"], rows)
+    print(f"total {time.monotonic() - t0:.0f}s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"runs": runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
