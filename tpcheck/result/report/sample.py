@@ -37,7 +37,7 @@ def sample_result(num_layers: int = 4, decode_steps: int = 2, isolate: bool = Tr
                 thr = k * ref + floor
                 norm = 40.0 + order * 0.5
                 rows.append({"point": p, "layer": layer, "step": step, "mode": mode, "kind": kind, "rel_err": rel,
-                             "ref_rel_err": ref, "threshold": thr, "excess": rel / thr,
+                             "ref_rel_err": ref, "ref_rel_err_hf": ref, "threshold": thr, "excess": rel / thr,
                              "cosine": 1 - rel * rel / 2,
                              "max_abs": rel * norm / 3, "max_abs_index": [rng.randrange(2), rng.randrange(32),
                                                                            rng.randrange(896)],
