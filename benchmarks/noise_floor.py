@@ -8,7 +8,8 @@ judged two ways from the same run's table.
 * now (``tpcheck diff``'s verdict): the TP-aware floor on both passes, the propagated one and the local one
   (each layer fed the golden input), the origin the first failing point over both.
 
-Rows a structural check failed (shape, ranks disagree, exact ops) fail under both rules.
+Rows a structural check failed (shape, exact ops) fail under both rules, and so do rows whose replicas differ by more
+than the rule's threshold (``rank_spread``: a rank holding other data).
 
     python benchmarks/noise_floor.py [--presets tiny,small-outliers] [--seeds 3] [--decode 0,4] [--no-faults]
         [--json reports/noise_floor.json]
@@ -46,9 +47,11 @@ def verdicts(r) -> dict:
     ref = t["ref_rel_err_hf"].where(t["ref_rel_err_hf"].notna(), 0.0)
     thr = K_FACTOR[dtype] * ref + FLOOR[dtype]
     structural = t["note"].astype(str) != ""
-    old_fail = ~(t["rel_err"] <= thr) | structural
+    spread = t["rank_spread"].fillna(0.0)  # replicas judged against the same threshold (tpcheck.judge)
+    old_fail = ~(t["rel_err"] <= thr) | (spread > thr) | structural
+    old_excess = pd.concat([t["rel_err"] / thr, spread / thr], axis=1).max(axis=1, skipna=False)
     out = {}
-    for rule, failing, excess in (("one_device", old_fail, t["rel_err"] / thr), ("tp_aware", ~t["passed"], t["excess"])):
+    for rule, failing, excess in (("one_device", old_fail, old_excess), ("tp_aware", ~t["passed"], t["excess"])):
         if failing.any():
             i = failing.idxmax()  # the first failing row in execution order (the table is sorted)
             out[rule] = dict(origin=f"{t.loc[i, 'point']} @ step {t.loc[i, 'step']}", excess=float(excess[i]),

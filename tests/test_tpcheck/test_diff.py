@@ -21,6 +21,9 @@ def test_clean_impl_passes(preset, tp, dtype, steps, isolate, ckpt, engines):
     r = run(ckpt, engines, preset, tp, dtype, steps, isolate)
     assert r.passed, r.summary() + "\n" + r.table[~r.table.passed].to_string()
     assert r.first_divergence is None
+    spread = r.table["rank_spread"]  # impl adds an all-reduce's partials in one order on every rank: bit for bit
+    assert (spread.dropna() == 0).all() and spread.notna().any() == (tp > 1)
+    assert set(r.meta["effective_precision"]) == {"propagated"} | ({"isolated"} if isolate else set())
     num_layers = LAYERS[preset]
     per_step = len(point_names(num_layers, with_kv=steps > 0))
     assert len(r.table) == per_step * (steps + 1) * (2 if isolate else 1)  # every point, every step, every mode

@@ -166,6 +166,7 @@ def _cmd_compare(a, argv: list[str]) -> int:
 def _show(r, a) -> int:
     """Print the tables and the verdict, write the requested outputs, return the exit code."""
     from tpcheck.result.documents import write_atomic
+    from tpcheck.measure.precision import precision_of
     from tpcheck.result.report.html import write_html
     failing = r.first_divergence is not None
     if failing:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
@@ -179,6 +180,7 @@ def _show(r, a) -> int:
         print(_fmt(shown))
     print()
     print("\n".join(r.summary().splitlines()[:2]) if failing else r.summary())  # the verdict again, last
+    print(precision_of(r.table, r.meta))  # the engine's effective precision, after the verdict
     parquet = lambda p: write_atomic(p, lambda t: r.table.drop(columns=["order"]).to_parquet(t, index=False))  # noqa: E731
     for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
                         (a.html, lambda p: write_html(r, p))):

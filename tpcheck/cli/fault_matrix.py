@@ -153,6 +153,8 @@ def flagged_by(fd: dict | None) -> str:
     for prefix, by in (("exact-ops", "exact ops"), ("shape", "shape"), ("ranks", "ranks disagree")):
         if note.startswith(prefix):
             return by
+    if fd.get("rank_spread", math.nan) > fd["threshold"]:  # replicas further apart than rounding takes them
+        return "ranks disagree"
     return "NaN" if math.isnan(fd["rel_err"]) else "noise floor"
 
 

@@ -45,7 +45,10 @@ def gate_result(result: DiffResult, tolerances: Tolerances | None = None, name: 
     where = (f"layer {fd['layer']}" if fd["layer"] is not None else "outside the decoder layers") + \
             f", step {fd['step']}, {fd['mode']}"
     bound = tol.abs_max(row.kind, dtype)
-    reasons = []
+    reasons = []  # the cause first: ranks that disagree, then the error against the golden
+    if row.rank_spread > row.threshold:
+        reasons.append(f"ranks {row.rank_spread_by or '?'} disagree by {row.rank_spread:.3g} > threshold "
+                       f"{row.threshold:.3g}")
     if not (row.rel_err <= row.threshold):
         reasons.append(f"rel_err {row.rel_err:.3g} > threshold {row.threshold:.3g} "
                        f"({tol.describe(row.kind, dtype, row.ref_rel_err)})")
@@ -53,12 +56,12 @@ def gate_result(result: DiffResult, tolerances: Tolerances | None = None, name: 
         reasons.append(f"max |diff| {row.max_abs:.3g} > abs_max {bound:.3g}")
     n_bad = int((~t["passed"]).sum())
     tail = f". {n_bad} of {len(t)} points fail ({tol.source})"
-    if not reasons:  # within its error bounds: failed for its note (shape, ranks disagreeing, exact ops)
+    if not reasons:  # within its error bounds: failed for its note (shape, ranks' shapes, exact ops)
         return FAIL, (f"FAIL {name}: first failing point {fd['point']} ({where}) fails: "
                       + (row.note or "failed in the saved run for a reason other than its error") + tail), r
     excess = "nan" if row.excess != row.excess else f"{row.excess:.3g}x"
     return FAIL, (f"FAIL {name}: first failing point {fd['point']} ({where}) is over tolerance by {excess}: "
-                  + "; ".join(reasons) + tail), r
+                  + "; ".join(([row.note] if row.note else []) + reasons) + tail), r
 
 
 def regate(result_json_path: str | Path, tolerances: Tolerances | str | Path | None = None) -> tuple[int, str]:

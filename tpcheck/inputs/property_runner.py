@@ -96,10 +96,11 @@ class Case:
         floor (with ``exact_ops``: and the elementwise ops match HF bit for bit). Raises AssertionError with ``failure_report``; returns the ``DiffResult``."""
         r = self.diff(pool, root, inject, inject_layer)
         t = r.table
-        split = t[t["note"].astype(str).str.startswith("ranks")]
+        split = t[t["note"].astype(str).str.startswith("ranks") | (t["rank_spread"] > t["threshold"])]
         if len(split):
             w = split.iloc[0]
-            raise AssertionError(f"ranks disagree on replicated point {w.point} (step {w.step}): {w.note}\n"
+            why = w.note or f"ranks {w.rank_spread_by} disagree by {w.rank_spread:.3g} (threshold {w.threshold:.3g})"
+            raise AssertionError(f"ranks disagree on replicated point {w.point} (step {w.step}): {why}\n"
                                  + self.failure_report(r, root, inject))
         if not r.passed:
             raise AssertionError(self.failure_report(r, root, inject))
@@ -111,7 +112,7 @@ class Case:
         if "passed" in result.table:
             bad = result.table[~result.table["passed"]]
             if len(bad):
-                cols = ["step", "point", "rel_err", "ref_rel_err", "excess", "note"]
+                cols = ["step", "point", "rel_err", "ref_rel_err", "rank_spread", "excess", "note"]
                 lines.append(bad[cols].head(limit).to_string(index=False))
         lines += [f"checkpoint: {self.checkpoint(root)}",
                   f"reproduce (recreates the checkpoint if its temp dir is gone):\n  {self.repro(root, inject)}"]

@@ -2,15 +2,17 @@
 and ``passed`` from what the diff measured.
 
 A diff run (``tpcheck.pipeline.diff``) records measurements (``rel_err``, the references' ``ref_rel_err``,
-``max_abs``, ...) and structural findings (a shape that differs from the golden, ranks that disagree on a
-replicated point, an op whose bits differ from HF's under ``--exact-ops``), each written in the row's ``note``.
-A row passes when ``rel_err <= threshold`` (``Tolerances.threshold``: ``k * ref_rel_err + floor``, or
-``rel_max``), ``max_abs <= abs_max`` where a bound is set, and it has no structural finding; or, failing that,
-as *inherited* (``inherited`` column) when its op recomputed on the engine's own inputs errs within the same
-threshold beyond a correct kernel's rounding (``own_err``, ``tpcheck.measure.own_input``) and every input of
-that op passed: the excess came in through inputs that are themselves within their floors. NaN never passes.
-``tpcheck diff``, ``tpcheck gate`` (re-judging a saved result), ``tpcheck sweep`` and the pytest plugin all call
-this function."""
+``max_abs``, how far replicas differ between ranks: ``rank_spread``, ...) and structural findings (a shape that
+differs from the golden, ranks holding other shapes, an op whose bits differ from HF's under ``--exact-ops``),
+each written in the row's ``note``. A row passes when ``rel_err <= threshold`` (``Tolerances.threshold``:
+``k * ref_rel_err + floor``, or ``rel_max``), ``max_abs <= abs_max`` where a bound is set, ``rank_spread <=
+threshold`` (replicas may differ by what a correct engine's rounding may: a rank-dependent all-reduce order; a
+rank holding other data is far above it) and it has no structural finding; or, failing only the ``rel_err``
+gate, as *inherited* (``inherited`` column) when its op recomputed on the engine's own inputs errs within the
+same threshold beyond a correct kernel's rounding (``own_err``, ``tpcheck.measure.own_input``) and every input of
+that op passed: the excess came in through inputs that are themselves within their floors. NaN never passes (a
+NaN ``rank_spread``: the point has no replicas). ``tpcheck diff``, ``tpcheck gate`` (re-judging a saved result),
+``tpcheck sweep`` and the pytest plugin all call this function."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,28 +25,32 @@ from tpcheck.result.table import DiffResult
 
 
 def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResult:
-    """``result`` with ``threshold``, ``excess`` (the larger of ``rel_err / threshold`` and
-    ``max_abs / abs_max``) and ``passed`` set under ``tolerances`` (default: ``Tolerances()``);
+    """``result`` with ``threshold``, ``excess`` (the largest of ``rel_err / threshold``, ``max_abs / abs_max``
+    and ``rank_spread / threshold``) and ``passed`` set under ``tolerances`` (default: ``Tolerances()``);
     ``meta["tolerances"]`` names them."""
     tol = tolerances or Tolerances()
     dtype = result.meta["dtype"]
     t = result.table.copy()
-    rel = pd.to_numeric(t["rel_err"], errors="coerce").astype(float).to_numpy()
-    ref = pd.to_numeric(t["ref_rel_err"], errors="coerce").astype(float).to_numpy()
-    mx = pd.to_numeric(t["max_abs"], errors="coerce").astype(float).to_numpy()
+    rel, ref, mx, spread = (pd.to_numeric(t[c], errors="coerce").astype(float).to_numpy()
+                            for c in ("rel_err", "ref_rel_err", "max_abs", "rank_spread"))
     structural = (t["note"].fillna("").astype(str) != "").to_numpy()
     thr = np.array([tol.threshold(k, dtype, r) for k, r in zip(t["kind"], ref)], dtype=float)
     bound = np.array([np.nan if (b := tol.abs_max(k, dtype)) is None else b for k in t["kind"]], dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel_excess = np.where(thr > 0, rel / thr, np.where(rel > 0, np.inf, 0.0))
         abs_excess = np.where(np.isnan(bound), 0.0, np.where(bound > 0, mx / bound, np.where(mx > 0, np.inf, 0.0)))
-    excess = np.where(np.isnan(rel), np.nan, np.maximum(rel_excess, np.nan_to_num(abs_excess, nan=np.inf)))
-    ok = (rel <= thr) & (np.isnan(bound) | (mx <= bound)) & ~structural
+        rank_excess = np.where(np.isnan(spread), 0.0,
+                               np.where(thr > 0, spread / thr, np.where(spread > 0, np.inf, 0.0)))
+    excess = np.where(np.isnan(rel), np.nan,
+                      np.maximum(np.maximum(rel_excess, np.nan_to_num(abs_excess, nan=np.inf)), rank_excess))
+    others_ok = (np.isnan(bound) | (mx <= bound)) & ~(spread > thr) & ~structural
+    ok = (rel <= thr) & others_ok
     own = pd.to_numeric(t["own_err"], errors="coerce").astype(float).to_numpy() if "own_err" in t else \
         np.full(len(t), np.nan)
-    rescuable = (own <= thr) & (np.isnan(bound) | (mx <= bound)) & ~structural  # only the rel_err gate failed
-    inherited = _inherited(t, ok, rescuable, result.meta.get("num_layers"))
-    ok, excess = ok | inherited, np.where(inherited, own / np.where(thr > 0, thr, np.inf), excess)
+    inherited = _inherited(t, ok, (own <= thr) & others_ok, result.meta.get("num_layers"))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own_excess = np.maximum(own / np.where(thr > 0, thr, np.inf), rank_excess)
+    ok, excess = ok | inherited, np.where(inherited, own_excess, excess)
     t["threshold"], t["excess"], t["passed"], t["inherited"] = thr, excess, ok.astype(bool), inherited
     return DiffResult(t, {**result.meta, "tolerances": tol.source})
 

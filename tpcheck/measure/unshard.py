@@ -1,9 +1,14 @@
 """Reassemble full tensors from per-rank local tensors by their declared placement.
 
-Disagreement between ranks that should hold the same values (``Replicate`` points, KV-head replicas) is
-itself a finding: it is returned with the ranks and the size of the disagreement, never silently averaged."""
+Ranks that should hold the same values (``Replicate`` points, KV-head replicas) are compared, never silently
+averaged. How far their floating-point values differ is measured, not judged here: a correct engine may add a
+reduction's partials in a rank-dependent order (vLLM's CPU shared-memory all-reduce at tp >= 3), so its replicas
+legitimately differ by a few ulps. ``rank_spread`` is that difference (``tpcheck.judge`` holds it to the same
+threshold as the error against the golden); ranks holding other shapes, or other integer values (expert ids), are
+a structural finding in ``rank_mismatch``."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,18 +20,53 @@ from impl.placements import Fused, Partial, Replicate, Shard
 class Unsharded:
     name: str
     tensor: torch.Tensor
-    rank_mismatch: str = ""  # e.g. "ranks 0 vs 1 differ by 0.37"
+    rank_mismatch: str = ""         # structural: e.g. "ranks 0 vs 1 hold shapes [2, 8] vs [2, 4]"
+    rank_spread: float = math.nan   # worst ||t_r - t_0|| / ||t_0|| over replicas; NaN: no replicas
+    rank_spread_by: str = ""        # the ranks of that worst pair, e.g. "0 vs 2"
+
+    def rank_fields(self) -> dict:
+        """The ``Row`` columns of the ranks' agreement."""
+        return {"rank_spread": self.rank_spread, "rank_spread_by": self.rank_spread_by}
 
 
-def _agree(name: str, tensors: list[tuple[int, torch.Tensor]]) -> str:
+def rank_spread(t0: torch.Tensor, t: torch.Tensor) -> float:
+    """``||t - t0|| / ||t0||`` in float64: 0 where the two are bit-identical, infinite where ``t0`` is all zero and
+    ``t`` is not. Non-finite elements must sit at the same places with the same values in both, else the spread is
+    infinite (a NaN on one rank only is never rounding)."""
+    if torch.equal(t, t0):
+        return 0.0
+    a, d = t0.detach().to(torch.float64), t.detach().to(torch.float64, copy=True)
+    bad = ~torch.isfinite(a)
+    if not torch.equal(bad, ~torch.isfinite(d)) or not torch.equal(a[bad].nan_to_num(0.0), d[bad].nan_to_num(0.0)):
+        return math.inf
+    d.sub_(a).masked_fill_(bad, 0.0)
+    diff, ref = float(d.norm()), float((a.masked_fill(bad, 0.0) if bool(bad.any()) else a).norm())
+    return diff / ref if ref > 0 else (math.inf if diff > 0 else 0.0)
+
+
+def _agree(tensors: list[tuple[int, torch.Tensor]]) -> tuple[str, float, str]:
+    """(structural finding, spread, its ranks) of replicas ``[(rank, tensor), ...]`` against the first one."""
     r0, t0 = tensors[0]
+    note, worst, by = "", (math.nan if len(tensors) < 2 else 0.0), ""
     for r, t in tensors[1:]:
         if t.shape != t0.shape:
-            return f"ranks {r0} vs {r} hold shapes {list(t0.shape)} vs {list(t.shape)}"
-        if not torch.equal(t, t0):
-            d = (t.double() - t0.double()).abs()
-            return f"ranks {r0} vs {r} differ by up to {float(d.nan_to_num(float('inf')).max()):.3g}"
-    return ""
+            return f"ranks {r0} vs {r} hold shapes {list(t0.shape)} vs {list(t.shape)}", math.nan, ""
+        if not (t0.is_floating_point() and t.is_floating_point()):  # ids, counts: no rounding can change them
+            n = int((t != t0).sum())
+            note = note or (f"ranks {r0} vs {r} hold different values ({n} of {t.numel()} elements)" if n else "")
+            continue
+        s = rank_spread(t0, t)
+        if s > worst:
+            worst, by = s, f"{r0} vs {r}"
+    return note, worst, by
+
+
+def _worst(found: list[tuple[str, float, str]]) -> tuple[str, float, str]:
+    """The first structural finding, and the largest spread, over groups of replicas."""
+    note = next((n for n, _, _ in found if n), "")
+    spreads = [(s, by) for _, s, by in found if not math.isnan(s)]
+    s, by = max(spreads, key=lambda x: x[0]) if spreads else (math.nan, "")
+    return note, s, by
 
 
 def unshard(name: str, placement, tensors: list[torch.Tensor | None]) -> list[Unsharded]:
@@ -44,14 +84,14 @@ def unshard(name: str, placement, tensors: list[torch.Tensor | None]) -> list[Un
             out += unshard(name + part, sub, pieces)
         return out
     if isinstance(placement, Replicate):
-        return [Unsharded(name, held[0][1], _agree(name, held))]
+        return [Unsharded(name, held[0][1], *_agree(held))]
     if isinstance(placement, Partial):
         return [Unsharded(name, torch.stack([t for _, t in held]).sum(0))]
     if isinstance(placement, Shard):
-        groups, mismatch = [], ""
+        groups, found = [], []
         for start in range(0, len(tensors), placement.replicas):
             replicas = [(r, tensors[r]) for r in range(start, start + placement.replicas)]
-            mismatch = mismatch or _agree(name, replicas)
+            found.append(_agree(replicas))
             groups.append(replicas[0][1])
-        return [Unsharded(name, torch.cat(groups, dim=placement.dim), mismatch)]
+        return [Unsharded(name, torch.cat(groups, dim=placement.dim), *_worst(found))]
     raise TypeError(f"{name}: unknown placement {placement!r}")

@@ -25,6 +25,7 @@ from tpcheck.inputs.prompts import random_prompts
 from tpcheck.judge import judge
 from tpcheck.judge.coverage import Coverage
 from tpcheck.judge.tolerances import Tolerances
+from tpcheck.measure.precision import effective_precision
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.selection import selection
 from tpcheck.pipeline.steps import DiffPass, GoldenCache, RunContext
@@ -177,7 +178,9 @@ def _compare(engine, opts: DiffOptions, prompts: list[list[int]], tolerances: To
             "golden": str(opts.golden) if opts.golden else None,
             "reductions": {"tp": reductions.tp, "dtype": reductions.dtype or dtype},
             "num_layers": cfg.num_layers, "prompt_lens": [len(p) for p in prompts], **(meta or {})}
-    return judge(DiffResult.from_rows(rows, meta), tolerances)
+    result = DiffResult.from_rows(rows, meta)
+    result.meta["effective_precision"] = effective_precision(result.table, dtype)  # informational, not the verdict
+    return judge(result, tolerances)
 
 
 def local_pass(engine, isolate: bool | None) -> bool:

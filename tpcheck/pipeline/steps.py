@@ -338,7 +338,7 @@ class DiffPass:
         return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind="moe.topk_ids",
                    rel_err=bad / n if n else 0.0, ref_rel_err=0.0, route_flips=float(len(rc.flipped)),
                    near_ties=float(rc.near_ties), nan=0, inf=0, note=note, order=point_order(u.name),
-                   max_abs=max(rc.margins) if rc.margins else 0.0)
+                   max_abs=max(rc.margins) if rc.margins else 0.0, **u.rank_fields())
 
     def _row(self, u, gold: torch.Tensor, step: int, row_lens: list[int], starts: list[int], want=None,
              order: list[int] | None = None, subset: list[int] | None = None, rows_excluded: int = 0) -> Row:
@@ -366,7 +366,7 @@ class DiffPass:
         # threshold, excess and passed are the judge's (tpcheck.judge): a row holds measurements and, in its
         # note, structural findings
         return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind=kind, **stats,
-                   **self.floor.row_fields(u.name), op_mismatch=op_mismatch, note=note,
+                   **self.floor.row_fields(u.name), **u.rank_fields(), op_mismatch=op_mismatch, note=note,
                    rows_excluded=float(rows_excluded) if rows_excluded else NAN, order=point_order(u.name))
 
     def _selected(self, name: str) -> bool:

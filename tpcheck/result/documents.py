@@ -1,13 +1,16 @@
 """The JSON documents tpcheck writes (``tpcheck diff/check/sweep --json``, ``tpcheck faults matrix --json``) are strict JSON (RFC
 8259): jq, JavaScript's ``JSON.parse`` and any other conforming parser read them. Each is one object::
 
-    {"schema_version": 1, "kind": "diff" | "check" | "sweep" | "fault_matrix", "passed": ..., "meta": {...},
+    {"schema_version": 2, "kind": "diff" | "check" | "sweep" | "fault_matrix", "passed": ..., "meta": {...},
      ... "rows": [...]}
 
 * ``schema_version`` (``SCHEMA_VERSION``): an integer, raised when a document changes in a way an older
   reader would misread. Readers (``tpcheck gate`` / ``report``: ``tpcheck.result.report.load_result``) refuse a
   newer version than they know, naming the file and both versions. A file without ``schema_version`` (written
-  before it existed) is read as version 0 when it otherwise has a diff result's shape.
+  before it existed) is read as version 0 when it otherwise has a diff result's shape. Version 2: a diff row's
+  ``rank_spread`` / ``rank_spread_by`` (how far replicas differ between ranks, judged against the threshold; a
+  version-1 reader would ignore them and pass a row that fails for its ranks). Version 1 files still read: their
+  rows have no ``rank_spread`` (NaN), and ranks that differed are in their ``note`` as before, so they fail again.
 * ``kind`` says which document it is; ``load_schema()`` returns the JSON Schema (draft 2020-12, shipped as
   ``tpcheck/result/result.schema.json``; ``tpcheck schema`` prints it) with one definition per kind.
 * ``meta`` has at least ``run_meta()``'s keys: ``versions`` (tpcheck, python, torch, transformers),
@@ -49,7 +52,7 @@ from pathlib import Path, PurePath
 import numpy as np
 import pandas as pd
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 KINDS = ("diff", "check", "sweep", "fault_matrix", "comparison")
 SCHEMA_FILE = "result.schema.json"  # package data of ``tpcheck.result``
 RUN_META_KEYS = ("versions", "machine", "command", "created_utc")

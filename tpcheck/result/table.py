@@ -4,7 +4,7 @@ verdict, where the divergence began and how it grew; saved as a JSON document (`
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import pandas as pd
@@ -46,6 +46,10 @@ class Row:
     nan: int = 0                   # NaN / Inf elements in the engine's tensor
     inf: int = 0
     op_mismatch: float = NAN       # --exact-ops: fraction of elements that differ from HF's op
+    # replicas (Replicate points, KV-head replicas): the largest ||rank r - first replica|| / ||first replica||,
+    # judged against the threshold (a rank-dependent reduction order rounds legitimately); NaN: no replicas
+    rank_spread: float = NAN
+    rank_spread_by: str = ""       # the ranks of that largest spread, e.g. "0 vs 2"
     # mixture of experts (tpcheck.judge.routing): moe.topk_ids' tokens whose expert set differs from the golden's,
     # and how many of those are near ties; a routed point's rows left out for a legitimately different route
     route_flips: float = NAN
@@ -57,11 +61,12 @@ class Row:
     own_err: float = NAN
     inherited: bool = False
     passed: bool = False
-    note: str = ""                 # a structural finding (shape, ranks disagreeing, exact ops): always fails
+    note: str = ""                 # a structural finding (shapes, ranks holding other shapes, exact ops): always fails
     order: int = 0                 # execution order within (mode, step); not saved
 
 
 COLUMNS = [f.name for f in fields(Row)]
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(Row) if f.default is not MISSING}  # a dict row's gaps
 
 
 def worst_key(table: pd.DataFrame) -> pd.Series:
@@ -81,7 +86,8 @@ class DiffResult:
         """The result of ``rows`` (``Row``s, or dicts of ``COLUMNS`` read back from a file). ``stamp``: add
         ``run_meta()``'s keys to ``meta`` where it has none (a new result: this process made it, now); False for a
         result read back from a file, whose meta says where and when it was made."""
-        df = pd.DataFrame([asdict(r) if isinstance(r, Row) else r for r in rows], columns=COLUMNS)
+        df = pd.DataFrame([asdict(r) if isinstance(r, Row) else {**_FIELD_DEFAULTS, **r} for r in rows],
+                          columns=COLUMNS)
         df = df.sort_values(["mode", "step", "order"], kind="stable").reset_index(drop=True)
         return cls(df, {**run_meta(), **meta} if stamp else dict(meta))
 
@@ -121,7 +127,8 @@ class DiffResult:
                 "mode": r["mode"], "rel_err": float(r.rel_err), "ref_rel_err": float(r.ref_rel_err),
                 "ref_by": r.ref_by if isinstance(r.ref_by, str) else "",
                 "threshold": float(r.threshold), "excess": float(r.excess), "max_abs": float(r.max_abs),
-                "max_abs_index": r.max_abs_index, "note": r.note}
+                "max_abs_index": r.max_abs_index, "rank_spread": float(r.rank_spread),
+                "rank_spread_by": r.rank_spread_by if isinstance(r.rank_spread_by, str) else "", "note": r.note}
 
     def layer_table(self, mode: str = "propagated") -> pd.DataFrame:
         """The worst point (largest excess over its threshold) of each (step, layer), the embedding and the head
@@ -186,10 +193,7 @@ class DiffResult:
                                         "own op within it on the engine's inputs)")
             return head + ", every point within the noise floor" + inh + ops + tail
         lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
-                       f"rel_err {fd['rel_err']:.3g} vs HF {m['dtype']} {fd['ref_rel_err']:.3g}"
-                       + (f" ({fd['ref_by']})" if fd.get("ref_by") else "") + " "
-                       f"-> {fd['excess']:.3g}x its threshold {fd['threshold']:.3g}; max |diff| {fd['max_abs']:.3g} "
-                       f"at (batch, token, feature) {fd['max_abs_index']}" + (f"; {fd['note']}" if fd["note"] else "")]
+                       + origin_cause(fd, m["dtype"])]
         if m.get("isolate"):
             g = self.growth()
             local_bad = [r["layer"] for r in g if r.get("local_passed") is False]
@@ -229,6 +233,29 @@ class DiffResult:
 
     def to_csv(self, path: str | Path) -> None:
         write_atomic(path, lambda p: self.table.drop(columns=["order"]).to_csv(p, index=False))
+
+
+def origin_cause(fd: dict, dtype: str) -> str:
+    """What failed the origin row ``fd`` (``DiffResult.first_divergence``), its cause first: a structural note,
+    then ranks that disagree beyond the threshold, then the error against the golden (which, after a cause, is
+    told as its own multiple of the threshold: ``excess`` is the cause's)."""
+    thr, spread = fd["threshold"], fd.get("rank_spread", NAN)
+    err = f"rel_err {fd['rel_err']:.3g} vs HF {dtype} {fd['ref_rel_err']:.3g}" + \
+        (f" ({fd['ref_by']})" if fd.get("ref_by") else "")
+    where = f"max |diff| {fd['max_abs']:.3g} at (batch, token, feature) {fd['max_abs_index']}"
+    causes = [fd["note"]] if fd["note"] else []
+    if spread > thr:  # NaN (no replicas) is never a cause
+        causes.append(f"ranks {fd.get('rank_spread_by') or '?'} disagree by {spread:.3g} "
+                      f"({_times(spread, thr)} the threshold {thr:.3g})")
+    if not causes:
+        return f"{err} -> {fd['excess']:.3g}x its threshold {thr:.3g}; {where}"
+    return "; ".join(causes) + f"; {err}, {_times(fd['rel_err'], thr)} the threshold; {where}"
+
+
+def _times(x: float, thr: float) -> str:
+    """``x`` as a multiple of the threshold (a zero threshold: any error is infinitely over it)."""
+    ratio = x / thr if thr > 0 else (math.inf if x > 0 else 0.0)
+    return f"{ratio:.3g}x"
 
 
 # ---------------------------------------------------------------------------------------- reading back
@@ -300,6 +327,7 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
             if row[c] is None:
                 row[c] = math.nan
         row["note"] = row["note"] or ""
+        row["rank_spread_by"] = row["rank_spread_by"] if isinstance(row["rank_spread_by"], str) else ""
         row["order"] = point_order(r["point"])  # execution order, comparable across the two passes
         out.append(row)
     return DiffResult.from_rows(out, meta, stamp=False)  # meta says where and when the result was made
@@ -320,7 +348,8 @@ def _check_row_fields(r: dict, where: str) -> None:
     for c in ("nan", "inf"):
         if c in r and r[c] is not None:
             int_in(r[c], 0, 2**63, f"{where}.{c}", ResultFormatError)
-    for c in ("note", "ref_by", "kind"):  # null, or NaN in a result written before JSON was strict: no value
+    # null, or NaN in a result written before JSON was strict: no value
+    for c in ("note", "ref_by", "kind", "rank_spread_by"):
         v = r.get(c)
         if v is not None and not isinstance(v, str) and not (isinstance(v, float) and math.isnan(v)):
             raise ResultFormatError(f"{where}.{c} must be a string, got {str(r[c])[:60]!r}")

@@ -20,6 +20,7 @@ import pandas as pd
 from tpcheck.result.documents import write_text_atomic
 from tpcheck.result.report.chart import render_chart
 from tpcheck.result.report.heatmap import render_heat_legend, render_heat_points, render_heat_steps
+from tpcheck.result.report.precision import render_precision
 from tpcheck.result.report.shell import _fmt_meta, e, page, static_text
 from tpcheck.result.table import COLUMNS, FLOAT_COLUMNS, DiffResult
 
@@ -96,7 +97,7 @@ def _header(result: DiffResult, t: pd.DataFrame, verdict: str, model: str, steps
     dl = [("model", meta.get("model")), ("tp", meta.get("tp")), ("dtype", meta.get("dtype")),
           ("decode steps", meta.get("decode_steps", max(steps) if steps else 0)),
           ("isolate", meta.get("isolate", False)), ("layers", num_layers)]
-    known = {"model", "tp", "dtype", "decode_steps", "isolate", "num_layers", "command"}
+    known = {"model", "tp", "dtype", "decode_steps", "isolate", "num_layers", "command", "effective_precision"}
     dl += [(k.replace("_", " "), v) for k, v in meta.items() if k not in known]
     head.append('<dl class="meta">' + "".join(f"<dt>{e(k)}</dt><dd>{e(_fmt_meta(v))}</dd>" for k, v in dl) + "</dl>")
     cmd = meta.get("command")
@@ -111,7 +112,7 @@ def _header(result: DiffResult, t: pd.DataFrame, verdict: str, model: str, steps
 
 
 _NAV = ('<div class="mute">sections: <a href="#s-chart">error vs depth</a> &middot; <a href="#s-heat">heatmaps</a>'
-        ' &middot; <a href="#s-table">table</a></div>')
+        ' &middot; <a href="#s-precision">effective precision</a> &middot; <a href="#s-table">table</a></div>')
 
 
 def _chart_section(t: pd.DataFrame, dtype, modes: list, steps: list, origin: dict | None, num_layers: int) -> str:
@@ -191,6 +192,7 @@ def render_html(result: DiffResult, title: str | None = None) -> str:
     body = (_header(result, t, verdict, model, steps, num_layers) + _NAV
             + _chart_section(t, meta.get("dtype", "?"), modes, steps, origin, num_layers)
             + _heat_section(t, modes, steps, origin, num_layers)
+            + render_precision(t, str(meta.get("dtype", "?")))
             + _table_section(modes, steps, passed)
             + f'\n<script type="application/json" id="tpcheck-data">{_dumps(_table_data(t, origin))}</script>')
     return page(title, body, static_text("report.js"))

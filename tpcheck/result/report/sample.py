@@ -37,11 +37,12 @@ def sample_result(num_layers: int = 4, decode_steps: int = 2, isolate: bool = Tr
                 thr = k * ref + floor
                 norm = 40.0 + order * 0.5
                 rows.append({"point": p, "layer": layer, "step": step, "mode": mode, "kind": kind, "rel_err": rel,
-                             "ref_rel_err": ref, "threshold": thr, "excess": rel / thr, "cosine": 1 - rel * rel / 2,
+                             "ref_rel_err": ref, "ref_rel_err_hf": ref, "threshold": thr, "excess": rel / thr,
+                             "cosine": 1 - rel * rel / 2,
                              "max_abs": rel * norm / 3, "max_abs_index": [rng.randrange(2), rng.randrange(32),
                                                                            rng.randrange(896)],
                              "mean_abs": rel * norm / 40, "p99_abs": rel * norm / 8, "ref_norm": norm, "nan": 0,
-                             "inf": 0, "passed": rel <= thr, "note": "", "order": order})
+                             "inf": 0, "passed": rel <= thr, "rank_spread_by": "", "note": "", "order": order})
     m = {"model": "/checkpoints/sample", "dtype": dtype, "decode_steps": decode_steps, "isolate": isolate,
          "num_layers": num_layers, "prompt_lens": [32, 32], "tp": 2, "inject": [], "inject_layer": None,
          "command": f"tpcheck diff --layer-by-layer --model /checkpoints/sample --tp 2 --dtype {dtype}"
