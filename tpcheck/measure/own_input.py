@@ -104,7 +104,8 @@ def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.T
     """``own_err`` of point ``name`` (module docstring): ``engine`` its engine tensor, ``golden`` the golden's,
     ``get(point)`` the engine's tensor of an input point (the teacher for ``PREV`` in an isolated pass), ``model``
     Hugging Face's model at the run's dtype (its weights and norms, as the engine holds them). NaN where the op
-    cannot be recomputed: an input missing (KeyError) or of another shape, a streamed model, a sparse layer."""
+    cannot be recomputed: an input missing (KeyError) or of another shape, a streamed model. The diff asks for it
+    in dense models only (``DiffPass._own``): a mixture-of-experts model's points are judged by the floor alone."""
     layer, kind = split_point(name)
     if kind not in OWN_INPUTS or model is None or engine.shape != golden.shape:
         return math.nan
