@@ -195,7 +195,8 @@ def _check_page(browser, path: Path, want_fail: bool) -> dict:
     state = json.loads(state)
     assert state["rendered"] == "1", state
     assert state["charts"] >= 3 and state["visibleChart"] == 1, state
-    assert state["heat"] > 0 and state["headers"] == 26, state  # the table's columns, op_mismatch, the references and the routing counts included
+    # the table's columns: op_mismatch, the references, the routing counts and the gain columns included
+    assert state["heat"] > 0 and state["headers"] == 32, state
     assert state["tableRows"] > 0, state
     assert state["verdict"] == ("FAIL" if want_fail else "PASS")
     assert state["injected"] == 0 and state["scripts"] == 2 and state["literal"], "user-provided text became markup"
