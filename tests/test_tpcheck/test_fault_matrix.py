@@ -36,6 +36,7 @@ SMALLEST = {
     "rope_theta_default": ("tiny-mqa", 1, "float32", False),  # tiny's rope_theta is the default 10000
     "slot_mapping_off_by_one_at_block_boundary": ("tiny", 1, "float32", True),
     "allreduce_low_precision": ("tiny", 2, "float32", False),
+    "residual_gain": ("tiny", 1, "float32", False),
 }
 # decode faults: the step of the origin (gqa: the prefill's cache readback already holds repeated heads;
 # slot mapping: prompts of 6 and 14 tokens, block 8, cross a block boundary at decode step 3)
@@ -48,7 +49,8 @@ CATALOG = [n for n, f in FAULTS.items()
 DIFF_FAULTS = [n for n in CATALOG if FAULTS[n].check == "diff"]
 # the check expected to flag each origin (the rest: the noise floor)
 BY = {"nan_causal_mask": "NaN", "rmsnorm_weight_before_cast": "exact ops", "gqa_cache_repeated_heads": "shape",
-      "kv_replica_index": "ranks disagree", "skip_o_proj_allreduce": "ranks disagree"}
+      "kv_replica_index": "ranks disagree", "skip_o_proj_allreduce": "ranks disagree",
+      "residual_gain": "exact ops"}  # its float32 gain is 1e5 roundings; its bfloat16 one: test_gain_runs.py
 
 
 def test_every_fault_has_a_smallest_config(ckpt):

@@ -53,10 +53,11 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 29
+    assert len(names) == len(set(names)) == len(FAULTS) == 31
     assert FAMILY == ["qk_norm_after_rope", "llama3_scaling_ignored", "bias_where_none", "sliding_window_ignored"]
     assert MOE == ["moe_router_low_precision", "moe_topk_not_renormalized", "moe_shared_gate_skipped",
-                   "moe_expert_offset_wrong", "moe_experts_reduced_twice", "moe_wrong_combine_weights"]
+                   "moe_expert_offset_wrong", "moe_experts_reduced_twice", "moe_wrong_combine_weights",
+                   "moe_shared_gate_reduced"]
     for n in names:
         f = get_fault(n)
         assert f.name == n
@@ -125,7 +126,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 29  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 31  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

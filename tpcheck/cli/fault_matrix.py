@@ -146,7 +146,8 @@ def _at(point, step) -> str:
 
 
 def flagged_by(fd: dict | None) -> str:
-    """Which check failed the origin row ``fd`` (``DiffResult.first_divergence``)."""
+    """Which check failed the origin row ``fd`` (``DiffResult.first_divergence``): "gain" where only the gain
+    statistic (``tpcheck.judge.verdict``) did."""
     if fd is None:
         return "-"
     note = fd["note"] or ""
@@ -155,7 +156,10 @@ def flagged_by(fd: dict | None) -> str:
             return by
     if fd.get("rank_spread", math.nan) > fd["threshold"]:  # replicas further apart than rounding takes them
         return "ranks disagree"
-    return "NaN" if math.isnan(fd["rel_err"]) else "noise floor"
+    if math.isnan(fd["rel_err"]):
+        return "NaN"
+    gain, thr = fd.get("gain", math.nan), fd.get("gain_threshold", math.nan)
+    return "gain" if abs(gain) > thr and fd["rel_err"] <= fd["threshold"] else "noise floor"
 
 
 def fault_row(name: str, pool, ckpt=None) -> dict:

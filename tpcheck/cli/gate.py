@@ -54,6 +54,9 @@ def gate_result(result: DiffResult, tolerances: Tolerances | None = None, name: 
                        f"({tol.describe(row.kind, dtype, row.ref_rel_err)})")
     if bound is not None and not (row.max_abs <= bound):
         reasons.append(f"max |diff| {row.max_abs:.3g} > abs_max {bound:.3g}")
+    if abs(row.gain) > row.gain_threshold:  # NaN (not judged) compares False
+        reasons.append(f"|gain| {abs(row.gain):.3g} > gain threshold {row.gain_threshold:.3g} (a systematic "
+                       "relative error: tpcheck.judge.verdict)")
     n_bad = int((~t["passed"]).sum())
     tail = f". {n_bad} of {len(t)} points fail ({tol.source})"
     if not reasons:  # within its error bounds: failed for its note (shape, ranks' shapes, exact ops)

@@ -8,7 +8,8 @@ TP size, reloaded per checkpoint). A failing configuration is shrunk to its smal
 printed with a one-line ``tpcheck diff`` reproduction.
 
 Output: one row per configuration (pass / fail, the worst point over all its examples and its excess over
-the noise-floor threshold: ``rel_err / (k * ref_rel_err + floor)``, above 1 fails); progress on stderr;
+the noise-floor threshold: ``rel_err / (k * ref_rel_err + floor)``, or the gain's over its own where larger, above
+1 fails); progress on stderr;
 ``--json`` writes the rows. Exit codes as for ``diff`` (``tpcheck.cli``): 0 every configuration passed, 1 one
 diverged, 2 bad input, 3 configurations crashed and none diverged."""
 from __future__ import annotations
@@ -73,9 +74,9 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Run the layer-by-layer diff over every (model, tp, dtype, decode steps) configuration, "
                     "--examples inputs drawn by Hypothesis each (tpcheck.inputs.strategies), on pooled engines. "
                     "Prints one row per configuration: pass/fail, the worst point over its examples and its "
-                    "excess over the noise-floor threshold (rel_err / (k * ref_rel_err + floor); above 1 "
-                    "fails). A failing configuration is shrunk to its smallest failing example, printed with "
-                    "a one-line `tpcheck diff` reproduction. Exit 0 all passed, 1 one failed, 2 bad input.")
+                    "excess over the noise-floor threshold (rel_err / (k * ref_rel_err + floor), or the gain's "
+                    "over its own; above 1 fails). A failing configuration is shrunk to its smallest failing "
+                    "example, printed with a one-line `tpcheck diff` reproduction. Exit 0 all passed, 1 one failed, 2 bad input.")
     sw.add_argument("--tp", type=int_list, default=[1, 2, 4], help="TP sizes (default 1,2,4)")
     sw.add_argument("--dtype", type=name_list, default=["float32", "bfloat16"],
                     help="dtypes: float32, bfloat16, float16 (default float32,bfloat16)")

@@ -8,6 +8,7 @@ gated: residual magnitudes grow with depth, and a max-abs of 900 means nothing w
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -20,9 +21,24 @@ def _f64_copy(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(torch.float64, copy=True)
 
 
-def row_rel_errs(x: torch.Tensor, golden: torch.Tensor) -> tuple[float, float]:
-    """``(rel_err, max_row_rel_err)`` of ``[rows, features]`` tensors from one float64 difference (the noise
-    floor needs both of every reference point)."""
+@dataclass(frozen=True)
+class RowErrors:
+    """A reference tensor's errors against the golden (``row_errors``): ``whole`` (``rel_err``), ``worst`` (the
+    largest row rel_err over rows whose golden norm is not 0; NaN when none), and in absolute units, for a narrow
+    point (``tpcheck.judge.noise_floor``): ``rms_row`` (the RMS of the rows' error norms), ``worst_abs`` (the
+    largest row error norm), ``golden_sq`` (the golden's squared norm) and ``rows``."""
+
+    whole: float
+    worst: float
+    rms_row: float
+    worst_abs: float
+    golden_sq: float
+    rows: int
+
+
+def row_errors(x: torch.Tensor, golden: torch.Tensor) -> RowErrors:
+    """``RowErrors`` of ``[rows, features]`` tensors from one float64 difference (the noise floor needs all of
+    them of every reference point)."""
     g64 = golden.detach().to(torch.float64)
     d = _f64_copy(x).sub_(g64)
     d_rows, g_rows = d.norm(dim=-1), g64.norm(dim=-1)
@@ -31,7 +47,15 @@ def row_rel_errs(x: torch.Tensor, golden: torch.Tensor) -> tuple[float, float]:
     whole = d_all / g_all if g_all > 0 else d_all
     keep = g_rows > 0
     worst = float((d_rows[keep] / g_rows[keep]).max()) if bool(keep.any()) else math.nan
-    return whole, worst
+    rows = int(d_rows.numel())
+    return RowErrors(whole, worst, d_all / math.sqrt(rows) if rows else math.nan,
+                     float(d_rows.max()) if rows else math.nan, g_all * g_all, rows)
+
+
+def row_rel_errs(x: torch.Tensor, golden: torch.Tensor) -> tuple[float, float]:
+    """``(rel_err, max_row_rel_err)`` of ``[rows, features]`` tensors (``row_errors``)."""
+    e = row_errors(x, golden)
+    return e.whole, e.worst
 
 
 def rel_err(x: torch.Tensor, golden: torch.Tensor) -> float:

@@ -21,6 +21,8 @@ from tpcheck.capture.points import all_point_names, point_order, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.measure import exact_ops, own_input
+from tpcheck.measure.gain import gain_fields
+from tpcheck.measure.operands import INPUT_KINDS, LINEAR_INPUTS, operand_sq
 from tpcheck.measure.metrics import FLOOR, K_FACTOR, compare, mismatch
 from tpcheck.measure.unshard import unshard
 from tpcheck.pipeline.routes import RouteBook, routes_of, sort_routes
@@ -104,7 +106,7 @@ class DiffPass:
     def __init__(self, ctx: RunContext, isolated: bool):
         self.ctx, self.isolated = ctx, isolated
         self.mode = "isolated" if isolated else "propagated"
-        self.floor = NoiseFloor(ctx.reductions)
+        self.floor = NoiseFloor(ctx.reductions, gains=isolated)  # the gain is judged in the local pass alone
         self.routes = RouteBook()
         self.with_kv = ctx.decode_steps > 0
         # every family's points (Qwen3's attn.q_norm / k_norm included), in execution order
@@ -207,7 +209,7 @@ class DiffPass:
         if c.select is not None:
             gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
                     split_point(n)[1] in ("moe.router", "moe.topk_ids") or
-                    (teacher_too and (n == "embed" or split_point(n)[1] == "out"))}
+                    (teacher_too and (n == "embed" or split_point(n)[1] == "out")) or split_point(n)[1] in INPUT_KINDS}
         return gold
 
     def _teacher(self, gold: dict) -> dict[int, torch.Tensor]:
@@ -224,6 +226,7 @@ class DiffPass:
         # a replayed golden (--golden) is held to the one-device reference: a wrong golden cannot raise the floor
         check = getattr(c.golden, "check_reference", None) if teacher is None else None
         routes = routes_of(gold) if c.sparse else None  # the references follow the golden's routes
+        operands = {n: operand_sq(c.ref.model, n, gold) for n in gold if split_point(n)[1] in LINEAR_INPUTS}
         for ref_name, red in self.floor.references:
             kw = {} if routes is None else {"routes": routes}
             ref = c.ref.step(batch.tokens, r_caches[ref_name], batch.starts, teacher, self.with_kv, red, **kw)
@@ -237,8 +240,9 @@ class DiffPass:
                 if check is not None and red is None and n in gold and self._selected(n):
                     check(n, t, gold[n], c.dtype)
                 if n in gold and t.shape == gold[n].shape and self._selected(n):
-                    rows = _subset(n, subsets)
-                    self.floor.observe(ref_name, n, *((t, gold[n]) if rows is None else (t[rows], gold[n][rows])))
+                    rows, sq = _subset(n, subsets), operands.get(n)
+                    sq = None if sq is None else float(sq.sum() if rows is None else sq[rows].sum())
+                    self.floor.observe(ref_name, n, *((t, gold[n]) if rows is None else (t[rows], gold[n][rows])), sq)
             del ref
         self.floor.end_step()
 
@@ -351,6 +355,9 @@ class DiffPass:
             note = f"shape {list(u.tensor.shape)} != golden {list(gold.shape)}"
         else:
             stats = compare(u.tensor, gold)
+            stats["rel_err"] = self.floor.engine_rel_err(u.name, stats["rel_err"], stats["ref_norm"], gold.shape[0])
+            if self.isolated:
+                stats.update(gain_fields(u.tensor, gold))
         if stats["max_abs_index"]:
             r, f = stats["max_abs_index"]
             b, t = _row_index(r if subset is None else subset[r], row_lens, starts, order)

@@ -36,7 +36,18 @@ class Row:
     ref_rel_err_tp: float = NAN    # HF at the dtype rounding as the engine's TP all-reduces do (NaN at tp 1)
     ref_by: str = ""               # "hf-tp@0": the reference and step that set ref_rel_err
     threshold: float = NAN
-    excess: float = NAN            # rel_err / threshold (or max_abs / abs_max if larger)
+    excess: float = NAN            # rel_err / threshold (or max_abs / abs_max, or |gain| / gain_threshold, if larger)
+    # a systematic relative error (tpcheck.measure.gain): the median of (engine - golden) / golden over the
+    # gain_n elements of at least their row's median magnitude, its standard error from the engine's own spread,
+    # the largest |gain| of a reference at this point so far, the floor for a per-row float32 scalar, and the
+    # judge's threshold max(gain_z(gain_n) * gain_se, k * ref_gain, gain_floor); NaN: not measured (the
+    # propagated pass, integer points, under 32 qualifying elements) or not judged
+    gain: float = NAN
+    gain_se: float = NAN
+    gain_n: float = NAN
+    ref_gain: float = NAN
+    gain_floor: float = NAN
+    gain_threshold: float = NAN
     cosine: float = NAN
     max_abs: float = NAN
     max_abs_index: list | None = None  # (batch, token, feature) of max_abs
@@ -126,7 +137,8 @@ class DiffResult:
         return {"point": r.point, "layer": None if pd.isna(r.layer) else int(r.layer), "step": int(r.step),
                 "mode": r["mode"], "rel_err": float(r.rel_err), "ref_rel_err": float(r.ref_rel_err),
                 "ref_by": r.ref_by if isinstance(r.ref_by, str) else "",
-                "threshold": float(r.threshold), "excess": float(r.excess), "max_abs": float(r.max_abs),
+                "threshold": float(r.threshold), "excess": float(r.excess), "gain": float(r.gain),
+                "gain_threshold": float(r.gain_threshold), "max_abs": float(r.max_abs),
                 "max_abs_index": r.max_abs_index, "rank_spread": float(r.rank_spread),
                 "rank_spread_by": r.rank_spread_by if isinstance(r.rank_spread_by, str) else "", "note": r.note}
 
@@ -138,7 +150,8 @@ class DiffResult:
         t["layer_key"] = t["layer"].fillna(-1).where(t["point"] != "embed", -2)
         t["excess_key"] = worst_key(t)
         idx = list(t.groupby(["step", "layer_key"], sort=False)["excess_key"].idxmax())
-        cols = ["step", "layer", "point", "rel_err", "ref_rel_err", "ref_by", "excess", "max_abs", "passed", "note"]
+        cols = ["step", "layer", "point", "rel_err", "ref_rel_err", "ref_by", "excess", "gain", "max_abs", "passed",
+                "note"]
         fd = self.first_divergence
         hit = t.index[(t["point"] == fd["point"]) & (t["step"] == fd["step"])] if fd and fd["mode"] == mode else []
         if len(hit) == 0:
@@ -238,24 +251,38 @@ class DiffResult:
 def origin_cause(fd: dict, dtype: str) -> str:
     """What failed the origin row ``fd`` (``DiffResult.first_divergence``), its cause first: a structural note,
     then ranks that disagree beyond the threshold, then the error against the golden (which, after a cause, is
-    told as its own multiple of the threshold: ``excess`` is the cause's)."""
+    told as its own multiple of the threshold: ``excess`` is the cause's), then a systematic gain where it failed."""
     thr, spread = fd["threshold"], fd.get("rank_spread", NAN)
     err = f"rel_err {fd['rel_err']:.3g} vs HF {dtype} {fd['ref_rel_err']:.3g}" + \
         (f" ({fd['ref_by']})" if fd.get("ref_by") else "")
     where = f"max |diff| {fd['max_abs']:.3g} at (batch, token, feature) {fd['max_abs_index']}"
+    gain = f"; {_gain_note(fd)}" if _gain_failed(fd) else ""
     causes = [fd["note"]] if fd["note"] else []
     if spread > thr:  # NaN (no replicas) is never a cause
         causes.append(f"ranks {fd.get('rank_spread_by') or '?'} disagree by {spread:.3g} "
                       f"({_times(spread, thr)} the threshold {thr:.3g})")
-    if not causes:
+    if not causes and not gain:
         return f"{err} -> {fd['excess']:.3g}x its threshold {thr:.3g}; {where}"
-    return "; ".join(causes) + f"; {err}, {_times(fd['rel_err'], thr)} the threshold; {where}"
+    if not causes:  # the error's own multiple: the excess may be the gain's
+        return f"{err} -> {_times(fd['rel_err'], thr)} its threshold {thr:.3g}; {where}{gain}"
+    return "; ".join(causes) + f"; {err}, {_times(fd['rel_err'], thr)} the threshold; {where}{gain}"
 
 
 def _times(x: float, thr: float) -> str:
     """``x`` as a multiple of the threshold (a zero threshold: any error is infinitely over it)."""
     ratio = x / thr if thr > 0 else (math.inf if x > 0 else 0.0)
     return f"{ratio:.3g}x"
+
+
+def _gain_failed(fd: dict) -> bool:
+    g, thr = fd.get("gain", NAN), fd.get("gain_threshold", NAN)
+    return isinstance(g, float) and isinstance(thr, float) and abs(g) > thr
+
+
+def _gain_note(fd: dict) -> str:
+    """``gain +0.0075 over its threshold 0.00079 (9.5x): a systematic relative error`` (the row's gain failed)."""
+    g, thr = fd["gain"], fd["gain_threshold"]
+    return f"gain {g:+.3g} over its threshold {thr:.3g} ({abs(g) / thr:.3g}x): a systematic relative error"
 
 
 # ---------------------------------------------------------------------------------------- reading back

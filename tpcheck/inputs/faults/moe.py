@@ -30,6 +30,10 @@ def _shared(cfg, plan, dtype) -> bool:
     return _sparse(cfg, plan, dtype) and cfg.moe.shared_expert_intermediate_size > 0
 
 
+def _shared_tp(cfg, plan, dtype) -> bool:
+    return _shared(cfg, plan, dtype) and plan.tp > 1
+
+
 def _sparse_tp(cfg, plan, dtype) -> bool:
     return _sparse(cfg, plan, dtype) and plan.tp > 1
 
@@ -125,3 +129,18 @@ def moe_wrong_combine_weights(runner, i, layer):
         return
     orig = mlp.experts.forward
     mlp.experts.forward = lambda hidden, w, ids: orig(hidden, w.flip(-1), ids)
+
+
+@fault(31, "moe_shared_gate_reduced",
+       "the shared expert's gate logit (a replicated linear) all-reduced as if row-parallel: tp times the logit "
+       "(doubled at tp 2) before its sigmoid", shows_when="MoE models with a shared expert (Qwen2-MoE) at tp > 1",
+       expected_origin="layers.{layer}.moe.shared_gate", shows=_shared_tp)
+def moe_shared_gate_reduced(runner, i, layer):
+    if getattr(getattr(layer, "mlp", None), "shared_expert_gate", None) is None:
+        return
+    mlp = _block(layer, "moe_shared_gate_reduced", "shared_expert_gate")
+    if mlp is None:
+        return
+    gate = mlp.shared_expert_gate
+    orig = gate.forward
+    gate.forward = lambda x: all_reduce(orig(x))

@@ -1,4 +1,5 @@
-"""Faults that strike in the RMSNorms: arithmetic in another order than HF's."""
+"""Faults that strike in the RMSNorms and the residual adds: arithmetic in another order than HF's, and a
+systematic gain far below one element's rounding."""
 from __future__ import annotations
 
 import torch
@@ -30,3 +31,22 @@ def rmsnorm_weight_before_cast(runner, i, layer):
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         if mark(norm, "rmsnorm_weight_before_cast"):
             norm.forward = _norm_weight_before_cast(norm)
+
+
+RESIDUAL_GAIN = 1 + 2**-7  # residual_gain's factor: 2 ulp at most of a bfloat16 element, 1/128 relative
+
+
+@fault(30, "residual_gain",
+       "the attention residual add scaled by 1 + 2^-7 (a residual multiplier read as 1.0078 instead of 1): in "
+       "bfloat16 each element moves by 1-2 ulp, below the rounding the noise floor admits",
+       shows_when="always; in bfloat16 / float16 only the gain statistic sees it (rel_err reads it as rounding)",
+       expected_origin="layers.{layer}.attn.residual")
+def residual_gain(runner, i, layer):
+    if not mark(layer, "residual_gain"):
+        return
+
+    def forward(positions, x):
+        h = (x + layer.self_attn(positions, layer.input_layernorm(x))) * RESIDUAL_GAIN
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    layer.forward = forward

@@ -1,0 +1,204 @@
+"""The gain statistic (``tpcheck.measure.gain``) and the narrow-point noise floor (``tpcheck.judge.noise_floor``)
+on synthetic tensors, and the judge's gain rule (``tpcheck.judge.verdict``): no engine runs here."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tpcheck.judge.noise_floor import NoiseFloor
+from tpcheck.judge.verdict import GAIN_MODES, judge
+from tpcheck.measure.gain import GAIN_C, MIN_ELEMENTS, U_FP32, gain_fields, gain_of, gain_z, is_narrow, ratios, \
+    row_gains
+from tpcheck.reference.reductions import Reductions
+from tpcheck.result.report.sample import sample_result
+
+BF16_GAIN = 1 + 2**-7  # the residual_gain fault's factor: 2 ulp at most of a bfloat16 element
+
+
+def golden(rows: int = 64, features: int = 128, seed: int = 0, outliers: bool = False) -> torch.Tensor:
+    """A float64 hidden state; with ``outliers`` two massive-activation channels (~1000x the rest)."""
+    g = torch.randn(rows, features, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    if outliers:
+        g[:, [3, features // 2 + 13]] *= 1000
+    return g
+
+
+def test_pure_rounding_is_noise_and_a_gain_far_below_it_is_found():
+    g = golden(outliers=True)
+    noise = gain_of(g.to(torch.bfloat16), g)
+    assert noise.n >= g.numel() // 2 and abs(noise.gain) < 3 * noise.se
+    assert 3e-5 < noise.se < 3e-4  # ~u / 4 spread over ~4,000 elements
+    faulty = gain_of((g * BF16_GAIN).to(torch.bfloat16), g)
+    assert faulty.gain == pytest.approx(2**-7, rel=0.1)
+    assert abs(faulty.gain) > 3 * gain_z(faulty.n) * faulty.se  # >= 3x the noise term
+    # each element moves by 2^-7 of itself, 1-2 bfloat16 ulp (1-3 after both roundings): a few roundings upstream
+    clean, bad = g.to(torch.bfloat16), (g * BF16_GAIN).to(torch.bfloat16)
+    ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(clean.double().abs()))
+    assert set(((bad.double() - clean.double()).abs() / ulp).round().unique().tolist()) <= {1.0, 2.0, 3.0}
+
+
+def test_clean_gain_over_its_se_is_standard_normal_like():
+    """Many independent noisy tensors: |gain| / se stays far under gain_z and se is the spread's right size."""
+    z, gains, ses = [], [], []
+    for seed in range(200):
+        g = golden(16, 64, seed, outliers=seed % 2 == 0)
+        st = gain_of(g.to(torch.bfloat16), g)
+        z.append(abs(st.gain) / st.se)
+        gains.append(st.gain)
+        ses.append(st.se)
+    assert max(z) < 4.5
+    assert 0.6 < np.std(gains) / np.mean(ses) < 1.4
+
+
+def test_outliers_and_near_zero_elements_cannot_move_the_gain():
+    g = golden()
+    x = g.to(torch.bfloat16).double()
+    g[5, 9], x[5, 9] = 1e-12, 1.0       # a near-zero golden element: ratio 1e12, below its row's median: skipped
+    x[:, 3] = g[:, 3] * 1.5             # one channel 50% off: 1/128 of the elements, the median barely moves
+    st = gain_of(x, g)
+    assert abs(st.gain) < 1e-3
+    r = ratios(x, g)
+    assert math.isnan(r[5, 9]) and int((~torch.isnan(r)).sum()) == st.n
+
+
+def test_no_gain_where_it_means_nothing():
+    g = golden(2, 4)
+    assert math.isnan(gain_of(g.float(), g).gain)  # 4 qualifying elements < MIN_ELEMENTS
+    assert math.isnan(gain_of(golden(1, 60).float(), golden(1, 60)).gain)  # 31 of 60: still too few
+    ids = torch.randint(0, 8, (32, 2))
+    assert gain_of(ids, ids).n == 0  # integer points (MoE top-k ids)
+    x = golden().float()
+    x[0, 0] = math.nan
+    assert math.isnan(gain_of(x, golden()).gain)  # a NaN fails by rel_err already
+    assert all(math.isnan(v) for v in gain_fields(g.float(), g).values())
+    f = gain_fields(golden().float(), golden())
+    assert f["gain_floor"] == pytest.approx(GAIN_C * U_FP32 * math.sqrt(128))
+    assert MIN_ELEMENTS == 32 and f["gain_n"] == 64 * 65  # from the lower median of each row of 128 on
+
+
+def test_row_gains_and_narrow_points():
+    g = golden(8, 64)
+    gains, se = row_gains((g * BF16_GAIN).float(), g)
+    assert gains.shape == (8,) and torch.allclose(gains, torch.full((8,), 2**-7, dtype=torch.float64), rtol=1e-4)
+    assert row_gains(g[:, :1].float(), g[:, :1]) is None  # a [rows, 1] row is one element: no row gain
+    assert is_narrow(g[:, :15]) and not is_narrow(g[:, :16])
+    # a narrow point selects by the tensor's median, not the row's: the upper half of a gate logit's rows (from the
+    # lower median on)
+    z = golden(64, 1)
+    assert gain_of(z.float(), z).n == 33
+
+
+# ---- the narrow-point floor: a [rows, 1] gate logit ----------------------------------------------------------
+
+def _gate(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _noisy(z: torch.Tensor, scale: float, seed: int) -> torch.Tensor:
+    """``z`` plus an error of the same size on every row, whatever z: a dot product's rounding (set by its
+    operands, not by its result)."""
+    return z + scale * torch.randn(z.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _floor_over(steps: list[torch.Tensor], err: float = 1e-3) -> NoiseFloor:
+    nf = NoiseFloor(Reductions(2))
+    for s, z in enumerate(steps):
+        nf.begin_step(s)
+        for i, name in enumerate(("hf", "hf-tp")):
+            nf.observe(name, "layers.0.moe.shared_gate", _noisy(z, err, 100 * s + i), z)
+        nf.end_step()
+    return nf
+
+
+def test_a_near_zero_logit_does_not_lift_the_floor():
+    z = _gate(32, 0)
+    z[7] = 1e-6  # a logit at zero: its own relative error is ~1e3
+    nf = _floor_over([z])
+    ref = nf.row_fields("layers.0.moe.shared_gate")["ref_rel_err"]
+    s = nf.scale("layers.0.moe.shared_gate")
+    assert s == pytest.approx(float(z.norm() / math.sqrt(32)))
+    assert ref < 5e-3  # the references' worst row error (~3e-3 at most) over the scale (~1), not ~1e3
+    # a doubled logit: an error of |z| per row, found by tens of times the threshold (k = 3, floor 1e-3)
+    twice = nf.engine_rel_err("layers.0.moe.shared_gate", float((2 * z - z).norm() / z.norm()),
+                              float(z.norm()), 32)
+    assert twice / (3 * ref + 1e-3) > 30
+
+
+def test_a_one_token_step_is_judged_against_every_earlier_row():
+    """The float32 repro's shape: a one-token prompt, one row a step, the logit of step 2 near zero, where the
+    references happened to round luckily. The engine's error there is no larger than the references' errors at
+    the other steps: within the floor, where the per-row rule failed it (~20x)."""
+    point, zs = "layers.0.moe.shared_gate", [1.2, -0.8, 6e-3]
+    errs = {"hf": [1e-7, 1e-7, 1e-9], "hf-tp": [-1.5e-7, -1e-7, 2e-9]}
+    nf = NoiseFloor(Reductions(2))
+    old_floor = 0.0
+    for s, z in enumerate(zs):
+        nf.begin_step(s)
+        g = torch.tensor([[z]], dtype=torch.float64)
+        for name, e in errs.items():
+            nf.observe(name, point, g + e[s], g)
+            old_floor = max(old_floor, abs(e[s] / z))
+        nf.end_step()
+    ref = nf.row_fields(point)["ref_rel_err"]
+    assert nf.scale(point) == pytest.approx(math.sqrt(sum(z * z for z in zs) / 3))
+    assert ref == pytest.approx(1.5e-7 / nf.scale(point))
+    engine = 2e-7  # the engine's error at step 2
+    rel = nf.engine_rel_err(point, engine / zs[2], zs[2], 1)
+    assert rel == pytest.approx(engine / nf.scale(point)) and rel <= 2 * ref + 1e-6  # float32: k 2, floor 1e-6
+    assert engine / zs[2] > 15 * (2 * old_floor + 1e-6)  # the per-row rule: its own row against a lucky sample
+
+
+def test_a_wide_point_keeps_the_per_row_rule():
+    nf = NoiseFloor(Reductions(1))
+    g = golden(4, 64)
+    x = g.clone()
+    x[2] *= 1.01
+    nf.begin_step(0)
+    nf.observe("hf", "layers.0.attn.q", x, g)
+    nf.end_step()
+    assert nf.row_fields("layers.0.attn.q")["ref_rel_err"] == pytest.approx(0.01)
+    assert math.isnan(nf.scale("layers.0.attn.q"))
+    assert nf.engine_rel_err("layers.0.attn.q", 0.5, 3.0, 4) == 0.5
+
+
+# ---- the judge -------------------------------------------------------------------------------------------
+
+def _with_gain(gain: float, se: float, ref_gain: float, floor: float = 1e-9, dtype: str = "bfloat16"):
+    r = sample_result(2, 0, isolate=True, dtype=dtype)
+    t = r.table
+    t["gain"], t["gain_se"], t["gain_n"], t["ref_gain"], t["gain_floor"] = 0.0, se, 2000.0, ref_gain, floor
+    at = t["point"] == "layers.1.attn.residual"
+    t.loc[at, "gain"] = gain  # in both passes: the propagated one is not judged
+    r = judge(r)
+    i = t.index[at & (t["mode"] == "isolated")][0]
+    p = t.index[at & (t["mode"] == "propagated")][0]
+    assert r.table.loc[p, "passed"] and math.isnan(r.table.loc[p, "gain_threshold"])
+    return r, i
+
+
+def test_judge_fails_a_gain_over_each_term_and_names_it():
+    z = gain_z(2000)
+    assert z == pytest.approx(6 * (1 + 4 / math.sqrt(2000))) and gain_z(32) > 10
+    ok, i = _with_gain(5e-4, 1e-4, 1e-4)  # under z se = 6.5e-4 and under 3 x 1e-4
+    assert ok.table.loc[i, "passed"] and ok.table.loc[i, "gain_threshold"] == pytest.approx(z * 1e-4)
+    bad, i = _with_gain(7.8e-3, 1e-4, 2e-4)
+    row = bad.table.loc[i]
+    assert not row["passed"] and row["excess"] == pytest.approx(7.8e-3 / (z * 1e-4))
+    fd = bad.first_divergence
+    assert fd["point"] == "layers.1.attn.residual" and fd["mode"] == "isolated" and fd["gain"] == 7.8e-3
+    assert f"gain +0.0078 over its threshold {z * 1e-4:.3g} ({7.8e-3 / (z * 1e-4):.3g}x)" in bad.summary()
+    shared, i = _with_gain(7.8e-3, 1e-4, 3e-3)  # the references have a gain of their own: k x it covers
+    assert shared.table.loc[i, "passed"] and shared.table.loc[i, "gain_threshold"] == pytest.approx(9e-3)
+    floor, i = _with_gain(3e-7, 1e-9, 0.0, floor=GAIN_C * U_FP32 * 8, dtype="float32")
+    assert floor.table.loc[i, "passed"]  # a per-row float32 scalar: the floor term
+    assert GAIN_MODES == ("isolated",)
+
+
+def test_a_result_without_gain_columns_is_judged_as_before():
+    r = sample_result(2, 1, isolate=False, fail_at="layers.1.attn.q")
+    before = judge(r)
+    assert before.table["gain_threshold"].isna().all()
+    assert before.first_divergence["point"] == "layers.1.attn.q" and math.isnan(before.first_divergence["gain"])
