@@ -4,9 +4,11 @@ floor alone (``rel_err <= threshold``) and by the verdict (the inherited rule of
 included).
 
     python benchmarks/engine_floor.py [--engine vllm] [--preset deep-sink] [--tp 1,2] [--dtype float32,bfloat16]
-        [--prompts 20] [--max-len 40] [--decode 2] [--json reports/engine_floor.json]
+        [--prompts 20] [--max-len 40] [--pairs 2] [--pair-len 400] [--decode 2] [--json reports/engine_floor.json]
 
-Prompts: ``--prompts`` random token-id prompts (seeded), of lengths 1, 2, 3 and then spread up to ``--max-len``.
+Prompts: ``--prompts`` random token-id prompts (seeded), of lengths 1, 2, 3 and then spread up to ``--max-len``,
+one per run; then ``--pairs`` runs of two prompts each (one batch, different lengths), the longer of the last
+pair ``--pair-len`` tokens.
 One engine per (tp, dtype), reused for every prompt (``tpcheck.engines.pool.EnginePool``). Per configuration it
 prints the runs, the false alarms under each rule, the closest point (its excess) and how many points passed as
 inherited (and their largest raw excess)."""
@@ -34,13 +36,21 @@ def prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(k)] for k in lens]
 
 
+def pairs(n: int, max_len: int, vocab: int, seed: int = 0) -> list[list[list[int]]]:
+    """``n`` two-prompt batches: the longer prompt spread up to ``max_len``, the shorter a third of it."""
+    rng = random.Random(f"engine-floor-pairs-{seed}")
+    lens = [(round(max_len * (i + 1) / n), max(1, round(max_len * (i + 1) / n / 3))) for i in range(n)]
+    return [[[rng.randrange(vocab) for _ in range(k)] for k in pair] for pair in lens]
+
+
 def judge_run(r) -> dict:
     """One run's figures: the floor alone and the verdict; the closest point; the inherited points."""
     t = r.table
     raw = t["rel_err"] / t["threshold"]
     inh = t[t["inherited"]]
     return {"floor_alone_fails": bool((raw > 1).any() | (t["note"] != "").any()), "passed": bool(r.passed),
-            "closest": float(t["excess"].max()), "inherited": int(len(inh)),
+            "closest": float(t["excess"].max()), "closest_at": str(t.loc[t["excess"].idxmax(), "point"]),
+            "inherited": int(len(inh)),
             "inherited_raw": float((inh["rel_err"] / inh["threshold"]).max()) if len(inh) else 0.0,
             "origin": (r.first_divergence or {}).get("point", "-")}
 
@@ -53,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32,bfloat16")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-len", type=int, default=40)
+    ap.add_argument("--pairs", type=int, default=0)
+    ap.add_argument("--pair-len", type=int, default=400)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -60,19 +72,21 @@ def main(argv=None) -> int:
     log = make_log("engine_floor")
     ckpt = cached_checkpoint(a.preset)
     vocab = json.load(open(os.path.join(ckpt, "config.json")))["vocab_size"]
-    ps = prompts(a.prompts, a.max_len, vocab)
+    batches = [[p] for p in prompts(a.prompts, a.max_len, vocab)] + pairs(a.pairs, a.pair_len, vocab)
     pool, rows, runs = EnginePool(), [], []
     t0 = time.monotonic()
     try:
         for tp in (int(x) for x in a.tp.split(",")):
             for dtype in a.dtype.split(","):
                 res = []
-                for p in ps:
-                    r = tpcheck.diff(str(ckpt), tp=tp, dtype=dtype, prompts=[p], decode_steps=a.decode,
+                for b in batches:
+                    r = tpcheck.diff(str(ckpt), tp=tp, dtype=dtype, prompts=b, decode_steps=a.decode,
                                      engine=a.engine, pool=pool)
-                    res.append({"tp": tp, "dtype": dtype, "len": len(p), **judge_run(r)})
-                    log(f"{a.engine} tp={tp} {dtype} {len(p)} tokens: {'PASS' if r.passed else 'FAIL'} "
-                        f"closest {res[-1]['closest']:.3g}x, {res[-1]['inherited']} inherited")
+                    lens = "+".join(str(len(p)) for p in b)
+                    res.append({"tp": tp, "dtype": dtype, "len": lens, **judge_run(r)})
+                    log(f"{a.engine} tp={tp} {dtype} {lens} tokens: {'PASS' if r.passed else 'FAIL'} "
+                        f"closest {res[-1]['closest']:.3g}x at {res[-1]['closest_at']}, "
+                        f"{res[-1]['inherited']} inherited")
                 runs += res
                 worst = max(res, key=lambda x: x["closest"])
                 rows.append([f"{a.engine} {a.preset}", str(tp), dtype, str(len(res)),

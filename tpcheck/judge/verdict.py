@@ -120,7 +120,7 @@ def _inherited(t: pd.DataFrame, ok: np.ndarray, own_ok: np.ndarray, num_layers: 
     for i in sorted(candidates, key=lambda i: (t["mode"].iat[i], t["step"].iat[i], point_order(t["point"].iat[i]))):
         mode, step, point = t["mode"].iat[i], t["step"].iat[i], t["point"].iat[i]
         inputs = own_input.input_points(point, num_layers) or [None]
-        if mode == "isolated" and split_point(point)[1] in ("input_norm", "attn.residual", "final_norm"):
+        if mode == "isolated" and own_input.reads_layer_input(split_point(point)[1]):
             inputs = inputs[1:]  # the layer's input is the teacher: the golden's
         if all(passed.get((mode, step, p), False) for p in inputs):
             out[i] = passed[(mode, step, point)] = True

@@ -32,8 +32,8 @@ when its ``own_err`` is within the same threshold and every input point of its o
 that step: its op is right on the inputs it had, and those inputs are within their own floors. A bug in the op
 shows in ``e_own`` at full size on the well-conditioned elements (where ``B`` is only the output's rounding), so
 the point still fails at its origin; a bug upstream fails at its own point first, and then no point downstream of
-it can pass as inherited. ``own_err`` is computed only where a point exceeds half its default threshold (the
-gate's defaults, ``tpcheck.measure.metrics``): elsewhere it cannot change the verdict, and it costs one float64
+it can pass as inherited. ``own_err`` is computed only where a point exceeds half its threshold (the smaller
+of the default one and the run's tolerances'): elsewhere it cannot change the verdict, and it costs one float64
 op on the point's inputs."""
 from __future__ import annotations
 
@@ -59,7 +59,17 @@ _LINEARS = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v"
 _ROW_PARALLEL = ("attn.out", "mlp.out")
 LAMBDA = 6.0       # the probabilistic bound's lambda: 2n exp(-18) ~ 3e-8 n
 KAPPA_MIN = 4.0    # elements with kappa >= KAPPA_MIN sqrt(n) are cancelling dot products
-_U = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p of a floating dtype (p significand bits, the implicit one included): half its machine epsilon."""
+    return torch.finfo(dtype).eps / 2
+
+
+def reads_layer_input(kind: str) -> bool:
+    """Whether a point kind's op reads the layer's input (``PREV``: ``embed`` or the previous layer's ``out``;
+    in the local pass, the teacher: the golden's own)."""
+    return OWN_INPUTS.get(kind, ("",))[0] == PREV
 
 
 def input_points(name: str, num_layers: int) -> list[str] | None:
@@ -82,7 +92,7 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
     if eps is None or x.shape[-1:] != norm.weight.shape:
         raise KeyError("norm")
     y = norm.weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y, (LAMBDA * math.sqrt(x.shape[-1]) / 2 + 4) * _U[torch.float32]
+    return y, (LAMBDA * math.sqrt(x.shape[-1]) / 2 + 4) * unit_roundoff(torch.float32)
 
 
 def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_parallel: bool, tp: int,
@@ -92,8 +102,8 @@ def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_para
     mag = x.abs() @ lin.weight.double().abs().T
     if lin.bias is not None:
         mag += lin.bias.double().abs()
-    u_acc = _U[torch.float64] if lin.weight.dtype == torch.float64 else _U[torch.float32]
-    gamma = LAMBDA * math.sqrt(n) * u_acc + ((tp - 1) * _U[red_dtype] if row_parallel and tp > 1 else 0.0)
+    u_acc = unit_roundoff(torch.float64) if lin.weight.dtype == torch.float64 else unit_roundoff(torch.float32)
+    gamma = LAMBDA * math.sqrt(n) * u_acc + ((tp - 1) * unit_roundoff(red_dtype) if row_parallel and tp > 1 else 0.0)
     cancelling = mag >= KAPPA_MIN * math.sqrt(n) * y.abs()
     return torch.where(cancelling, gamma * mag, torch.zeros_like(mag))
 
@@ -116,7 +126,7 @@ def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.T
     if y.shape != engine.shape:
         return math.nan
     e = engine.double()
-    over = (e - y).abs().sub_(b + 2 * _U.get(engine.dtype, 0.0) * e.abs()).clamp_(min=0)
+    over = (e - y).abs().sub_(b + 2 * (unit_roundoff(engine.dtype) if engine.dtype.is_floating_point else 0.0) * e.abs()).clamp_(min=0)
     g = float(golden.double().norm())
     err = float(over.norm())
     return err / g if g > 0 else err
@@ -137,7 +147,7 @@ def _own_op(model: nn.Module, layer: int | None, kind: str, get: Callable[[str],
     if kind in ("attn.residual", "out"):
         return xs[0] + xs[1], 0.0
     if kind == "mlp.act":
-        return torch.nn.functional.silu(xs[0]) * xs[1], 4 * _U[torch.float32] * (xs[0].abs() * xs[1].abs())
+        return torch.nn.functional.silu(xs[0]) * xs[1], 4 * unit_roundoff(torch.float32) * (xs[0].abs() * xs[1].abs())
     lin = model.lm_head if kind == "logits" else m.layers[layer].get_submodule(_LINEARS[kind])
     if type(lin) is not nn.Linear or lin.weight.device.type == "meta":
         raise KeyError(kind)

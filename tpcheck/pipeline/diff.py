@@ -169,7 +169,7 @@ def _compare(engine, opts: DiffOptions, prompts: list[list[int]], tolerances: To
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
                      parse_dtype(dtype), reductions, keep, opts.exact_ops, stop_when, writer,
                      bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate else None,
-                     sparse=getattr(cfg, "moe", None) is not None)
+                     sparse=getattr(cfg, "moe", None) is not None, tolerances=tolerances)
     ctx.golden_routes = {} if ctx.sparse else None
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)

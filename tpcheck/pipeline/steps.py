@@ -20,10 +20,11 @@ from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.capture.points import all_point_names, point_order, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.noise_floor import NoiseFloor
+from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure import exact_ops, own_input
 from tpcheck.measure.gain import gain_fields
 from tpcheck.measure.operands import INPUT_KINDS, LINEAR_INPUTS, operand_sq
-from tpcheck.measure.metrics import FLOOR, K_FACTOR, compare, mismatch
+from tpcheck.measure.metrics import compare, mismatch
 from tpcheck.measure.unshard import unshard
 from tpcheck.pipeline.routes import RouteBook, routes_of, sort_routes
 from tpcheck.reference.hf import cut_cache, new_cache
@@ -55,6 +56,7 @@ class RunContext:
     golden_cache: "GoldenCache | None" = None
     sparse: bool = False  # the model has mixture-of-experts layers (tpcheck.pipeline.routes)
     golden_routes: dict | None = None  # step -> the routes the golden followed in the propagated pass
+    tolerances: "Tolerances | None" = None  # the run's (None: the defaults); own_err is measured under either
 
 
 class GoldenCache:
@@ -298,15 +300,17 @@ class DiffPass:
         return rows
 
     def _own(self, row: Row, tensor: torch.Tensor, golden: torch.Tensor, engine_of: dict, eng_teacher) -> None:
-        """``row.own_err`` (``tpcheck.measure.own_input``) where the point exceeds half its default threshold: its
-        op recomputed on the engine's own inputs of this step (the teacher as the layer input when isolated)."""
+        """``row.own_err`` (``tpcheck.measure.own_input``) where the point exceeds half its threshold (the smaller
+        of the default and the run's tolerances'): its op recomputed on the engine's own inputs of this step (the
+        teacher as the layer input when isolated)."""
         dt = str(self.ctx.dtype).removeprefix("torch.")
-        if not row.rel_err > 0.5 * (K_FACTOR.get(dt, 2.0) * row.ref_rel_err + FLOOR.get(dt, 0.0)):
-            return
         layer, kind = split_point(row.point)
+        tols = (Tolerances(),) if self.ctx.tolerances is None else (Tolerances(), self.ctx.tolerances)
+        if not row.rel_err > 0.5 * min(t.threshold(kind, dt, row.ref_rel_err) for t in tols):
+            return
         inputs = own_input.input_points(row.point, self.ctx.num_layers) or []
         teacher_at = (self.ctx.num_layers if kind == "final_norm" else layer) \
-            if eng_teacher is not None and kind in ("input_norm", "attn.residual", "final_norm") else None
+            if eng_teacher is not None and own_input.reads_layer_input(kind) else None
 
         def get(p: str) -> torch.Tensor:
             return eng_teacher[teacher_at] if teacher_at is not None and p == inputs[0] else engine_of[p]

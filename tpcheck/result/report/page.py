@@ -76,7 +76,12 @@ def _table_data(t: pd.DataFrame, origin: dict | None) -> dict:
                 row.append("" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
         rows.append(row)
     o = None if origin is None else {"point": origin["point"], "step": int(origin["step"]), "mode": origin["mode"]}
-    return {"cols": cols, "floats": _FLOAT_COLS, "points": points, "modes": modes, "rows": rows, "origin": o}
+    # a value column that holds one value in every row (a pass that does not measure it: all null) travels once
+    same = [i for i in range(3, len(cols)) if rows and all(r[i] == rows[0][i] for r in rows)]
+    const = {cols[i]: rows[0][i] for i in same}
+    rows = [[x for i, x in enumerate(r) if i not in const_at] for r in rows] if (const_at := set(same)) else rows
+    return {"cols": cols, "packed": [c for c in cols if c not in const], "const": const, "floats": _FLOAT_COLS,
+            "points": points, "modes": modes, "rows": rows, "origin": o}
 
 
 

@@ -2,6 +2,13 @@
   "use strict";
   var D = JSON.parse(document.getElementById("tpcheck-data").textContent);
   var C = D.cols, ix = {};
+  if (D.packed) {  // columns holding one value in every row travel once, in D.const
+    var at = {};
+    D.packed.forEach(function (c, i) { at[c] = i; });
+    D.rows = D.rows.map(function (r) {
+      return C.map(function (c) { return c in at ? r[at[c]] : D["const"][c]; });
+    });
+  }
   C.forEach(function (c, i) { ix[c] = i; });
   var RE = /^layers\.(\d+)\.(.+)$/;
   var VC = C.slice(3);  // value columns, in r.slice(3) order

@@ -1,0 +1,43 @@
+"""The origin line of a failing run: what failed its first divergence, the cause first (``origin_cause``)."""
+from __future__ import annotations
+
+import math
+
+NAN = math.nan
+
+
+def origin_cause(fd: dict, dtype: str) -> str:
+    """What failed the origin row ``fd`` (``DiffResult.first_divergence``), its cause first: a structural note,
+    then ranks that disagree beyond the threshold, then the error against the golden (which, after a cause, is
+    told as its own multiple of the threshold: ``excess`` is the cause's), then a systematic gain where it failed."""
+    thr, spread = fd["threshold"], fd.get("rank_spread", NAN)
+    err = f"rel_err {fd['rel_err']:.3g} vs HF {dtype} {fd['ref_rel_err']:.3g}" + \
+        (f" ({fd['ref_by']})" if fd.get("ref_by") else "")
+    where = f"max |diff| {fd['max_abs']:.3g} at (batch, token, feature) {fd['max_abs_index']}"
+    gain = f"; {_gain_note(fd)}" if _gain_failed(fd) else ""
+    causes = [fd["note"]] if fd["note"] else []
+    if spread > thr:  # NaN (no replicas) is never a cause
+        causes.append(f"ranks {fd.get('rank_spread_by') or '?'} disagree by {spread:.3g} "
+                      f"({_times(spread, thr)} the threshold {thr:.3g})")
+    if not causes and not gain:
+        return f"{err} -> {fd['excess']:.3g}x its threshold {thr:.3g}; {where}"
+    if not causes:  # the error's own multiple: the excess may be the gain's
+        return f"{err} -> {_times(fd['rel_err'], thr)} its threshold {thr:.3g}; {where}{gain}"
+    return "; ".join(causes) + f"; {err}, {_times(fd['rel_err'], thr)} the threshold; {where}{gain}"
+
+
+def _times(x: float, thr: float) -> str:
+    """``x`` as a multiple of the threshold (a zero threshold: any error is infinitely over it)."""
+    ratio = x / thr if thr > 0 else (math.inf if x > 0 else 0.0)
+    return f"{ratio:.3g}x"
+
+
+def _gain_failed(fd: dict) -> bool:
+    g, thr = fd.get("gain", NAN), fd.get("gain_threshold", NAN)
+    return isinstance(g, float) and isinstance(thr, float) and abs(g) > thr
+
+
+def _gain_note(fd: dict) -> str:
+    """``gain +0.0075 over its threshold 0.00079 (9.5x): a systematic relative error`` (the row's gain failed)."""
+    g, thr = fd["gain"], fd["gain_threshold"]
+    return f"gain {g:+.3g} over its threshold {thr:.3g} ({abs(g) / thr:.3g}x): a systematic relative error"
