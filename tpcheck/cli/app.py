@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, verdict
-from tpcheck.cli.arg_types import int_list, regex
+from tpcheck.inputs.arg_types import int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
 
 
@@ -70,8 +70,8 @@ def _add_checkpoint_commands(sub) -> None:
     fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
     fsub = fl.add_subparsers(dest="action", required=True)
     fsub.add_parser("list", help="each fault: description, where it shows, expected origin")
-    from tpcheck.cli import fault_matrix
-    fault_matrix.register(fsub)
+    from tpcheck.cli import fault_matrix_command
+    fault_matrix_command.register(fsub)
 
 
 def _add_check(sub) -> None:
@@ -338,9 +338,9 @@ def _run(a, argv: list[str]) -> int:
         return 0
     if a.cmd == "faults":
         if a.action == "matrix":
-            from tpcheck.cli import fault_matrix
+            from tpcheck.cli import fault_matrix_command
             check_output_paths(a.json)
-            return fault_matrix.run(a)
+            return fault_matrix_command.run(a)
         from tpcheck.inputs.faults import FAULTS
         for f in FAULTS.values():
             print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
