@@ -27,7 +27,8 @@ DESCRIPTION = f"""``tpcheck`` command line.
 {exit_codes.__doc__}
 One line on stderr for 2 and 3; the traceback only with --debug (or TPCHECK_DEBUG=1).
 
-With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2."""
+With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2;
+diff's flags without a command mean diff (``tpcheck --tp 4 --no-isolate``)."""
 
 
 def _add_outputs(p: argparse.ArgumentParser) -> None:
@@ -292,6 +293,16 @@ def _exit_code(e: BaseException) -> tuple[int, str]:
     return Exit.FAILED, f"internal error: {type(e).__name__}: {first}"
 
 
+def default_command(argv: list[str]) -> list[str]:
+    """``argv`` with ``diff`` in front where it names no command: nothing (``diff --layer-by-layer``, the main job
+    on the embedded synthetic default) or diff's flags alone (``--tp 4``); ``-h`` stays the command line's help."""
+    if not argv:
+        return ["diff", "--layer-by-layer"]
+    if argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        return ["diff", *argv]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("TPCHECK_DEBUG", "") not in ("", "0")
@@ -300,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--version"]:  # answered before the parser, whose choices import torch (3 s)
         print(_version())
         return 0
-    argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
+    argv = default_command(argv)
     a = _parser().parse_args(argv)
     from tpcheck.progress import LogHandler
     progress = LogHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck" (above any progress bar)
