@@ -296,11 +296,9 @@ def _exit_code(e: BaseException) -> tuple[int, str]:
 def default_command(argv: list[str]) -> list[str]:
     """``argv`` with ``diff`` in front where it names no command: nothing (``diff --layer-by-layer``, the main job
     on the embedded synthetic default) or diff's flags alone (``--tp 4``); ``-h`` stays the command line's help."""
-    if not argv:
-        return ["diff", "--layer-by-layer"]
-    if argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         return ["diff", *argv]
-    return argv
+    return argv or ["diff", "--layer-by-layer"]
 
 
 def main(argv: list[str] | None = None) -> int:
