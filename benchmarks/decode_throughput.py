@@ -130,7 +130,7 @@ def first_mismatch_gap(model, llm, prompt, hf_tok, impl_tok) -> dict:
 
 
 def parse_args(argv):
-    from tpcheck.cli.arg_types import positive_ints
+    from tpcheck.inputs.arg_types import positive_ints
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(ap, seed_help="checkpoint and prompt seed")

@@ -68,7 +68,7 @@ def main() -> int:
     import tpcheck
     from tpcheck.pipeline.check import random_prompts
     from tpcheck.inputs.checkpoints import cached_checkpoint
-    from tpcheck.reference.hf import hf_capture
+    from tpcheck.reference.cache import hf_capture
     from tpcheck.engines.pool import EnginePool
     from tpcheck.reference.reductions import Reductions
     log = sys.stderr

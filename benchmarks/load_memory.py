@@ -198,7 +198,7 @@ def measure(model_dir: Path, tp: int, dtype: str, interval_s: float, kv_blocks: 
 
 
 def parse_args(argv):
-    from tpcheck.cli.arg_types import positive_ints
+    from tpcheck.inputs.arg_types import positive_ints
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(ap)

@@ -327,7 +327,7 @@ def generate(model, prompts: list[list[int]], decode_steps: int, cap=None, devic
 def main(argv: list[str] | None = None) -> int:
     global BUG
     import tpcheck.capture
-    from tpcheck.cli.arg_types import int_list
+    from tpcheck.inputs.arg_types import int_list
     from tpcheck.capture.maps import VLLM_MAP
     ap = argparse.ArgumentParser(prog="torchrun --nproc-per-node TP examples/vllm_style_tp.py",
                                  description="a vLLM-style TP Qwen2 engine (greedy); TPCHECK_DUMP=DIR dumps its "

@@ -4,7 +4,9 @@
 * no function or method over 80 lines (decorators excluded, docstring included);
 * no public function or method, and no ``__init__``, with more than 10 parameters (``self`` / ``cls`` of a method
   not counted; ``*args`` and ``**kwargs`` count as one each);
-* no import cycle among the module-level imports of ``tpcheck.*`` and ``impl.*`` modules.
+* no import cycle among the imports of ``tpcheck.*`` and ``impl.*`` modules, those inside functions included;
+* every import of one ``tpcheck`` stage by another goes down ``STAGES`` (docs/architecture.md draws it), those
+  inside functions included: a stage may use the ones below it and its own, never one above.
 
 The test fails listing every violation, one per line, so a change that breaks a limit names what to split.
 """
@@ -19,6 +21,26 @@ PACKAGES = ("impl", "tpcheck")  # the import graph is checked among these module
 MAX_FILE_LINES = 400
 MAX_FUNC_LINES = 80
 MAX_PARAMS = 10
+#: tpcheck's stages, highest first; a module's stage is its first name under ``tpcheck`` (the package itself:
+#: ``tpcheck.diff`` and friends, a front end). One level may hold several stages that do not import each other
+#: in a cycle.
+STAGES: tuple[tuple[str, ...], ...] = (
+    ("", "cli", "pytest_plugin", "__main__", "hf_tp"),  # front ends
+    ("pipeline",),
+    ("options",),
+    ("engines", "reference", "judge"),
+    ("result",),
+    ("measure",),
+    ("capture",),
+    ("inputs",),
+    ("progress",),
+)
+#: imports that go up, each with why it stays for now (a new one fails the test)
+UPWARD_ALLOWED = {
+    # a drawn property case runs itself (Case.diff): strategies build Cases, so the runner sits with them in inputs
+    ("tpcheck.inputs.property_runner", "tpcheck.options"),
+    ("tpcheck.inputs.property_runner", "tpcheck"),
+}
 
 
 def _sources() -> dict[str, str]:
@@ -96,14 +118,21 @@ def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]
     return out
 
 
-def _import_graph(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
-    """module -> the tpcheck / impl modules its module-level imports name; ``from pkg import name`` points at
-    ``pkg.name`` when that is a module, else at ``pkg``."""
+def _every_import(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import of a module, those inside functions and classes included (not under ``if TYPE_CHECKING:``)."""
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
+            for b in node.body for n in ast.walk(b)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def _import_graph(trees: dict[str, ast.Module], every: bool = False) -> dict[str, set[str]]:
+    """module -> the tpcheck / impl modules its module-level imports (``every``: all its imports) name; ``from pkg
+    import name`` points at ``pkg.name`` when that is a module, else at ``pkg``."""
     modules = {_module_name(rel): rel for rel in trees if rel.split("/")[0] in PACKAGES}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, rel in modules.items():
         is_pkg = rel.endswith("__init__.py")
-        for node in _module_level_imports(trees[rel]):
+        for node in (_every_import if every else _module_level_imports)(trees[rel]):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -152,6 +181,35 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def _stage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "tpcheck"
+
+
+def _stage_level(module: str) -> int | None:
+    """The index in ``STAGES`` of a tpcheck module's stage (None: not a tpcheck module)."""
+    parts = module.split(".")
+    if parts[0] != "tpcheck":
+        return None
+    stage = parts[1] if len(parts) > 1 else ""
+    for level, names in enumerate(STAGES):
+        if stage in names:
+            return level
+    raise AssertionError(f"{module}: stage {stage!r} is not in tests/test_layout.py's STAGES")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a stage above the importer's (``STAGES``), less ``UPWARD_ALLOWED``."""
+    out = []
+    for mod in sorted(graph):
+        lm = _stage_level(mod)
+        for tgt in sorted(graph[mod]):
+            lt = _stage_level(tgt)
+            if lm is not None and lt is not None and lt < lm and (mod, tgt) not in UPWARD_ALLOWED:
+                out.append(f"UPWARD {mod} ({_stage(mod)}) imports {tgt} ({_stage(tgt)})")
+    return out
+
+
 def violations() -> list[str]:
     """Every violation of the limits, one line each."""
     sources = _sources()
@@ -162,7 +220,9 @@ def violations() -> list[str]:
         if n > MAX_FILE_LINES:
             out.append(f"FILE {rel}: {n} lines > {MAX_FILE_LINES}")
         out += _function_violations(rel, trees[rel])
-    graph = _import_graph(trees)
+    graph = _import_graph(trees, every=True)
+    graph = {m: {t for t in ts if (m, t) not in UPWARD_ALLOWED} for m, ts in graph.items()}
+    out += _upward(graph)
     for comp in _cycles(graph):
         edges = [f"{a} -> {b}" for a in comp for b in sorted(graph[a]) if b in comp]
         out.append(f"CYCLE {', '.join(comp)}: {'; '.join(edges)}")
@@ -189,3 +249,11 @@ def test_checker_sees_each_kind():
            "tpcheck/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpcheck import c\n"}
     graph = _import_graph({rel: ast.parse(s) for rel, s in pkg.items()})
     assert _cycles(graph) == [["tpcheck.a", "tpcheck.b"]]
+    # every import, those in functions too: an upward import and a cycle closed inside a function are caught
+    pkg = {"tpcheck/__init__.py": "", "tpcheck/inputs/__init__.py": "", "tpcheck/cli/__init__.py": "",
+           "tpcheck/inputs/x.py": "def f():\n    from tpcheck.cli import y\n",
+           "tpcheck/cli/y.py": "from tpcheck.inputs import x\n",
+           "tpcheck/inputs/z.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpcheck.cli import y\n"}
+    graph = _import_graph({rel: ast.parse(s) for rel, s in pkg.items()}, every=True)
+    assert _upward(graph) == ["UPWARD tpcheck.inputs.x (inputs) imports tpcheck.cli.y (cli)"]
+    assert _cycles(graph) == [["tpcheck.cli.y", "tpcheck.inputs.x"]]

@@ -281,7 +281,8 @@ def command_problems(cmd: str, tree: dict) -> tuple[list[str], list[str]]:
     except ValueError:
         tokens = cmd.split("#", 1)[0].split()
     assert tokens and tokens[0] == "tpcheck", cmd
-    tokens = tokens[1:]
+    from tpcheck.cli.app import default_command
+    tokens = default_command(tokens[1:])  # diff's flags without a command mean diff
     path: tuple[str, ...] = ()
     problems, names = [], []
     rest = list(tokens)

@@ -14,7 +14,7 @@ import shlex
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from tpcheck.cli.arg_types import int_list, int_ranges, name_list, regex
+from tpcheck.inputs.arg_types import int_list, int_ranges, name_list, regex
 from tpcheck.judge.coverage import DEFAULT_REQUIRE
 
 DTYPES = ["float32", "bfloat16", "float16"]

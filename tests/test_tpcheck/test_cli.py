@@ -55,6 +55,15 @@ def test_no_arguments_runs_the_layer_by_layer_diff(monkeypatch, tmp_path, capsys
     assert "worst point per layer" in out and "PASS: tp=2 float32" in out
 
 
+def test_diff_flags_without_a_command_mean_diff():
+    from tpcheck.cli.app import _parser, default_command
+    assert default_command([]) == ["diff", "--layer-by-layer"]
+    assert default_command(["--tp", "4", "--no-isolate"]) == ["diff", "--tp", "4", "--no-isolate"]
+    assert default_command(["--help"]) == ["--help"] and default_command(["gate", "r.json"]) == ["gate", "r.json"]
+    a = _parser().parse_args(default_command(["--tp", "4", "--no-isolate"]))
+    assert a.cmd == "diff" and a.tp == 4
+
+
 def test_logprobs_close_is_vllms_rule():
     import torch
 

@@ -14,7 +14,7 @@ from tpcheck.measure import exact_ops
 from tpcheck.cli.app import main
 from tpcheck.cli.gate import regate
 from tpcheck.result.table import load_result
-from tpcheck.reference.hf import hf_capture
+from tpcheck.reference.cache import hf_capture
 from tpcheck.measure.metrics import mismatch
 from tpcheck.capture.points import point_names, split_point
 

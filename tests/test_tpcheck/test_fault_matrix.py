@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tpcheck.cli import fault_matrix as M
+from tpcheck.cli import fault_matrix_command
 from tpcheck.inputs.faults import FAULTS, get_fault
 
 
@@ -126,10 +127,10 @@ def test_clean_config_no_false_alarm(config, ckpt, engines):
 
 def test_cli_matrix_table_exit_codes_and_json(ckpt, engines, tmp_path, capsys, monkeypatch):
     ap = argparse.ArgumentParser()
-    M.register(ap.add_subparsers(dest="action"))
+    fault_matrix_command.register(ap.add_subparsers(dest="action"))
     out = tmp_path / "m.json"
     args = ap.parse_args(["matrix", "--faults", "rope_skipped,vocab_ids_not_masked", "--json", str(out)])
-    assert M.run(args, pool=engines, ckpt=ckpt) == 0
+    assert fault_matrix_command.run(args, pool=engines, ckpt=ckpt) == 0
     text = capsys.readouterr().out
     assert "layers.0.attn.q_rope @ step 0" in text and "embed @ step 0" in text and "PASS: 2/2 faults" in text
     data = json.loads(out.read_text())
@@ -137,13 +138,13 @@ def test_cli_matrix_table_exit_codes_and_json(ckpt, engines, tmp_path, capsys, m
     assert [r["fault"] for r in data["rows"]] == ["rope_skipped", "vocab_ids_not_masked"] + ["(clean)"] * 4
     # an undetected fault makes the matrix fail: without exact ops, the RMSNorm cast order passes the gate
     args = ap.parse_args(["matrix", "--faults", "rmsnorm_weight_before_cast", "--no-clean"])
-    assert M.run(args, pool=engines, ckpt=ckpt) == 0
+    assert fault_matrix_command.run(args, pool=engines, ckpt=ckpt) == 0
     assert "exact ops" in capsys.readouterr().out
     monkeypatch.setattr(M, "EXACT_OPS", False)
-    assert M.run(args, pool=engines, ckpt=ckpt) == 1
+    assert fault_matrix_command.run(args, pool=engines, ckpt=ckpt) == 1
     assert "MISS" in capsys.readouterr().out
     with pytest.raises(ValueError, match="known faults"):
-        M.run(ap.parse_args(["matrix", "--faults", "nope"]), pool=engines, ckpt=ckpt)
+        fault_matrix_command.run(ap.parse_args(["matrix", "--faults", "nope"]), pool=engines, ckpt=ckpt)
 
 
 def test_depth_axis_finds_each_fault_in_the_layer_it_was_injected(ckpt, engines):

@@ -19,7 +19,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import tpcheck  # noqa: E402
 from tpcheck.result import documents  # noqa: E402
-from tpcheck.cli import fault_matrix, gate, sweep  # noqa: E402
+from tpcheck.cli import fault_matrix, fault_matrix_command, gate, sweep  # noqa: E402
 from tpcheck.cli.app import main  # noqa: E402
 from tpcheck.result.report import ResultFormatError, load_result  # noqa: E402
 from tpcheck.result.report.sample import sample_result  # noqa: E402
@@ -212,10 +212,10 @@ def test_check_json_is_strict_and_valid(validator, ckpt, engines, tmp_path):
 
 def test_fault_matrix_json_is_strict_and_valid(validator, ckpt, engines, tmp_path, capsys):
     ap = argparse.ArgumentParser()
-    fault_matrix.register(ap.add_subparsers(dest="action"))
+    fault_matrix_command.register(ap.add_subparsers(dest="action"))
     out = tmp_path / "m.json"
     args = ap.parse_args(["matrix", "--faults", "nan_causal_mask", "--no-clean", "--json", str(out)])
-    assert fault_matrix.run(args, pool=engines, ckpt=ckpt) == 0, capsys.readouterr().out
+    assert fault_matrix_command.run(args, pool=engines, ckpt=ckpt) == 0, capsys.readouterr().out
     doc = valid(validator, strict_load(out), "fault_matrix")
     (row,) = doc["rows"]
     assert row["fault"] == "nan_causal_mask" and row["by"] == "NaN" and row["excess"] is None

@@ -8,7 +8,8 @@ import torch
 
 import tpcheck
 from tpcheck.inputs.faults import FAULTS
-from tpcheck.judge.routing import check_routes, forced_route
+from tpcheck.judge.routing import check_routes
+from tpcheck.reference.forced_route import forced_route
 from tpcheck.pipeline.routes import RouteBook, sort_routes
 
 

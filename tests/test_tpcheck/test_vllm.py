@@ -199,6 +199,8 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     assert result.meta["coverage"]["rows_not_produced"] == {"logits": sum(len(p) - 1 for p in PROMPTS)}
     offline = compare_engine(DumpAdapter(read_dump(tmp_path / "dump"), Reductions(2)), str(ckpt), PROMPTS, dtype, 3)
     assert verdict_rows(offline) == verdict_rows(result)
+    from tpcheck.inputs.fingerprint import fingerprint  # compare refuses another checkpoint's dump by it
+    assert read_dump(tmp_path / "dump").fingerprint == fingerprint(ckpt)
 
 
 def test_engine_vllm_refuses_isolate_and_small_heads(pool, ckpt, tmp_path):

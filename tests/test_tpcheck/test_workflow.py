@@ -11,10 +11,10 @@ import pytest
 
 import tpcheck
 from diff_runs import COLS
-from tpcheck.cli.arg_types import int_ranges
+from tpcheck.inputs.arg_types import int_ranges
 from tpcheck.cli.app import main
 from tpcheck.reference.saved import GoldenError
-from tpcheck.pipeline.selection import selection
+from tpcheck.capture.selection import selection
 
 PROMPTS = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
 

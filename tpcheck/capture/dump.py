@@ -16,7 +16,7 @@ tokens). ``rows``: ``{point: flat row indices}`` for a point that holds only som
 hashes, no request ids) is refused: write the dump again. Safetensors and JSON only: nothing is unpickled.
 
 Integrity (format 2): ``tensors`` records per point the dtype, shape and sha256 of the bytes written, and
-``model_fingerprint`` the checkpoint's (``tpcheck.reference.saved.fingerprint``; null when the writer was not
+``model_fingerprint`` the checkpoint's (``tpcheck.inputs.fingerprint``; null when the writer was not
 told the checkpoint). Reading checks every field's type and bounds (``tpcheck.inputs.validate``), that a rank's
 JSON names the rank and step of the file it sits in, every tensor against its record (a floating-point tensor,
 the rows all ranks agree on, a placement that fits it), and ``Dump.check_model`` the recorded checkpoint and
@@ -98,7 +98,7 @@ class DumpWriter:
 
     def __init__(self, root: str | Path, rank: int, tp: int, dtype: str, engine: str = "impl",
                  points: str | None = None, budget_bytes: int | None = None, model: str | None = None):
-        from tpcheck.reference.saved import fingerprint
+        from tpcheck.inputs.fingerprint import fingerprint
         self.fingerprint = None if model is None else fingerprint(model)  # compare checks it against --model
         self.dir = Path(root) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,7 @@ class Dump:
     def check_model(self, model_dir: str) -> None:
         """Refuse a dump of another checkpoint (its recorded fingerprint) or with token ids outside its vocab."""
         from impl.config import load_config
-        from tpcheck.reference.saved import fingerprint
+        from tpcheck.inputs.fingerprint import fingerprint
         if self.fingerprint is None:
             logger.warning(f"tpcheck compare: {self.root} records no checkpoint fingerprint (its writer was not "
                            f"told the checkpoint): that it was written by a run of {model_dir} is not checked")

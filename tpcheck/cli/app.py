@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, verdict
-from tpcheck.cli.arg_types import int_list, regex
+from tpcheck.inputs.arg_types import int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
 
 
@@ -27,7 +27,8 @@ DESCRIPTION = f"""``tpcheck`` command line.
 {exit_codes.__doc__}
 One line on stderr for 2 and 3; the traceback only with --debug (or TPCHECK_DEBUG=1).
 
-With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2."""
+With no arguments it runs ``tpcheck diff --layer-by-layer`` on the embedded ``small`` synthetic checkpoint at tp 2;
+diff's flags without a command mean diff (``tpcheck --tp 4 --no-isolate``)."""
 
 
 def _add_outputs(p: argparse.ArgumentParser) -> None:
@@ -70,8 +71,8 @@ def _add_checkpoint_commands(sub) -> None:
     fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
     fsub = fl.add_subparsers(dest="action", required=True)
     fsub.add_parser("list", help="each fault: description, where it shows, expected origin")
-    from tpcheck.cli import fault_matrix
-    fault_matrix.register(fsub)
+    from tpcheck.cli import fault_matrix_command
+    fault_matrix_command.register(fsub)
 
 
 def _add_check(sub) -> None:
@@ -292,6 +293,14 @@ def _exit_code(e: BaseException) -> tuple[int, str]:
     return Exit.FAILED, f"internal error: {type(e).__name__}: {first}"
 
 
+def default_command(argv: list[str]) -> list[str]:
+    """``argv`` with ``diff`` in front where it names no command: nothing (``diff --layer-by-layer``, the main job
+    on the embedded synthetic default) or diff's flags alone (``--tp 4``); ``-h`` stays the command line's help."""
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        return ["diff", *argv]
+    return argv or ["diff", "--layer-by-layer"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("TPCHECK_DEBUG", "") not in ("", "0")
@@ -300,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--version"]:  # answered before the parser, whose choices import torch (3 s)
         print(_version())
         return 0
-    argv = argv or ["diff", "--layer-by-layer"]  # the main job, on the embedded synthetic default
+    argv = default_command(argv)
     a = _parser().parse_args(argv)
     from tpcheck.progress import LogHandler
     progress = LogHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck" (above any progress bar)
@@ -338,9 +347,9 @@ def _run(a, argv: list[str]) -> int:
         return 0
     if a.cmd == "faults":
         if a.action == "matrix":
-            from tpcheck.cli import fault_matrix
+            from tpcheck.cli import fault_matrix_command
             check_output_paths(a.json)
-            return fault_matrix.run(a)
+            return fault_matrix_command.run(a)
         from tpcheck.inputs.faults import FAULTS
         for f in FAULTS.values():
             print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import logging
 
-import argparse
 import math
 import random
 import time
-from pathlib import Path
 
 import pandas as pd
 
 from impl import CacheConfig
 from impl.config import load_config
-from tpcheck.cli.exit_codes import verdict
 from tpcheck.inputs.faults import FAULTS, Fault, get_fault
 from tpcheck.progress import bar
 from tpcheck.inputs.checkpoints import preset_available
@@ -281,49 +278,3 @@ def format_table(df: pd.DataFrame) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(c.rjust(w) if i == len(widths) - 1 else c.ljust(w)
                                 for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells)
-
-
-# ---- command line: tpcheck faults matrix -----------------------------------------------------------------
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add ``matrix`` to the ``tpcheck faults`` sub-commands."""
-    p = subparsers.add_parser("matrix", help="each fault on the smallest configuration where it shows, plus clean runs",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--faults", type=lambda s: [x for x in s.split(",") if x], default=None,
-                   help="comma-separated fault names (default: all; tpcheck faults list)")
-    p.add_argument("--no-clean", action="store_true", help="skip the clean runs")
-    from tpcheck.cli.fault_depth import add_arguments as depth_arguments
-    depth_arguments(p)
-    p.add_argument("--json", type=Path, help="write every row as JSON")
-    return p
-
-
-def run(args, pool=None, ckpt=None) -> int:
-    """``tpcheck faults matrix``: print the table; 0 when every fault is detected at its expected origin and
-    no clean run alarms, 1 otherwise. (``pool`` / ``ckpt``: engines and checkpoints to reuse, for tests.)"""
-    for n in args.faults or []:
-        get_fault(n)  # ValueError (exit 2) before any engine starts
-    if (args.preset or args.tp or args.dtype) and not args.depth:
-        raise ValueError("--preset, --tp and --dtype apply to --depth only")
-    if args.depth:
-        from tpcheck.cli.fault_depth import run_depth
-        df = run_depth(args.faults, pool=pool, ckpt=ckpt, presets=args.preset, tps=args.tp, dtypes=args.dtype)
-    else:
-        df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
-    print(format_table(df))
-    print("config: preset, TP size, dtype, prefill only or decode steps and KV block size, prompt lengths; "
-          "by: the check that flagged the origin; excess: the origin's error over its threshold (clean runs: the closest any point came; memory: the "
-          "largest rank's tensor bytes over 1.15 x its share + 64 KiB)")
-    ok = bool(df["ok"].all())
-    faults_df, clean_df = df[df["fault"] != "(clean)"], df[df["fault"] == "(clean)"]
-    print(f"\n{'PASS' if ok else 'FAIL'}: {int(faults_df['ok'].sum())}/{len(faults_df)} faults found at their "
-          f"expected origin; {int((~clean_df['ok'].astype(bool)).sum())}/{len(clean_df)} clean runs alarmed")
-    for _, r in df[~df["ok"].astype(bool) | (df["check"] == "memory")].iterrows():
-        print(f"  {r.fault} ({r.config}): {r.note}")
-    if args.json:
-        from tpcheck.result.documents import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
-        write_json(args.json, "fault_matrix", {"passed": ok, "rows": df.to_dict(orient="records")},
-                   meta={"args": {k: v for k, v in vars(args).items()
-                                  if k not in ("cmd", "action", "json", "debug")}})
-        print(f"wrote {args.json}")
-    return verdict(ok)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpcheck.cli.arg_types import int_list, name_list
+from tpcheck.inputs.arg_types import int_list, name_list
 from tpcheck.cli.exit_codes import Exit
 from tpcheck.progress import bar
 from tpcheck.result.table import worst_key

@@ -211,7 +211,7 @@ def _greedy_dump(rank: HFTPRank, prompts: list[list[int]], decode_steps: int, wr
 def main(argv: list[str] | None = None) -> int:
     """One rank under torchrun: load with tp_plan, greedy-decode the prompts, dump every step."""
     from impl.distributed import close_tp, init_tp
-    from tpcheck.cli.arg_types import int_list
+    from tpcheck.inputs.arg_types import int_list
     from tpcheck.capture.dump import DumpWriter
     ap = argparse.ArgumentParser(prog="torchrun ... -m tpcheck.engines.hf_tp",
                                  description="one rank of Hugging Face tp_plan, dumping its points per step "

@@ -33,7 +33,7 @@ def get_llm(pool, model_dir: str | os.PathLike, tp: int, dtype: str = "float32",
 
 def start(pool, opts, model_dir: str) -> "ImplAdapter":
     """The adapter of one diff: the pool's engine, with ``opts``' faults, block size, dump and selection."""
-    from tpcheck.pipeline.selection import selection
+    from tpcheck.capture.selection import selection
     budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)  # the whole dump's bound
     # each rank writes its own points of every propagated step (--dump), its share of the budget
     dump = None if opts.dump is None else {"root": str(opts.dump), "dtype": opts.dtype, "points": opts.dump_points,

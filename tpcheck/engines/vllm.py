@@ -123,7 +123,7 @@ def start(pool, opts, model_dir: str):
     if opts.dump is None:
         return adapter
     budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)
-    return DumpingAdapter(adapter, opts.dump, opts.dtype, "vllm", opts.dump_points, budget)
+    return DumpingAdapter(adapter, opts.dump, opts.dtype, "vllm", opts.dump_points, budget, model_dir)
 
 
 class VLLMAdapter:

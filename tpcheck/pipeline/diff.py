@@ -27,10 +27,10 @@ from tpcheck.judge.coverage import Coverage
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure.precision import effective_precision
 from tpcheck.options import DiffOptions
-from tpcheck.pipeline.selection import selection
+from tpcheck.capture.selection import selection
 from tpcheck.pipeline.steps import DiffPass, GoldenCache, RunContext
 from tpcheck.progress import bar
-from tpcheck.reference.hf import hf_capture
+from tpcheck.reference.cache import hf_capture
 from tpcheck.reference.reductions import Reductions
 from tpcheck.reference.saved import GoldenWriter, SavedGolden
 from tpcheck.result.table import DiffResult

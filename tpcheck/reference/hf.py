@@ -18,7 +18,7 @@ from impl.config import HF_DTYPE_KEY, TRANSFORMERS_5, load_config, parse_dtype
 from tpcheck.capture.core import install
 from tpcheck.capture.maps import HF_MAP
 from tpcheck.capture.teacher import Teacher
-from tpcheck.judge.routing import forced_route
+from tpcheck.reference.forced_route import forced_route
 from tpcheck.reference.reductions import Reductions, row_parallel_linear
 
 ATTN_NAME = "tpcheck_sdpa"
@@ -225,22 +225,3 @@ def cache_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = cache.key_cache[layer], cache.value_cache[layer]
     flat = lambda t: t[0].transpose(0, 1).reshape(t.shape[2], -1)  # noqa: E731
     return flat(k), flat(v)
-
-
-_HF: dict = {}
-
-
-def hf_capture(model_dir: str, dtype: str, streamed: bool = False) -> HFCapture:
-    """HF model with capture hooks, cached per (checkpoint, dtype, streamed) in this process (at most 4 kept).
-    ``streamed``: weights read from the checkpoint as the forward needs them, one matrix resident at a time
-    (``tpcheck.reference.streamed``: for checkpoints larger than memory; the same points bit for bit)."""
-    key = (str(model_dir), dtype, streamed)
-    if key not in _HF:
-        while len(_HF) >= 4:
-            _HF.pop(next(iter(_HF)))
-        if streamed:
-            from tpcheck.reference.streamed import streamed_hf_capture
-            _HF[key] = streamed_hf_capture(model_dir, dtype)
-        else:
-            _HF[key] = HFCapture(load_hf_model(model_dir, dtype))
-    return _HF[key]

@@ -7,7 +7,7 @@ Layout: ``DIR/step{s}.safetensors`` (every golden point of step s, float64, ``[r
 "with_kv", "num_layers", "tensors"}``. ``fingerprint`` identifies the checkpoint: ``config.json`` and, per weight file,
 its name, size and 16 sampled 64 KiB blocks (not a hash of every byte: a 70B checkpoint would take minutes to
 read; weights changed in place at the same size and outside the samples go unseen, so keep one directory per
-checkpoint). A replay refuses, naming the field, a golden of another checkpoint, other prompts or fewer
+checkpoint; ``tpcheck.inputs.fingerprint``). A replay refuses, naming the field, a golden of another checkpoint, other prompts or fewer
 decode steps than the run needs. Safetensors and JSON only: nothing is unpickled.
 
 Integrity (format 2): ``tensors[s]`` records per point of step s its dtype, shape and sha256; a replay checks
@@ -18,7 +18,6 @@ or a record without its tensor. A hash proves the file is what was written, not 
 ``reference_bound``), so a golden that is wrong but re-hashed cannot silently raise the noise floor."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from tpcheck.inputs.fingerprint import fingerprint  # noqa: F401  (a saved golden records it)
 from tpcheck.inputs.validate import MAX_LAYERS, field, int_in, read_json, tensor_record, token_lists, verify_tensor
 
 FORMAT = 2
@@ -37,25 +37,10 @@ FORMAT = 2
 # one length-4096 dot product, capped at 0.25: 2.4e-4 in float32 (~290x the measured worst), 0.25 in
 # bfloat16 / float16 (a quarter of the tensor's norm is far beyond rounding at any depth measured).
 _BOUND_ULPS, _BOUND_CAP = 2**12, 0.25
-_SAMPLES, _BLOCK = 16, 64 * 1024
 
 
 class GoldenError(ValueError):
     """A saved golden that is unreadable or does not belong to this run (names the file and the field)."""
-
-
-def fingerprint(model_dir: str | Path) -> str:
-    """A sampled content fingerprint of a checkpoint directory (see the module docstring)."""
-    root = Path(model_dir)
-    h = hashlib.sha256((root / "config.json").read_bytes())
-    for f in sorted(root.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with f.open("rb") as fh:
-            for i in range(_SAMPLES):
-                fh.seek(max(0, (size - _BLOCK) * i // max(1, _SAMPLES - 1)))
-                h.update(fh.read(_BLOCK))
-    return h.hexdigest()
 
 
 def reference_bound(dtype: torch.dtype) -> float:
