@@ -39,10 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tpcheck.measure.metrics import unit_roundoff
+
 NARROW_FEATURES = 16  # rows of fewer features are "narrow" (tpcheck.judge.noise_floor: a row is no unit of scale)
 MIN_ELEMENTS = 32     # fewer qualifying elements: no gain measured (module docstring)
 SE_FACTOR = math.sqrt(math.pi / 2) * 1.4826  # se of a median = SE_FACTOR * MAD / sqrt(n) (module docstring)
-U_FP32 = 2.0**-24     # float32's unit roundoff
+U_FP32 = unit_roundoff(torch.float32)  # 2^-24
 GAIN_Z = 6.0          # gain_z(n) tends to it: a clean engine's gain is ~N(0, se), beyond 6 se with probability 2e-9
 GAIN_C = 4.0          # gain_floor = GAIN_C * U_FP32 * sqrt(features) (``gain_fields``)
 

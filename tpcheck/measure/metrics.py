@@ -16,6 +16,11 @@ K_FACTOR = {"float32": 2.0, "float64": 2.0, "bfloat16": 3.0, "float16": 3.0}
 FLOOR = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 1e-3, "float16": 1e-3}
 
 
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p of a floating dtype (p significand bits, the implicit one included): half its machine epsilon."""
+    return torch.finfo(dtype).eps / 2
+
+
 def _f64_copy(x: torch.Tensor) -> torch.Tensor:
     """A float64 copy of ``x`` that the caller may overwrite (the one float64 buffer a statistic needs)."""
     return x.detach().to(torch.float64, copy=True)

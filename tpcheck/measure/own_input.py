@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from tpcheck.capture.points import split_point
+from tpcheck.measure.metrics import unit_roundoff
 
 PREV = "<layer input>"  # the layer's input: ``embed`` or the previous layer's ``out`` (the teacher when isolated)
 #: point kind -> the points (of the same layer) its op reads, in argument order
@@ -59,11 +60,6 @@ _LINEARS = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v"
 _ROW_PARALLEL = ("attn.out", "mlp.out")
 LAMBDA = 6.0       # the probabilistic bound's lambda: 2n exp(-18) ~ 3e-8 n
 KAPPA_MIN = 4.0    # elements with kappa >= KAPPA_MIN sqrt(n) are cancelling dot products
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """u = 2^-p of a floating dtype (p significand bits, the implicit one included): half its machine epsilon."""
-    return torch.finfo(dtype).eps / 2
 
 
 def reads_layer_input(kind: str) -> bool:
