@@ -7,14 +7,14 @@ The rule itself, and why it is sound, is ``tpcheck.judge.routing``.
 * The propagated pass runs the engine first; the golden then follows the engine's route where it differs
   (``HFCapture.step(routes=...)``) and the references follow the golden's, so every later point of the pass
   compares like with like. The local pass reuses the golden (its inputs are the teacher): there the rows of a
-  token whose route differs are left out of that layer's routed points (``ROUTED_POINTS``), counted in the row.
+  token whose route differs are left out of that layer's routed points (``Kind.routed``), counted in the row.
 * ``tau`` of a layer: twice the largest router-logit error (max |ref - golden| over experts and rows) of the
   references at that point, over this and earlier steps."""
 from __future__ import annotations
 
 import torch
 
-from tpcheck.capture.points import ROUTED_POINTS, split_point
+from tpcheck.capture.points import KINDS, kind_of, split_point
 from tpcheck.judge.routing import RouteCheck, check_routes
 
 NEAR_TIE_FACTOR = 2.0  # tpcheck check's near_tie_flips uses the same factor on the logits
@@ -25,7 +25,7 @@ def sort_routes(points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     permuted alike (a new dict; other points as they are)."""
     out = dict(points)
     for name, ids in points.items():
-        if not name.endswith(".moe.topk_ids"):
+        if kind_of(name).route != "ids":
             continue
         order = ids.long().argsort(-1)
         out[name] = ids.long().gather(-1, order)
@@ -37,7 +37,7 @@ def sort_routes(points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def routes_of(points: dict[str, torch.Tensor]) -> dict[int, torch.Tensor] | None:
     """``{layer: [rows, k] ids}`` of every layer's ``moe.topk_ids`` in ``points`` (None: no MoE layer)."""
-    out = {split_point(n)[0]: t.long() for n, t in points.items() if n.endswith(".moe.topk_ids")}
+    out = {split_point(n)[0]: t.long() for n, t in points.items() if kind_of(n).route == "ids"}
     return out or None
 
 
@@ -55,7 +55,7 @@ class RouteBook:
     def observe(self, name: str, ref: torch.Tensor, gold: torch.Tensor) -> None:
         """A reference's tensor of ``name``: a router's logits raise that layer's floor."""
         layer, kind = split_point(name)
-        if kind == "moe.router" and ref.shape == gold.shape and ref.numel():
+        if KINDS[kind].route == "logits" and ref.shape == gold.shape and ref.numel():
             err = float((ref.double() - gold.double()).abs().max())
             if err == err and err > self.router_err.get(layer, 0.0):
                 self.router_err[layer] = err
@@ -79,6 +79,6 @@ class RouteBook:
         """The rows of ``name`` to leave out this step: a routed point's flipped tokens (``exclude``: the golden
         did not follow the engine's route, i.e. the local pass)."""
         layer, kind = split_point(name)
-        if not exclude or kind not in ROUTED_POINTS or layer not in self.checks:
+        if not exclude or not KINDS[kind].routed or layer not in self.checks:
             return []
         return self.checks[layer].excluded

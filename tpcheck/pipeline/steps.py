@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from tpcheck.capture.batches import RequestLog, StepBatch
-from tpcheck.capture.points import all_point_names, point_order, split_point
+from tpcheck.capture.points import KINDS, all_point_names, kind_of, point_order, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.tolerances import Tolerances
@@ -210,8 +210,8 @@ class DiffPass:
         teacher_too = self.isolated or c.golden_cache is not None
         if c.select is not None:
             gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
-                    split_point(n)[1] in ("moe.router", "moe.topk_ids") or
-                    (teacher_too and (n == "embed" or split_point(n)[1] == "out")) or split_point(n)[1] in INPUT_KINDS}
+                    kind_of(n).route in ("logits", "ids") or (teacher_too and kind_of(n).teacher) or
+                    kind_of(n).name in INPUT_KINDS}
         return gold
 
     def _teacher(self, gold: dict) -> dict[int, torch.Tensor]:
@@ -237,7 +237,7 @@ class DiffPass:
             for n, t in ref.items():
                 if n in gold and c.sparse:
                     self.routes.observe(n, t, gold[n])
-                if n.endswith(".moe.topk_ids"):  # ids are judged as sets (tpcheck.judge.routing), not by a floor
+                if kind_of(n).judged == "set":  # ids are judged as sets (tpcheck.judge.routing), not by a floor
                     continue
                 if check is not None and red is None and n in gold and self._selected(n):
                     check(n, t, gold[n], c.dtype)
@@ -268,7 +268,7 @@ class DiffPass:
         for u, subset in units:
             if u.name not in gold or not self._selected(u.name):
                 continue
-            if u.name.endswith(".moe.topk_ids"):
+            if kind_of(u.name).judged == "set":
                 rows.append(self._route_row(u, gold[u.name], step, row_lens, starts, order))
                 self.reported.add(u.name)
                 continue
@@ -292,8 +292,7 @@ class DiffPass:
             if subset is not None:
                 self.rows_not_produced[u.name] = self.rows_not_produced.get(u.name, 0) + g.shape[0] - len(subset)
                 g = g[subset]
-            is_kv = ".kv." in u.name
-            where = (kv_lens, [0] * len(kv_lens)) if is_kv else (row_lens, starts)
+            where = (kv_lens, [0] * len(kv_lens)) if kind_of(u.name).rows == "cache" else (row_lens, starts)
             rows.append(self._row(u, g, step, *where, want, order, subset))
             if subset is None and not self.ctx.sparse:
                 self._own(rows[-1], u.tensor, g, engine_of, eng_teacher)
@@ -323,11 +322,11 @@ class DiffPass:
         """MoE: the engine's top-k put in the one order (``routes.sort_routes``), and each layer's route checked
         against the golden's (before any routed point of the step is measured: they leave its flips out)."""
         self.routes.begin_step()
-        sorted_ = sort_routes({u.name: u.tensor for u, _ in units if ".moe.topk_" in u.name})
+        sorted_ = sort_routes({u.name: u.tensor for u, _ in units if kind_of(u.name).route in ("ids", "weights")})
         units = [(replace(u, tensor=sorted_[u.name]) if u.name in sorted_ else u, sub) for u, sub in units]
         for u, _ in units:
             layer = split_point(u.name)[0]
-            if u.name.endswith(".moe.topk_ids") and u.name in gold and f"layers.{layer}.moe.router" in gold:
+            if kind_of(u.name).route == "ids" and u.name in gold and f"layers.{layer}.moe.router" in gold:
                 if u.tensor.shape == gold[u.name].shape:
                     self.routes.check(layer, u.tensor, gold)
         return units
@@ -343,7 +342,7 @@ class DiffPass:
         where = lambda r: "(batch, token) " + str(list(_row_index(r, row_lens, starts, order)))  # noqa: E731
         bad = len(rc.illegitimate)
         note = rc.note(where) or (u.rank_mismatch or "")
-        return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind="moe.topk_ids",
+        return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind=kind_of(u.name).name,
                    rel_err=bad / n if n else 0.0, ref_rel_err=0.0, route_flips=float(len(rc.flipped)),
                    near_ties=float(rc.near_ties), nan=0, inf=0, note=note, order=point_order(u.name),
                    max_abs=max(rc.margins) if rc.margins else 0.0, **u.rank_fields())
@@ -387,8 +386,8 @@ class DiffPass:
 def _engine_routes(points) -> dict[int, torch.Tensor] | None:
     """``{layer: [rows, k] ids}`` of an engine step's ``moe.topk_ids`` points (replicated: rank 0's, or the
     first rank that holds it)."""
-    ids = {name: next(t for t in per_rank if t is not None) for name, (_, per_rank) in points.items()
-           if name.endswith(".moe.topk_ids") and any(t is not None for t in per_rank)}
+    ids = {name: next(t for t in per_rank if t is not None) for name, (_, per_rank) in points.items()  # fused: no kind
+           if getattr(KINDS.get(split_point(name)[1]), "route", "") == "ids" and any(t is not None for t in per_rank)}
     return routes_of(ids)
 
 
