@@ -180,15 +180,10 @@ def get_adapter(pool, model_dir: str, tp: int, dtype: str = "float32") -> HFTPAd
                         lambda adapter: adapter.reload(str(model_dir), dtype), close=HFTPAdapter.shutdown)
 
 
-def start(pool, opts, model_dir: str):
-    """The adapter of one diff (``tpcheck.engines.registry``); ``--dump`` is written from the driver
-    (``DumpingAdapter`` splits the budget over the ranks)."""
-    from tpcheck.capture.dump import DumpingAdapter
-    adapter = get_adapter(pool, model_dir, opts.tp, opts.dtype)
-    if opts.dump is None:
-        return adapter
-    budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)
-    return DumpingAdapter(adapter, opts.dump, opts.dtype, "hf-tp", opts.dump_points, budget, model_dir)
+def start(pool, plan):
+    """The adapter of one diff (``tpcheck.engines.registry``); ``--dump`` is written from the driver (the
+    registry's ``DumpingAdapter`` splits the budget over the ranks)."""
+    return get_adapter(pool, plan.model_dir, plan.opts.tp, plan.opts.dtype)
 
 
 def _greedy_dump(rank: HFTPRank, prompts: list[list[int]], decode_steps: int, writer) -> list[list[int]]:
