@@ -84,8 +84,32 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
     return _compare(engine, RunPlan.of(opts), tolerances, meta)
 
 
+class _Notes(logging.Handler):
+    """The notes a run logs (``tpcheck diff: note: ...`` warnings: no declared reductions, no local pass, no MoE
+    route reported): kept for the saved result (``meta["notes"]``, shown in the HTML report) as well as the log."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.notes: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.notes.append(record.getMessage().removeprefix("tpcheck diff: note: "))
+
+
 def _compare(engine, plan: RunPlan, tolerances: Tolerances | None, meta: dict | None) -> DiffResult:
-    """The passes of one diff over an engine adapter, judged."""
+    """The passes of one diff over an engine adapter, judged (its notes saved with it)."""
+    notes = _Notes()
+    logger.addHandler(notes)  # every module of the pipeline logs to this one logger
+    try:
+        result = _passes(engine, plan, tolerances, meta)
+    finally:
+        logger.removeHandler(notes)
+    if notes.notes:
+        result.meta["notes"] = notes.notes
+    return result
+
+
+def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, meta: dict | None) -> DiffResult:
     opts, cfg, select, prompts = plan.opts, plan.cfg, plan.select, plan.prompts
     model_dir, dtype, steps = opts.model, opts.dtype, opts.decode_steps
     coverage = Coverage(list(plan.expected), require=opts.require_points)
