@@ -31,7 +31,7 @@ from tpcheck.engines.adapter import by_point
 from tpcheck.capture.core import as_rows, install
 from tpcheck.capture.maps import HF_TP_MAP
 from tpcheck.capture.teacher import Teacher
-from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_keyword, cache_kv, load_hf_model, new_cache, \
+from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, forward_one, load_hf_model, new_cache, \
     register_attention
 from tpcheck.reference.reductions import Reductions
 
@@ -107,16 +107,12 @@ class HFTPRank:
         """One step of every prompt (each a batch of one, so no padding becomes rows): this rank's points
         ``{name: (placement, [rows, features] tensor)}``."""
         self.capture.clear()
-        dev = self.model.device
         offset = 0
         try:
             for b, toks in enumerate(tokens):
                 self.teacher.inputs = None if teacher is None else \
                     {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
-                ids = torch.tensor([toks], device=dev)
-                pos = torch.arange(starts[b], starts[b] + len(toks), device=dev)[None]
-                kv = {cache_keyword(self.model): self.caches[b]}
-                self.model(input_ids=ids, position_ids=pos, use_cache=True, **kv)
+                forward_one(self.model, toks, self.caches[b], starts[b])
                 offset += len(toks)
             points = self.capture.step_done()
         finally:
