@@ -80,7 +80,7 @@ class RowMaker:
                 g = g[subset]
             where = (kv_lens, [0] * len(kv_lens)) if kind_of(u.name).rows == "cache" else (row_lens, starts)
             rows.append(self._row(u, g, step, *where, want, order, subset))
-            if subset is None and not self.ctx.sparse:
+            if subset is None and (not self.ctx.sparse or kind_of(u.name).route == "weights"):
                 self._own(rows[-1], u.tensor, g, engine_of, eng_teacher)
         return rows
 
