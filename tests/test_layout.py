@@ -257,3 +257,11 @@ def test_checker_sees_each_kind():
     graph = _import_graph({rel: ast.parse(s) for rel, s in pkg.items()}, every=True)
     assert _upward(graph) == ["UPWARD tpcheck.inputs.x (inputs) imports tpcheck.cli.y (cli)"]
     assert _cycles(graph) == [["tpcheck.cli.y", "tpcheck.inputs.x"]]
+
+
+def test_the_pass_loop_reads_in_one_sitting():
+    """``DiffPass`` (one pass over the steps: golden, references, engine) stays under 150 lines: rows are made in
+    ``pipeline/rows.py``, MoE routes followed in ``pipeline/routes.py``, each behind one object."""
+    tree = ast.parse((ROOT / "tpcheck" / "pipeline" / "steps.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DiffPass")
+    assert cls.end_lineno - cls.lineno + 1 < 150, cls.end_lineno - cls.lineno + 1

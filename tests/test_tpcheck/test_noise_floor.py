@@ -134,3 +134,8 @@ def test_adapter_without_reductions_is_told(ckpt, caplog):
     r = compare_engine(TwoRankHF(d, "float32"), d, PROMPTS, "float32")
     assert "declares no `reductions`" in caplog.text
     assert r.table["ref_rel_err_tp"].isna().all()
+    # the notes are the result's too, not the log's alone: saved, and shown in the report
+    notes = r.meta["notes"]
+    assert any(n.startswith("the engine adapter declares no `reductions`") for n in notes), notes
+    assert any(n.startswith("this engine cannot be teacher-forced") for n in notes), notes
+    assert not any(n.startswith("tpcheck diff: note:") for n in notes), notes

@@ -217,7 +217,8 @@ def adapter(pool, ckpt):
     """The pool's float32 engine (the one the diff above left running)."""
     from tpcheck.engines.vllm import start
     from tpcheck.options import DiffOptions
-    eng = start(pool, DiffOptions.of(model=str(ckpt), tp=2, prompts=PROMPTS, decode_steps=3), str(ckpt))
+    from tpcheck.pipeline.plan import RunPlan
+    eng = start(pool, RunPlan.of(DiffOptions.of(model=str(ckpt), tp=2, prompts=PROMPTS, decode_steps=3)))
     yield eng
     eng.faults = []
 

@@ -27,18 +27,15 @@ token ids against ``--model``: a mismatch is a DumpError (exit 2) naming the fil
 so ``tpcheck compare`` judges it exactly as ``tpcheck diff`` judges a live engine."""
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-
 from impl.placements import Fused, Partial, Replicate, Shard
 from tpcheck.capture.batches import RequestLog, StepBatch
-from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, tensor_record, token_lists, verify_tensor
+from tpcheck.inputs.step_store import load_step, save_step, write_json_atomic
+from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, token_lists, verify_tensor
 
 FORMAT = 2  # 2: per-request ids and a point's rows (continuous batching), per-tensor hashes, the checkpoint's id
 logger = logging.getLogger(__name__)
@@ -128,15 +125,15 @@ class DumpWriter:
             raise DumpError(f"dump {self.dir}: step {step} needs {size / 2**20:.1f} MiB more, past the budget of "
                             f"{self.budget / 2**20:.1f} MiB ({self.written / 2**20:.1f} MiB written); narrow "
                             "--dump-points or raise --dump-budget-mb")
-        tensors = {n: t.detach().contiguous().cpu() for n, (_, t) in kept.items()}
-        save_file(tensors, str(self.dir / f"step{step}.safetensors"))
+        records = save_step(self.dir / f"step{step}.safetensors",
+                            {n: t.detach().contiguous().cpu() for n, (_, t) in kept.items()})
         ids = [str(i) for i in range(len(tokens))] if ids is None else [str(i) for i in ids]
         rows = {n: list(r) for n, r in (rows or {}).items() if n in kept}
         meta = {"format": FORMAT, "rank": self.rank, "tp": self.tp, "step": step, "ids": ids, "tokens": tokens,
                 "starts": starts, "rows": rows, "dtype": self.dtype, "engine": self.engine,
                 "placements": {n: placement_to_json(p) for n, (p, _) in kept.items()},
-                "model_fingerprint": self.fingerprint, "tensors": {n: tensor_record(t) for n, t in tensors.items()}}
-        (self.dir / f"step{step}.json").write_text(json.dumps(meta))
+                "model_fingerprint": self.fingerprint, "tensors": records}
+        write_json_atomic(self.dir / f"step{step}.json", meta)
         self.written += size
 
 
@@ -178,10 +175,7 @@ class Dump:
         for r in range(self.tp):
             base = self.root / f"rank{r}" / f"step{step}"
             meta = _read_meta(base.with_suffix(".json"), r, step)
-            try:
-                tensors = load_file(str(base.with_suffix(".safetensors")))
-            except (SafetensorError, OSError) as e:
-                raise DumpError(f"{base}.safetensors: not a readable safetensors file ({e})") from None
+            tensors = load_step(base.with_suffix(".safetensors"), DumpError)
             for name, pj in meta["placements"].items():
                 if name not in tensors:
                     raise DumpError(f"{base}.safetensors: lacks {name!r}, which its JSON lists")

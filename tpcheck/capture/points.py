@@ -12,26 +12,81 @@ against)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from impl.config import ModelConfig
 
-LAYER_POINTS = (
-    "input_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.q_rope", "attn.k_rope",
-    "kv.k", "kv.v", "attn.context", "attn.out", "attn.residual", "post_attn_norm",
-    "moe.router", "moe.topk_ids", "moe.topk_weights", "moe.experts", "moe.shared", "moe.shared_gate",
-    "mlp.gate", "mlp.up", "mlp.act", "mlp.out", "out",
+
+@dataclass(frozen=True)
+class Kind:
+    """One point kind (a point name's second part, ``split_point``) and what the stages need to know of it: the
+    pipeline (which golden points a step keeps, how rows are laid out, which points are routes), the judge
+    (routing, tolerances), ``--exact-ops`` and the coverage check all read this table and nothing else.
+
+    * ``family``: where it exists: ``""`` every model; ``"qk_norm"`` models with per-head q/k norms (Qwen3,
+      ``ModelConfig.qk_norm``); ``"kv"`` runs with decode steps (the cache read back); ``"dense"`` a dense MLP
+      layer; ``"moe"`` a mixture-of-experts layer; ``"shared"`` one with a shared expert (Qwen2-MoE).
+    * ``rows``: ``"tokens"`` the step's rows, prompts concatenated; ``"cache"`` every cached position of every
+      prompt (the KV-cache points).
+    * ``judged``: ``"floor"`` rel_err against the noise floor; ``"set"`` expert ids compared as a set per token
+      (``tpcheck.judge.routing``).
+    * ``route``: MoE routing: ``"logits"`` (the router: the golden follows the engine's route from it), ``"ids"``
+      and ``"weights"`` (the top-k, put in one order by ``tpcheck.pipeline.routes.sort_routes``).
+    * ``routed``: decided by a token's route: a token whose route legitimately flips is left out of it.
+    * ``teacher``: a decoder layer's input (``embed``, a layer's ``out``): the local pass's teacher is the
+      golden's.
+    * ``exact_ops``: ``--exact-ops`` (``tpcheck.measure.exact_ops``): ``"checked"`` its op is held to HF's bits,
+      ``"input"`` a checked op reads it, ``"both"``."""
+
+    name: str
+    family: str = ""
+    rows: str = "tokens"
+    judged: str = "floor"
+    route: str = ""
+    routed: bool = False
+    teacher: bool = False
+    exact_ops: str = ""
+
+
+#: every point kind, in execution order (``embed``, a decoder layer's kinds, ``final_norm``, ``logits``)
+KIND_TABLE = (
+    Kind("embed", teacher=True, exact_ops="input"),
+    Kind("input_norm", exact_ops="checked"),
+    Kind("attn.q", exact_ops="input"), Kind("attn.k", exact_ops="input"), Kind("attn.v"),
+    Kind("attn.q_norm", family="qk_norm", exact_ops="checked"),
+    Kind("attn.k_norm", family="qk_norm", exact_ops="checked"),
+    Kind("attn.q_rope"), Kind("attn.k_rope"),
+    Kind("kv.k", family="kv", rows="cache"), Kind("kv.v", family="kv", rows="cache"),
+    Kind("attn.context"),
+    Kind("attn.out", exact_ops="input"),
+    Kind("attn.residual", exact_ops="both"),
+    Kind("post_attn_norm", exact_ops="checked"),
+    # a mixture-of-experts layer: router logits [rows, E], the chosen experts [rows, k] (ids) and their weights
+    # [rows, k] (in ascending expert id order), the routed experts' weighted sum [rows, hidden], and (Qwen2-MoE)
+    # the shared expert's output and its gate logit [rows, 1]
+    Kind("moe.router", family="moe", route="logits"),
+    Kind("moe.topk_ids", family="moe", route="ids", judged="set"),
+    Kind("moe.topk_weights", family="moe", route="weights", routed=True),
+    Kind("moe.experts", family="moe", routed=True),
+    Kind("moe.shared", family="shared"), Kind("moe.shared_gate", family="shared"),
+    Kind("mlp.gate", family="dense"), Kind("mlp.up", family="dense"), Kind("mlp.act", family="dense"),
+    Kind("mlp.out", routed=True, exact_ops="input"),
+    Kind("out", routed=True, teacher=True, exact_ops="both"),
+    Kind("final_norm", exact_ops="checked"),
+    Kind("logits"),
 )
-KV_POINTS = ("kv.k", "kv.v")
-QK_NORM_POINTS = ("attn.q_norm", "attn.k_norm")  # per-head q/k norms: models with ModelConfig.qk_norm only
-DENSE_MLP_POINTS = ("mlp.gate", "mlp.up", "mlp.act")  # a dense MLP's inside (a sparse layer has MOE_POINTS)
-# a mixture-of-experts layer: router logits [rows, E], the chosen experts [rows, k] (ids, judged as a set per
-# token: tpcheck.judge.routing) and their weights [rows, k] (in ascending expert id order), the routed experts'
-# weighted sum [rows, hidden], and (Qwen2-MoE) the shared expert's output and its gate logit [rows, 1]
-MOE_POINTS = ("moe.router", "moe.topk_ids", "moe.topk_weights", "moe.experts", "moe.shared", "moe.shared_gate")
-SHARED_POINTS = ("moe.shared", "moe.shared_gate")
-ROUTED_POINTS = ("moe.topk_weights", "moe.experts", "mlp.out", "out")  # what a token's route decides, per layer
+KINDS = {k.name: k for k in KIND_TABLE}
+_OUTSIDE_LAYERS = ("embed", "final_norm", "logits")
+
+LAYER_POINTS = tuple(k.name for k in KIND_TABLE if k.name not in _OUTSIDE_LAYERS)
+KV_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "kv")
+QK_NORM_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "qk_norm")
+DENSE_MLP_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "dense")  # a sparse layer has MOE_POINTS
+MOE_POINTS = tuple(k.name for k in KIND_TABLE if k.family in ("moe", "shared"))
+SHARED_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "shared")
+ROUTED_POINTS = tuple(k.name for k in KIND_TABLE if k.routed)  # what a token's route decides, per layer
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -81,3 +136,13 @@ def split_point(name: str) -> tuple[int | None, str]:
     point's *kind*, the key for per-kind tolerances."""
     m = _LAYER.match(name)
     return (int(m.group(1)), m.group(2)) if m else (None, name)
+
+
+def kind_of(name: str) -> Kind:
+    """The ``Kind`` of point ``name`` (``layers.3.kv.k`` -> ``kv.k``'s); a name of no known kind is a KeyError
+    (names are checked against ``all_point_names`` where they enter: ``tpcheck.judge.coverage.check_known``)."""
+    kind = split_point(name)[1]
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise KeyError(f"point {name!r}: unknown point kind {kind!r} (kinds: {', '.join(KINDS)})") from None

@@ -31,7 +31,7 @@ from tpcheck.engines.adapter import by_point
 from tpcheck.capture.core import as_rows, install
 from tpcheck.capture.maps import HF_TP_MAP
 from tpcheck.capture.teacher import Teacher
-from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_keyword, cache_kv, load_hf_model, new_cache, \
+from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, forward_one, load_hf_model, new_cache, \
     register_attention
 from tpcheck.reference.reductions import Reductions
 
@@ -107,16 +107,12 @@ class HFTPRank:
         """One step of every prompt (each a batch of one, so no padding becomes rows): this rank's points
         ``{name: (placement, [rows, features] tensor)}``."""
         self.capture.clear()
-        dev = self.model.device
         offset = 0
         try:
             for b, toks in enumerate(tokens):
                 self.teacher.inputs = None if teacher is None else \
                     {i: x[offset:offset + len(toks)] for i, x in teacher.items()}
-                ids = torch.tensor([toks], device=dev)
-                pos = torch.arange(starts[b], starts[b] + len(toks), device=dev)[None]
-                kv = {cache_keyword(self.model): self.caches[b]}
-                self.model(input_ids=ids, position_ids=pos, use_cache=True, **kv)
+                forward_one(self.model, toks, self.caches[b], starts[b])
                 offset += len(toks)
             points = self.capture.step_done()
         finally:
@@ -180,15 +176,10 @@ def get_adapter(pool, model_dir: str, tp: int, dtype: str = "float32") -> HFTPAd
                         lambda adapter: adapter.reload(str(model_dir), dtype), close=HFTPAdapter.shutdown)
 
 
-def start(pool, opts, model_dir: str):
-    """The adapter of one diff (``tpcheck.engines.registry``); ``--dump`` is written from the driver
-    (``DumpingAdapter`` splits the budget over the ranks)."""
-    from tpcheck.capture.dump import DumpingAdapter
-    adapter = get_adapter(pool, model_dir, opts.tp, opts.dtype)
-    if opts.dump is None:
-        return adapter
-    budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)
-    return DumpingAdapter(adapter, opts.dump, opts.dtype, "hf-tp", opts.dump_points, budget, model_dir)
+def start(pool, plan):
+    """The adapter of one diff (``tpcheck.engines.registry``); ``--dump`` is written from the driver (the
+    registry's ``DumpingAdapter`` splits the budget over the ranks)."""
+    return get_adapter(pool, plan.model_dir, plan.opts.tp, plan.opts.dtype)
 
 
 def _greedy_dump(rank: HFTPRank, prompts: list[list[int]], decode_steps: int, writer) -> list[list[int]]:

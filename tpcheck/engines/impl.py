@@ -31,16 +31,17 @@ def get_llm(pool, model_dir: str | os.PathLike, tp: int, dtype: str = "float32",
     return pool.acquire("impl", tp, key, start, reload, close=LLM.close)
 
 
-def start(pool, opts, model_dir: str) -> "ImplAdapter":
-    """The adapter of one diff: the pool's engine, with ``opts``' faults, block size, dump and selection."""
-    from tpcheck.capture.selection import selection
+def start(pool, plan) -> "ImplAdapter":
+    """The adapter of one diff (``tpcheck.engines.registry``): the pool's engine, with the plan's faults, block size,
+    dump (each rank writes its own points) and selection."""
+    opts, model_dir = plan.opts, plan.model_dir
     budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)  # the whole dump's bound
     # each rank writes its own points of every propagated step (--dump), its share of the budget
     dump = None if opts.dump is None else {"root": str(opts.dump), "dtype": opts.dtype, "points": opts.dump_points,
                                            "budget_bytes": None if budget is None else budget // opts.tp,
                                            "model": model_dir}
     # --exact-ops reads the inputs of the checked ops: then every point is captured
-    points = None if opts.exact_ops else selection(opts.points, opts.layers)
+    points = None if opts.exact_ops else plan.select
     if points:  # the routing check needs every MoE layer's router and top-k ids (tpcheck.pipeline.routes)
         points = f"(?:{points})|layers\\.\\d+\\.moe\\.(?:router|topk_ids)"
     llm = get_llm(pool, model_dir, opts.tp, opts.dtype, ep=opts.ep)

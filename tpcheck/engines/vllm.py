@@ -99,11 +99,10 @@ def _lengths(opts, cfg: ModelConfig) -> tuple[int, int]:
     return max_len, batched
 
 
-def start(pool, opts, model_dir: str):
+def start(pool, plan):
     """The adapter of one diff (``tpcheck.engines.registry``): the pool's ``VLLMAdapter`` (kept across diffs; a
-    new checkpoint, dtype or length starts another), ``--dump`` written from the driver (``DumpingAdapter``)."""
-    from impl.config import load_config
-    from tpcheck.capture.dump import DumpingAdapter
+    new checkpoint, dtype or length starts another); ``--dump`` is written from the driver (the registry's)."""
+    opts, model_dir = plan.opts, plan.model_dir
     if opts.isolate:
         raise ValueError("--isolate is not supported with --engine vllm: vLLM's fused add + RMSNorm reads layer i's "
                          "output at layer i+1's norm, so its input cannot be swapped for the golden's; run without "
@@ -111,19 +110,15 @@ def start(pool, opts, model_dir: str):
     set_here = vllm_env(opts.tp)
     if set_here:
         logger.info("tpcheck diff: --engine vllm: set " + " ".join(f"{k}={v}" for k, v in set_here.items()))
-    max_len, batched = _lengths(opts, load_config(model_dir))
+    max_len, batched = _lengths(opts, plan.cfg)
     key = (str(model_dir), opts.dtype, max_len, batched)
-    adapter = pool.acquire("vllm", opts.tp, key,
-                           lambda: VLLMAdapter(model_dir, opts.tp, opts.dtype, max_model_len=max_len,
-                                               max_num_batched_tokens=batched, max_num_seqs=max(len(opts.prompts), 8)),
-                           lambda a: a.restart(model_dir, opts.dtype, max_model_len=max_len,
-                                               max_num_batched_tokens=batched,
-                                               max_num_seqs=max(len(opts.prompts), 8)),
-                           close=VLLMAdapter.shutdown)
-    if opts.dump is None:
-        return adapter
-    budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)
-    return DumpingAdapter(adapter, opts.dump, opts.dtype, "vllm", opts.dump_points, budget, model_dir)
+    return pool.acquire("vllm", opts.tp, key,
+                        lambda: VLLMAdapter(model_dir, opts.tp, opts.dtype, max_model_len=max_len,
+                                            max_num_batched_tokens=batched, max_num_seqs=max(len(opts.prompts), 8)),
+                        lambda a: a.restart(model_dir, opts.dtype, max_model_len=max_len,
+                                            max_num_batched_tokens=batched,
+                                            max_num_seqs=max(len(opts.prompts), 8)),
+                        close=VLLMAdapter.shutdown)
 
 
 class VLLMAdapter:

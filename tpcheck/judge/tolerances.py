@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpcheck.measure.metrics import FLOOR, K_FACTOR
-from tpcheck.capture.points import LAYER_POINTS
+from tpcheck.capture.points import KINDS as POINT_KINDS
 
 try:
     import tomllib
@@ -40,7 +40,7 @@ except ImportError:  # Python 3.10: the same parser as the tomli package
     import tomli as tomllib
 
 DTYPES = tuple(K_FACTOR)
-KINDS = ("embed", *LAYER_POINTS, "final_norm", "logits")
+KINDS = tuple(POINT_KINDS)
 TOOL_KEYS = ("tolerances",)          # keys allowed under [tool.tpcheck]
 TOP_KEYS = ("k", "floor", "kinds")   # keys allowed under [tool.tpcheck.tolerances]
 KIND_KEYS = ("k", "floor", "rel_max", "abs_max")

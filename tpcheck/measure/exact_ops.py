@@ -35,13 +35,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tpcheck.capture.points import split_point
+from tpcheck.capture.points import KIND_TABLE, split_point
 
 #: point kinds whose engine tensors the checked ops read (kept for the step when --exact-ops is on)
-INPUT_KINDS = frozenset({"embed", "out", "attn.out", "attn.residual", "mlp.out", "attn.q", "attn.k"})
+INPUT_KINDS = frozenset(k.name for k in KIND_TABLE if k.exact_ops in ("input", "both"))
 #: point kinds checked (``attn.q_norm`` / ``attn.k_norm`` only exist in models with per-head q/k norms)
-CHECKED_KINDS = frozenset({"input_norm", "attn.residual", "post_attn_norm", "out", "final_norm",
-                           "attn.q_norm", "attn.k_norm"})
+CHECKED_KINDS = frozenset(k.name for k in KIND_TABLE if k.exact_ops in ("checked", "both"))
 _HEAD_NORMS = {"attn.q_norm": ("q_norm", "attn.q"), "attn.k_norm": ("k_norm", "attn.k")}
 
 

@@ -53,6 +53,7 @@ OWN_INPUTS: dict[str, tuple[str, ...]] = {
     "attn.out": ("attn.context",), "attn.residual": (PREV, "attn.out"), "post_attn_norm": ("attn.residual",),
     "mlp.gate": ("post_attn_norm",), "mlp.up": ("post_attn_norm",), "mlp.act": ("mlp.gate", "mlp.up"),
     "mlp.out": ("mlp.act",), "out": ("attn.residual", "mlp.out"), "final_norm": (PREV,), "logits": ("final_norm",),
+    "moe.topk_weights": ("moe.router", "moe.topk_ids"),
 }
 _LINEARS = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
             "attn.out": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
@@ -111,7 +112,8 @@ def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.T
     ``get(point)`` the engine's tensor of an input point (the teacher for ``PREV`` in an isolated pass), ``model``
     Hugging Face's model at the run's dtype (its weights and norms, as the engine holds them). NaN where the op
     cannot be recomputed: an input missing (KeyError) or of another shape, a streamed model. The diff asks for it
-    in dense models only (``DiffPass._own``): a mixture-of-experts model's points are judged by the floor alone."""
+    in dense models, and in mixture-of-experts models for the top-k weights alone (``RowMaker._own``): their other
+    points are judged by the floor alone."""
     layer, kind = split_point(name)
     if kind not in OWN_INPUTS or model is None or engine.shape != golden.shape:
         return math.nan
@@ -144,9 +146,27 @@ def _own_op(model: nn.Module, layer: int | None, kind: str, get: Callable[[str],
         return xs[0] + xs[1], 0.0
     if kind == "mlp.act":
         return torch.nn.functional.silu(xs[0]) * xs[1], 4 * unit_roundoff(torch.float32) * (xs[0].abs() * xs[1].abs())
+    if kind == "moe.topk_weights":
+        return _topk_weights(m.layers[layer].mlp, xs[0], xs[1].long())
     lin = model.lm_head if kind == "logits" else m.layers[layer].get_submodule(_LINEARS[kind])
     if type(lin) is not nn.Linear or lin.weight.device.type == "meta":
         raise KeyError(kind)
     w = lin.weight.double()
     y = xs[0] @ w.T + (lin.bias.double() if lin.bias is not None else 0.0)
     return y, _linear_allowance(lin, xs[0], y, kind in _ROW_PARALLEL, tp, red_dtype)
+
+
+def _topk_weights(block: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k weights of the engine's chosen experts ``ids`` from its own router ``logits``: their softmax
+    probabilities, renormalised over the k where the router renormalises (HF's ``norm_topk_prob``; Mixtral always),
+    in float64. Allowance: HF's float32 softmax and renormalisation, a few float32 roundings of each weight. So a
+    weight whose error only carries its router logits' (within their own floor: the judge asks) is inherited, and
+    weights computed wrongly from the engine's own logits (not renormalised, another expert's) are the op's."""
+    gate = getattr(block, "gate", None)
+    renorm = getattr(gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True))
+    if ids.shape[:-1] != logits.shape[:-1] or bool((ids < 0).any()) or bool((ids >= logits.shape[-1]).any()):
+        raise IndexError("topk ids")
+    w = torch.softmax(logits, dim=-1).gather(-1, ids)
+    if renorm:
+        w = w / w.sum(-1, keepdim=True)
+    return w, 8 * unit_roundoff(torch.float32) * w.abs()

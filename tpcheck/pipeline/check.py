@@ -31,16 +31,10 @@ from tpcheck.inputs.prompts import random_prompts  # noqa: F401 - the logits che
 from tpcheck.judge import judge
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure.metrics import compare
+from tpcheck.reference.hf import hf_logits
 from tpcheck.result.table import DiffResult, Row
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
-
-
-def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    from tpcheck.reference.hf import load_hf_model
-    model = load_hf_model(model_dir, dtype)
-    with torch.no_grad():
-        return [model(torch.tensor([p])).logits[0] for p in prompts]
 
 
 def logprobs_close(got: torch.Tensor, golden: torch.Tensor, k: int) -> bool:

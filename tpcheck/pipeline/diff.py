@@ -13,21 +13,15 @@ holds the RMSNorms and residual adds to bit-identity with HF's own modules appli
 from __future__ import annotations
 
 import logging
-import re
 
-from impl.config import load_config, parse_dtype
-from tpcheck.capture.points import model_point_names
+from impl.config import parse_dtype
 from tpcheck.engines.pool import EnginePool
-from tpcheck.engines.registry import engine as engine_entry
-from tpcheck.inputs.checkpoints import cached_checkpoint
-from tpcheck.inputs.faults import get_fault
-from tpcheck.inputs.prompts import random_prompts
 from tpcheck.judge import judge
 from tpcheck.judge.coverage import Coverage
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure.precision import effective_precision
 from tpcheck.options import DiffOptions
-from tpcheck.capture.selection import selection
+from tpcheck.pipeline.plan import RunPlan
 from tpcheck.pipeline.steps import DiffPass, GoldenCache, RunContext
 from tpcheck.progress import bar
 from tpcheck.reference.cache import hf_capture
@@ -36,6 +30,7 @@ from tpcheck.reference.saved import GoldenWriter, SavedGolden
 from tpcheck.result.table import DiffResult
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
+
 
 def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts: list[list[int]] | None = None,
          decode_steps: int = 0, isolate: bool | None = None, *, tolerances: Tolerances | None = None, pool=None,
@@ -57,72 +52,20 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
 
 
 def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, command: str | None = None) -> DiffResult:
-    """``diff`` on a ``DiffOptions``: resolve inputs and engine, run, judge."""
-    entry = engine_entry(opts.engine)
-    module = entry.load()
-    if opts.inject and not getattr(module, "FAULTS", False):
-        raise ValueError(f"--inject applies to impl only (faults patch impl's modules), not --engine {opts.engine}")
-    model_dir = str(opts.model or cached_checkpoint(opts.preset))
-    cfg = load_config(model_dir)
-    if opts.ep != 1:
-        if getattr(cfg, "moe", None) is None:
-            raise ValueError(f"--ep {opts.ep}: expert parallelism needs a mixture-of-experts model; this is "
-                             f"model_type {cfg.model_type!r}")
-        if opts.engine != "impl":
-            raise ValueError(f"--ep {opts.ep} applies to --engine impl only (not {opts.engine})")
-    cfg.check_tp(opts.tp, opts.ep)
-    opts.validate(cfg)  # every flag against this model, before any engine work
-    if hasattr(module, "check_layout"):
-        module.check_layout(cfg, opts.tp)
-    prompts = _prompts(opts, cfg)
-    selection(opts.points, opts.layers)  # a bad selection is refused before any engine starts
-    # the run as it will be repeated: this checkpoint directory and these token ids
-    opts = opts.replace(model=model_dir, prompts=prompts, seq_len=32, batch=2, seed=0)
-    logger.info(f"tpcheck diff: {model_dir} tp={opts.tp} {opts.dtype}, {len(prompts)} prompt(s), "
-                f"{opts.decode_steps} decode step(s){', isolate' if opts.isolate else ''}"
-                f"{', exact-ops' if opts.exact_ops else ''}{', inject ' + ','.join(opts.inject) if opts.inject else ''}")
-    silent = _silent_faults(opts, cfg)
+    """``diff`` on a ``DiffOptions``: resolve it once (``tpcheck.pipeline.plan.RunPlan``), start the engine, run,
+    judge."""
+    plan = RunPlan.resolve(opts)
+    opts = plan.opts
     own = pool is None
     pool = pool or EnginePool()
     try:
-        adapter = module.start(pool, opts, model_dir)
+        adapter = plan.entry.start(pool, plan)
         meta = {"tp": opts.tp, "ep": opts.ep, "engine": opts.engine, "inject": list(opts.inject), "inject_layer": opts.inject_layer,
-                "inject_silent": silent, "command": command or opts.command()}
-        return _compare(adapter, opts, [list(p) for p in prompts], tolerances, meta)
+                "inject_silent": plan.silent, "command": command or plan.command()}
+        return _compare(adapter, plan, tolerances, meta)
     finally:
         if own:
             pool.close()
-
-
-def _prompts(opts: DiffOptions, cfg) -> list[list[int]]:
-    """The prompts' token ids (random ones from ``seq_len``/``batch``/``seed`` when none are given), checked."""
-    if opts.decode_steps < 0:
-        raise ValueError(f"decode_steps must be >= 0, got {opts.decode_steps}")
-    prompts = [list(p) for p in opts.prompts] if opts.prompts else \
-        random_prompts(cfg.vocab_size, opts.batch, opts.seq_len, opts.seed)
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocab [0, {cfg.vocab_size})")
-        if len(p) + opts.decode_steps > cfg.max_position:
-            raise ValueError(f"prompt {i}: {len(p)} tokens + {opts.decode_steps} decode steps exceed "
-                             f"max_position_embeddings={cfg.max_position}")
-    return prompts
-
-
-def _silent_faults(opts: DiffOptions, cfg) -> dict[str, str]:
-    """The injected faults that cannot show in this run, and why (a warning each)."""
-    silent = {}
-    for name in opts.inject:
-        why = get_fault(name).silent_because(cfg, opts.tp, opts.dtype, opts.decode_steps, opts.exact_ops,
-                                             prompt_lens=[len(p) for p in opts.prompts],
-                                             block_size=opts.block_size)
-        if why:
-            silent[name] = why
-            logger.warning(f"tpcheck diff: note: {name} {why}; expect this run to pass")
-    return silent
 
 
 def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str, decode_steps: int = 0,
@@ -138,20 +81,38 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
     (save this run's golden there; ``tpcheck.reference.saved``), ``streamed``."""
     opts = DiffOptions.of(model=str(model_dir), dtype=dtype, decode_steps=decode_steps, isolate=isolate,
                           prompts=prompts, **options)
-    return _compare(engine, opts, prompts, tolerances, meta)
+    return _compare(engine, RunPlan.of(opts), tolerances, meta)
 
 
-def _compare(engine, opts: DiffOptions, prompts: list[list[int]], tolerances: Tolerances | None,
-             meta: dict | None) -> DiffResult:
-    """The passes of one diff over an engine adapter, judged."""
+class _Notes(logging.Handler):
+    """The notes a run logs (``tpcheck diff: note: ...`` warnings: no declared reductions, no local pass, no MoE
+    route reported): kept for the saved result (``meta["notes"]``, shown in the HTML report) as well as the log."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.notes: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.notes.append(record.getMessage().removeprefix("tpcheck diff: note: "))
+
+
+def _compare(engine, plan: RunPlan, tolerances: Tolerances | None, meta: dict | None) -> DiffResult:
+    """The passes of one diff over an engine adapter, judged (its notes saved with it)."""
+    notes = _Notes()
+    logger.addHandler(notes)  # every module of the pipeline logs to this one logger
+    try:
+        result = _passes(engine, plan, tolerances, meta)
+    finally:
+        logger.removeHandler(notes)
+    if notes.notes:
+        result.meta["notes"] = notes.notes
+    return result
+
+
+def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, meta: dict | None) -> DiffResult:
+    opts, cfg, select, prompts = plan.opts, plan.cfg, plan.select, plan.prompts
     model_dir, dtype, steps = opts.model, opts.dtype, opts.decode_steps
-    cfg = load_config(model_dir)
-    select = selection(opts.points, opts.layers)
-    keep = re.compile(select) if select else None
-    expected = [n for n in model_point_names(cfg, steps > 0) if keep is None or keep.fullmatch(n)]
-    if not expected:
-        raise ValueError(f"--points/--layers select no point of this {cfg.num_layers}-layer model ({select!r})")
-    coverage = Coverage(expected, require=opts.require_points)
+    coverage = Coverage(list(plan.expected), require=opts.require_points)
     reductions = getattr(engine, "reductions", None)
     if reductions is None:
         reductions = Reductions()
@@ -167,7 +128,7 @@ def _compare(engine, opts: DiffOptions, prompts: list[list[int]], tolerances: To
     isolate = local_pass(engine, opts.isolate)
     modes = [False] + ([True] if isolate else [])
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
-                     parse_dtype(dtype), reductions, keep, opts.exact_ops, stop_when, writer,
+                     parse_dtype(dtype), reductions, plan.keep, opts.exact_ops, stop_when, writer,
                      bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate else None,
                      sparse=getattr(cfg, "moe", None) is not None, tolerances=tolerances)
     ctx.golden_routes = {} if ctx.sparse else None

@@ -7,17 +7,20 @@ The rule itself, and why it is sound, is ``tpcheck.judge.routing``.
 * The propagated pass runs the engine first; the golden then follows the engine's route where it differs
   (``HFCapture.step(routes=...)``) and the references follow the golden's, so every later point of the pass
   compares like with like. The local pass reuses the golden (its inputs are the teacher): there the rows of a
-  token whose route differs are left out of that layer's routed points (``ROUTED_POINTS``), counted in the row.
+  token whose route differs are left out of that layer's routed points (``Kind.routed``), counted in the row.
 * ``tau`` of a layer: twice the largest router-logit error (max |ref - golden| over experts and rows) of the
   references at that point, over this and earlier steps."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from tpcheck.capture.points import ROUTED_POINTS, split_point
+from tpcheck.capture.points import KINDS, kind_of, split_point
 from tpcheck.judge.routing import RouteCheck, check_routes
 
 NEAR_TIE_FACTOR = 2.0  # tpcheck check's near_tie_flips uses the same factor on the logits
+logger = logging.getLogger("tpcheck.pipeline.diff")  # the run's notes (tpcheck.pipeline.diff)
 
 
 def sort_routes(points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -25,7 +28,7 @@ def sort_routes(points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     permuted alike (a new dict; other points as they are)."""
     out = dict(points)
     for name, ids in points.items():
-        if not name.endswith(".moe.topk_ids"):
+        if kind_of(name).route != "ids":
             continue
         order = ids.long().argsort(-1)
         out[name] = ids.long().gather(-1, order)
@@ -37,7 +40,7 @@ def sort_routes(points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def routes_of(points: dict[str, torch.Tensor]) -> dict[int, torch.Tensor] | None:
     """``{layer: [rows, k] ids}`` of every layer's ``moe.topk_ids`` in ``points`` (None: no MoE layer)."""
-    out = {split_point(n)[0]: t.long() for n, t in points.items() if n.endswith(".moe.topk_ids")}
+    out = {split_point(n)[0]: t.long() for n, t in points.items() if kind_of(n).route == "ids"}
     return out or None
 
 
@@ -55,7 +58,7 @@ class RouteBook:
     def observe(self, name: str, ref: torch.Tensor, gold: torch.Tensor) -> None:
         """A reference's tensor of ``name``: a router's logits raise that layer's floor."""
         layer, kind = split_point(name)
-        if kind == "moe.router" and ref.shape == gold.shape and ref.numel():
+        if KINDS[kind].route == "logits" and ref.shape == gold.shape and ref.numel():
             err = float((ref.double() - gold.double()).abs().max())
             if err == err and err > self.router_err.get(layer, 0.0):
                 self.router_err[layer] = err
@@ -79,6 +82,53 @@ class RouteBook:
         """The rows of ``name`` to leave out this step: a routed point's flipped tokens (``exclude``: the golden
         did not follow the engine's route, i.e. the local pass)."""
         layer, kind = split_point(name)
-        if not exclude or kind not in ROUTED_POINTS or layer not in self.checks:
+        if not exclude or not KINDS[kind].routed or layer not in self.checks:
             return []
         return self.checks[layer].excluded
+
+
+class RouteFollower(RouteBook):
+    """MoE in one pass, behind one object: the route book, plus who follows whose route. The propagated pass of a
+    sparse model runs the engine first (``engine_first``) and records its routes (``record``, into ``followed``:
+    the run's, shared with the local pass, whose golden follows them too when it is computed again); the golden
+    follows them (``golden_route``), the references follow the golden's (``reference_routes``), every top-k is put
+    in one order (``order``). For a dense model (``sparse`` False) each of these is a pass-through."""
+
+    def __init__(self, sparse: bool, followed: dict | None, isolated: bool):
+        super().__init__()
+        self.sparse, self.followed, self.isolated = sparse, followed, isolated
+
+    @property
+    def engine_first(self) -> bool:
+        return self.sparse and not self.isolated
+
+    def record(self, step: int, points) -> None:
+        """The engine's routes of ``step`` (its raw points, before unsharding), for the golden to follow."""
+        if self.followed is None:
+            return
+        self.followed[step] = engine_routes(points)
+        if step == 0 and self.followed[step] is None:
+            logger.warning("tpcheck diff: note: the engine reports no moe.topk_ids: the golden cannot follow "
+                           "its routes, so a token that legitimately picks other experts (a near tie, "
+                           "bfloat16/float16) shows as an error after its MoE layer")
+
+    def golden_route(self, step: int) -> dict[int, torch.Tensor] | None:
+        return None if self.followed is None else self.followed.get(step)
+
+    def order(self, points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return sort_routes(points) if self.sparse else points
+
+    def reference_routes(self, gold: dict[str, torch.Tensor]) -> dict[int, torch.Tensor] | None:
+        return routes_of(gold) if self.sparse else None
+
+    def observe(self, name: str, ref: torch.Tensor, gold: torch.Tensor) -> None:
+        if self.sparse:
+            super().observe(name, ref, gold)
+
+
+def engine_routes(points) -> dict[int, torch.Tensor] | None:
+    """``{layer: [rows, k] ids}`` of an engine step's ``moe.topk_ids`` points (replicated: rank 0's, or the
+    first rank that holds it)."""
+    ids = {name: next(t for t in per_rank if t is not None) for name, (_, per_rank) in points.items()  # fused: no kind
+           if getattr(KINDS.get(split_point(name)[1]), "route", "") == "ids" and any(t is not None for t in per_rank)}
+    return routes_of(ids)

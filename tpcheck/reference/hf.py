@@ -11,6 +11,8 @@ decoder layer's input and the final norm's input with given tensors. ``reduction
 ``o_proj`` and ``down_proj`` round as a ``tp``-way row-parallel engine does: the noise floor's TP reference."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -144,9 +146,7 @@ class HFCapture:
         self.sink, self.teacher.inputs = sink, teacher
         _STATE["sink"] = self._emit
         try:
-            ids = torch.tensor([input_ids])
-            pos = torch.arange(start, start + len(input_ids))[None]
-            self.model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_keyword(self.model): cache})
+            forward_one(self.model, input_ids, cache, start)
         finally:
             self.sink = self.teacher.inputs = None
             _STATE["sink"] = None
@@ -225,3 +225,19 @@ def cache_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = cache.key_cache[layer], cache.value_cache[layer]
     flat = lambda t: t[0].transpose(0, 1).reshape(t.shape[2], -1)  # noqa: E731
     return flat(k), flat(v)
+
+
+def forward_one(model, input_ids: list[int], cache, start: int):
+    """One forward of one prompt's new tokens at positions ``start..`` into ``cache``: a batch of one, so no padding
+    becomes rows (the golden, the references and the hf-tp engine all step prompts this way)."""
+    dev = model.device
+    ids = torch.tensor([input_ids], device=dev)
+    pos = torch.arange(start, start + len(input_ids), device=dev)[None]
+    return model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_keyword(model): cache})
+
+
+def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """HF's logits of each prompt alone (one forward each, no cache kept) at ``dtype`` (``tpcheck check``)."""
+    model = load_hf_model(model_dir, dtype)
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0] for p in prompts]

@@ -18,17 +18,13 @@ or a record without its tensor. A hash proves the file is what was written, not 
 ``reference_bound``), so a golden that is wrong but re-hashed cannot silently raise the noise floor."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import os
-
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from tpcheck.inputs.fingerprint import fingerprint  # noqa: F401  (a saved golden records it)
-from tpcheck.inputs.validate import MAX_LAYERS, field, int_in, read_json, tensor_record, token_lists, verify_tensor
+from tpcheck.inputs.step_store import load_step, save_step, write_json_atomic
+from tpcheck.inputs.validate import MAX_LAYERS, field, int_in, read_json, token_lists, verify_tensor
 
 FORMAT = 2
 # a correct golden is HF in float64; HF at the run's dtype differs from it by rounding only. Measured worst
@@ -48,12 +44,6 @@ def reference_bound(dtype: torch.dtype) -> float:
     return min(_BOUND_CAP, _BOUND_ULPS * torch.finfo(dtype).eps / 2)
 
 
-def _write_json(path: Path, meta: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, path)  # a crash mid-write leaves the previous golden.json, never half of one
-
-
 class GoldenWriter:
     """Writes the golden points of each step of one run (``--save-golden``) into a new or empty directory."""
 
@@ -70,12 +60,11 @@ class GoldenWriter:
     def write(self, step: int, tokens: list[list[int]], starts: list[int], points: dict[str, torch.Tensor]) -> None:
         if step < len(self.meta["tokens"]):  # the isolated pass recomputes the same golden: kept once
             return
-        tensors = {n: t.contiguous() for n, t in points.items()}
-        save_file(tensors, str(self.root / f"step{step}.safetensors"))
+        records = save_step(self.root / f"step{step}.safetensors", {n: t.contiguous() for n, t in points.items()})
         self.meta["tokens"].append([list(t) for t in tokens])
         self.meta["starts"].append(list(starts))
-        self.meta["tensors"].append({n: tensor_record(t) for n, t in tensors.items()})
-        _write_json(self.root / "golden.json", self.meta)  # after each step: a partial run is usable
+        self.meta["tensors"].append(records)
+        write_json_atomic(self.root / "golden.json", self.meta)  # after each step: a partial run is usable
 
 
 class SavedGolden:
@@ -113,10 +102,7 @@ class SavedGolden:
         if s is None or self.meta["tokens"][s] != [list(t) for t in tokens]:
             raise GoldenError(f"{self.root}: no saved step consumed tokens {tokens} at positions {starts}")
         path = self.root / f"step{s}.safetensors"
-        try:
-            points = load_file(str(path))
-        except (SafetensorError, OSError) as e:
-            raise GoldenError(f"{path}: not a readable safetensors file ({e})") from None
+        points = load_step(path, GoldenError)
         records = self.meta["tensors"][s]
         extra = sorted(set(points) ^ set(records))
         if extra:

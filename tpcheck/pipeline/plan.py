@@ -1,0 +1,123 @@
+"""A diff resolved once (``RunPlan.resolve``): the checkpoint directory, its config, the prompts' token ids, the
+compiled point selection and the points it expects, the engine's entry and the injected faults that cannot show,
+each looked up and checked once, before any engine starts. Every later stage (the engine's ``start``, the passes,
+the judge, the result's metadata and its repro command) reads the plan instead of resolving again."""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field, replace
+
+from impl.config import ModelConfig, load_config
+from tpcheck.capture.points import model_point_names
+from tpcheck.capture.selection import selection
+from tpcheck.engines.registry import EngineEntry
+from tpcheck.engines.registry import engine as engine_entry
+from tpcheck.inputs.checkpoints import cached_checkpoint
+from tpcheck.inputs.faults import get_fault
+from tpcheck.inputs.prompts import random_prompts
+from tpcheck.options import DiffOptions
+
+logger = logging.getLogger("tpcheck.pipeline.diff")  # progress: tpcheck's CLI shows INFO on stderr
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One diff, resolved. ``opts`` is the run as it will be repeated: ``model`` the checkpoint directory and
+    ``prompts`` the token ids (the random prompts' ``seq_len`` / ``batch`` / ``seed`` back at their defaults: the
+    ids now name the prompts, so the repro command carries them and not the fields that drew them)."""
+
+    opts: DiffOptions
+    cfg: ModelConfig
+    select: str | None                 # the compared points' regex (tpcheck.capture.selection); None: every point
+    expected: tuple[str, ...]          # the model's points the selection keeps, in execution order
+    entry: EngineEntry | None = None   # None: an adapter the caller started (compare_engine, a dump)
+    silent: dict[str, str] = field(default_factory=dict)  # injected faults that cannot show here, and why
+
+    @property
+    def model_dir(self) -> str:
+        return self.opts.model
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [list(p) for p in self.opts.prompts]
+
+    @property
+    def keep(self) -> re.Pattern | None:
+        return re.compile(self.select) if self.select else None
+
+    def command(self) -> str:
+        """The ``tpcheck diff`` command line that repeats this run."""
+        return self.opts.command()
+
+    @classmethod
+    def resolve(cls, opts: DiffOptions) -> "RunPlan":
+        """Resolve and check ``opts`` for ``tpcheck diff``: the engine (``--inject`` on an engine faults cannot
+        patch, ``--ep`` off impl or on a dense model, a layout the engine refuses), every flag against the model
+        (``DiffOptions.validate``), the prompts, the selection; a ``ValueError`` naming the flag otherwise."""
+        entry = engine_entry(opts.engine)
+        module = entry.load()
+        if opts.inject and not getattr(module, "FAULTS", False):
+            raise ValueError(f"--inject applies to impl only (faults patch impl's modules), not --engine {opts.engine}")
+        model_dir = str(opts.model or cached_checkpoint(opts.preset))
+        cfg = load_config(model_dir)
+        if opts.ep != 1:
+            if getattr(cfg, "moe", None) is None:
+                raise ValueError(f"--ep {opts.ep}: expert parallelism needs a mixture-of-experts model; this is "
+                                 f"model_type {cfg.model_type!r}")
+            if opts.engine != "impl":
+                raise ValueError(f"--ep {opts.ep} applies to --engine impl only (not {opts.engine})")
+        cfg.check_tp(opts.tp, opts.ep)
+        opts.validate(cfg)  # every flag against this model, before any engine work
+        if hasattr(module, "check_layout"):
+            module.check_layout(cfg, opts.tp)
+        prompts = _prompts(opts, cfg)
+        opts = opts.replace(model=model_dir, prompts=prompts, seq_len=32, batch=2, seed=0)
+        plan = cls.of(opts, cfg, entry)  # a selection that is bad or keeps no point: refused here
+        logger.info(f"tpcheck diff: {model_dir} tp={opts.tp} {opts.dtype}, {len(prompts)} prompt(s), "
+                    f"{opts.decode_steps} decode step(s){', isolate' if opts.isolate else ''}"
+                    f"{', exact-ops' if opts.exact_ops else ''}{', inject ' + ','.join(opts.inject) if opts.inject else ''}")
+        return replace(plan, silent=_silent_faults(opts, cfg))
+
+    @classmethod
+    def of(cls, opts: DiffOptions, cfg: ModelConfig | None = None, entry: EngineEntry | None = None) -> "RunPlan":
+        """The plan of ``opts`` whose ``model`` and ``prompts`` are given (an adapter the caller started): the
+        config (loaded unless given) and the selection; a selection that keeps no point is a ``ValueError``."""
+        cfg = cfg if cfg is not None else load_config(opts.model)
+        select = selection(opts.points, opts.layers)
+        keep = re.compile(select) if select else None
+        expected = tuple(n for n in model_point_names(cfg, opts.decode_steps > 0) if keep is None or keep.fullmatch(n))
+        if not expected:
+            raise ValueError(f"--points/--layers select no point of this {cfg.num_layers}-layer model ({select!r})")
+        return cls(opts, cfg, select, expected, entry)
+
+
+def _prompts(opts: DiffOptions, cfg) -> list[list[int]]:
+    """The prompts' token ids (random ones from ``seq_len``/``batch``/``seed`` when none are given), checked."""
+    if opts.decode_steps < 0:
+        raise ValueError(f"decode_steps must be >= 0, got {opts.decode_steps}")
+    prompts = [list(p) for p in opts.prompts] if opts.prompts else \
+        random_prompts(cfg.vocab_size, opts.batch, opts.seq_len, opts.seed)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocab [0, {cfg.vocab_size})")
+        if len(p) + opts.decode_steps > cfg.max_position:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + {opts.decode_steps} decode steps exceed "
+                             f"max_position_embeddings={cfg.max_position}")
+    return prompts
+
+
+def _silent_faults(opts: DiffOptions, cfg) -> dict[str, str]:
+    """The injected faults that cannot show in this run, and why (a warning each)."""
+    silent = {}
+    for name in opts.inject:
+        why = get_fault(name).silent_because(cfg, opts.tp, opts.dtype, opts.decode_steps, opts.exact_ops,
+                                             prompt_lens=[len(p) for p in opts.prompts],
+                                             block_size=opts.block_size)
+        if why:
+            silent[name] = why
+            logger.warning(f"tpcheck diff: note: {name} {why}; expect this run to pass")
+    return silent
