@@ -59,6 +59,9 @@ class RunPlan:
         module = entry.load()
         if opts.inject and not getattr(module, "FAULTS", False):
             raise ValueError(f"--inject applies to impl only (faults patch impl's modules), not --engine {opts.engine}")
+        if opts.block_size != DiffOptions.block_size and opts.engine != "impl":
+            raise ValueError(f"--block-size {opts.block_size} applies to --engine impl only (impl's paged KV cache); "
+                             f"--engine {opts.engine} keeps its own cache layout")
         model_dir = str(opts.model or cached_checkpoint(opts.preset))
         cfg = load_config(model_dir)
         if opts.ep != 1:
