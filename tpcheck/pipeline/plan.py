@@ -119,7 +119,7 @@ def _silent_faults(opts: DiffOptions, cfg) -> dict[str, str]:
     for name in opts.inject:
         why = get_fault(name).silent_because(cfg, opts.tp, opts.dtype, opts.decode_steps, opts.exact_ops,
                                              prompt_lens=[len(p) for p in opts.prompts],
-                                             block_size=opts.block_size)
+                                             block_size=opts.block_size, layer=opts.inject_layer)
         if why:
             silent[name] = why
             logger.warning(f"tpcheck diff: note: {name} {why}; expect this run to pass")
