@@ -16,7 +16,7 @@ import shlex
 import shutil
 import sys
 import tempfile
-from tpcheck.inputs.checkpoints import RECIPE_VERSION
+from tpcheck.inputs import checkpoints as _checkpoints  # RECIPE_VERSION read at each call (a test bumps it)
 from tpcheck.inputs.checkpoints import make_config_checkpoint
 
 
@@ -29,7 +29,7 @@ def default_root() -> pathlib.Path:
 def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: str = "float32",
                    outliers: float = 0.0) -> str:
     """The cache directory's hash (``cfg-<key>``) of what defines a config's checkpoint."""
-    what = {"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype, "recipe": RECIPE_VERSION}
+    what = {"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype, "recipe": _checkpoints.RECIPE_VERSION}
     if outliers:
         what["outliers"] = outliers
     blob = json.dumps(what, sort_keys=True)
