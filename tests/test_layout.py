@@ -7,6 +7,8 @@
 * no import cycle among the imports of ``tpcheck.*`` and ``impl.*`` modules, those inside functions included;
 * every import of one ``tpcheck`` stage by another goes down ``STAGES`` (docs/architecture.md draws it), those
   inside functions included: a stage may use the ones below it and its own, never one above.
+* an import inside a function of ``tpcheck`` says why it is not at the top of its module (``LAZY_IMPORTS``, or a
+  comment on its line or the line above).
 
 The test fails listing every violation, one per line, so a change that breaks a limit names what to split.
 """
@@ -35,6 +37,20 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("inputs",),
     ("progress",),
 )
+#: where every import inside a function has one reason, written here (elsewhere the import's line, or the comment
+#: line above it, says why it is not at the top of its module)
+LAZY_IMPORTS = {
+    "tpcheck/cli/": "the command starts fast: --version, --help and completion import no torch; each command "
+                    "imports what it runs",
+    "tpcheck/pytest_plugin.py": "pytest loads the plugin in every session of a project that installs tpcheck: its "
+                                "fixtures import torch and the pipeline when used",
+    "tpcheck/__init__.py": "import tpcheck stays cheap: tpcheck.diff and friends import the pipeline on first use",
+    "tpcheck/capture/vllm_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: vLLM and the capture "
+                                      "are imported only once TPCHECK_DUMP asks for a dump",
+    "tpcheck/engines/vllm.py": "vLLM is optional (its own virtual environment): imported when --engine vllm runs",
+    "tpcheck/engines/vllm_worker.py": "runs in vLLM's worker processes: vLLM's modules, and the capture once "
+                                      "tpcheck sets a rank up",
+}
 #: imports that go up, each with why it stays for now (a new one fails the test)
 UPWARD_ALLOWED = {
     # a drawn property case runs itself (Case.diff): strategies build Cases, so the runner sits with them in inputs
@@ -265,3 +281,23 @@ def test_the_pass_loop_reads_in_one_sitting():
     tree = ast.parse((ROOT / "tpcheck" / "pipeline" / "steps.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DiffPass")
     assert cls.end_lineno - cls.lineno + 1 < 150, cls.end_lineno - cls.lineno + 1
+
+
+def test_an_import_inside_a_function_says_why():
+    """An import inside a function hides a dependency from the top of its module: each one is in a module of
+    ``LAZY_IMPORTS`` (one reason for all) or has its reason on its line or the comment line above it (an optional
+    dependency, a transformers version, start-up time)."""
+    bad = []
+    for rel, src in _sources().items():
+        if not rel.startswith("tpcheck/") or rel.startswith(tuple(LAZY_IMPORTS)):
+            continue
+        lines = src.splitlines()
+        tree = ast.parse(src)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and "#" not in lines[node.lineno - 1] \
+                        and not lines[node.lineno - 2].strip().startswith("#"):
+                    bad.append(f"{rel}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not bad, "imports inside functions without a reason (move them up, or say why):\n" + "\n".join(bad)

@@ -42,7 +42,7 @@ class DiffOptions:
     ep: int = _opt(1, "--ep", "expert-parallel size of a mixture-of-experts model (with --tp: tp %% ep == 0; the "
                    "tp ranks form ep groups, each holding E/ep experts split tp/ep ways)", "engine", type=int)
     decode_steps: int = _opt(0, "--decode-steps", "one-token steps after the prefill", "run", type=int)
-    block_size: int = _opt(16, "--block-size", "the engine's KV-cache block size", "engine", type=int)
+    block_size: int = _opt(16, "--block-size", "impl's KV-cache block size (other engines keep their own)", "engine", type=int)
     isolate: bool | None = _opt(None, "--isolate", "the local pass: each layer of the engine and of the noise "
                                 "floor's references fed the golden input of that layer, so each layer's own error "
                                 "is judged against a floor that does not grow with depth (default: on where the "
@@ -193,7 +193,8 @@ class DiffOptions:
         select = "; ".join(s for s in sel if s) or "every point"
         select += f"; required {self.require_points}" + ("; stop at the first failing step" if self.fail_fast else "")
         return "\n".join([
-            f"engine:     {self.engine} tp={self.tp} {self.dtype} (block size {self.block_size}) on {model}",
+            f"engine:     {self.engine} tp={self.tp} {self.dtype} "
+            f"({f'block size {self.block_size}' if self.engine == 'impl' else 'its own KV cache layout'}) on {model}",
             f"run:        {prompts}, {self.decode_steps} decode step(s)" + "".join(", " + x for x in extra),
             f"golden:     {golden}",
             f"dump:       {dump}",

@@ -158,3 +158,19 @@ def test_depth_axis_finds_each_fault_in_the_layer_it_was_injected(ckpt, engines)
     assert sorted(df["inject_layer"]) == [0, 0, 2, 2, 3, 3]
     assert all(p.startswith(f"layers.{i}.") for p, i in zip(df["origin_point"], df["inject_layer"]))
     assert df["note"].str.contains("propagated pass there: ").all()
+
+
+def test_a_moe_fault_goes_to_the_sparse_layers_only(ckpt, engines):
+    """``tiny-qwen2-moe``'s layer 1 is dense (``mlp_only_layers``): a MoE fault cannot show there, so the depth axis
+    injects it into the first, middle and last *sparse* layer, and a diff that puts it into layer 1 says why it
+    must pass."""
+    from impl.config import load_config
+    from tpcheck.cli.fault_depth import depth_layers, run_depth
+    from tpcheck.inputs.faults import get_fault
+    cfg = load_config(ckpt("tiny-qwen2-moe"))
+    fault = get_fault("moe_wrong_combine_weights")
+    assert [fault.shows_in_layer(cfg, i) for i in range(3)] == [True, False, True]
+    assert depth_layers(3, lambda i: fault.shows_in_layer(cfg, i)) == [0, 2]
+    assert "layer 1 of this model is dense" in fault.silent_because(cfg, 1, "float32", 0, False, layer=1)
+    df = run_depth(["moe_wrong_combine_weights"], pool=engines, ckpt=ckpt)
+    assert sorted(df["inject_layer"]) == [0, 2] and df["ok"].all(), df[["fault", "config", "origin", "note"]]

@@ -89,3 +89,6 @@ def test_layouts_transformers_cannot_shard_are_refused(ckpt, capsys):
     assert "num_key_value_heads=1 is not divisible by tp=2" in err and "split a head" in err
     assert main(["diff", "--engine", "hf-tp", "--preset", "tiny", "--inject", "swap_qk"]) == 2
     assert "--inject applies to impl only" in capsys.readouterr().err
+    # impl's paged cache takes a block size; another engine keeps its own layout: the flag is refused, not ignored
+    assert main(["diff", "--engine", "hf-tp", "--preset", "tiny", "--block-size", "8"]) == 2
+    assert "--block-size 8 applies to --engine impl only" in capsys.readouterr().err

@@ -40,6 +40,8 @@ from impl.placements import Fused, Replicate
 # the rules and placement specs live in tpcheck.capture.rules; imported here so ``tpcheck.capture.core``'s names stay
 from tpcheck.capture.rules import (NameMap, PlacementSpec, Rule, _is_dtensor, declared, dtensor_placement, of_sibling,
                                    weight_placement)
+from tpcheck.capture.dump import DumpWriter
+import torch.distributed as dist
 
 logger = logging.getLogger("tpcheck.capture")
 
@@ -316,11 +318,9 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
         except ValueError:
             raise ValueError(f"{ENV_BUDGET}={budget!r} is not a number of MiB") from None
     if rank is None or tp is None:
-        import torch.distributed as dist
         on = dist.is_available() and dist.is_initialized()
         rank = rank if rank is not None else (dist.get_rank() if on else 0)
         tp = tp if tp is not None else (dist.get_world_size() if on else 1)
-    from tpcheck.capture.dump import DumpWriter
     writer = DumpWriter(root, rank, tp, _dtype_name(dtype), engine, budget_bytes=budget, model=checkpoint)
     cap = install(model, name_map, writer, points=points, on_error="stop")
     logger.info(f"tpcheck.capture: {name_map.name} dump of rank {rank}/{tp} to {root} "

@@ -36,6 +36,8 @@ from impl.placements import Fused, Partial, Replicate, Shard
 from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.inputs.step_store import load_step, save_step, write_json_atomic
 from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, token_lists, verify_tensor
+from tpcheck.inputs.fingerprint import fingerprint
+from impl.config import load_config
 
 FORMAT = 2  # 2: per-request ids and a point's rows (continuous batching), per-tensor hashes, the checkpoint's id
 logger = logging.getLogger(__name__)
@@ -95,7 +97,6 @@ class DumpWriter:
 
     def __init__(self, root: str | Path, rank: int, tp: int, dtype: str, engine: str = "impl",
                  points: str | None = None, budget_bytes: int | None = None, model: str | None = None):
-        from tpcheck.inputs.fingerprint import fingerprint
         self.fingerprint = None if model is None else fingerprint(model)  # compare checks it against --model
         self.dir = Path(root) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -156,8 +157,6 @@ class Dump:
 
     def check_model(self, model_dir: str) -> None:
         """Refuse a dump of another checkpoint (its recorded fingerprint) or with token ids outside its vocab."""
-        from impl.config import load_config
-        from tpcheck.inputs.fingerprint import fingerprint
         if self.fingerprint is None:
             logger.warning(f"tpcheck compare: {self.root} records no checkpoint fingerprint (its writer was not "
                            f"told the checkpoint): that it was written by a run of {model_dir} is not checked")

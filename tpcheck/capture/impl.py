@@ -15,6 +15,9 @@ from impl.placements import Shard
 from tpcheck.capture.core import as_rows, install
 from tpcheck.capture.maps import IMPL_MAP
 from tpcheck.capture.teacher import Teacher
+from impl.distributed import get_tp_rank, get_tp_size
+from tpcheck.capture.dump import DumpWriter
+from impl.layers.attention import block_slots
 
 _STATE = "_tpcheck"
 
@@ -43,8 +46,6 @@ def setup(runner, num_blocks: int | None, block_size: int, dump: dict | None = N
         st["capture"], st["points"] = install(runner.model, IMPL_MAP, points=points), points
     st["writer"], st["step"] = None, 0
     if dump is not None:
-        from impl.distributed import get_tp_rank, get_tp_size
-        from tpcheck.capture.dump import DumpWriter
         st["writer"] = DumpWriter(rank=get_tp_rank(), tp=get_tp_size(), engine="impl", **dump)
 
 
@@ -73,7 +74,6 @@ def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None =
 
 def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
     """Each layer's cached keys/values of every prompt, read back from the paged blocks."""
-    from impl.layers.attention import block_slots
     out = {}
     for i, layer in enumerate(runner.model.model.layers):
         attn = layer.self_attn.attn

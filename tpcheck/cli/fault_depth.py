@@ -35,9 +35,11 @@ def add_arguments(p) -> None:
                    help="with --depth --preset: dtypes (default float32,bfloat16)")
 
 
-def depth_layers(num_layers: int) -> list[int]:
-    """The first, the middle and the last decoder layer (fewer where they coincide)."""
-    return sorted({0, num_layers // 2, num_layers - 1})
+def depth_layers(num_layers: int, eligible=None) -> list[int]:
+    """The first, the middle and the last decoder layer (fewer where they coincide) of those ``eligible(layer)``
+    admits (a MoE fault: the sparse layers; None: every layer)."""
+    layers = [i for i in range(num_layers) if eligible is None or eligible(i)]
+    return sorted({layers[0], layers[len(layers) // 2], layers[-1]}) if layers else []
 
 
 def depth_configs(name: str, ckpt, presets=None, tps=None, dtypes=None) -> list[dict]:
@@ -95,7 +97,8 @@ def run_depth(faults: list[str] | None = None, pool=None, ckpt=None, presets=Non
              if get_fault(n).per_layer and get_fault(n).check == "diff"]
     ckpt = fm._resolver(ckpt)
     runs = [(n, c, layer) for n in names for c in depth_configs(n, ckpt, presets, tps, dtypes)
-            for layer in depth_layers(load_config(ckpt(c["preset"])).num_layers)]
+            for cfg in [load_config(ckpt(c["preset"]))]
+            for layer in depth_layers(cfg.num_layers, lambda i, f=get_fault(n), m=cfg: f.shows_in_layer(m, i))]
     own = pool is None
     pool = pool or EnginePool(cache=CacheConfig(max_num_seqs=16))
     rows = []

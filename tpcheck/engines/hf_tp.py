@@ -34,6 +34,13 @@ from tpcheck.capture.teacher import Teacher
 from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, forward_one, load_hf_model, new_cache, \
     register_attention
 from tpcheck.reference.reductions import Reductions
+import torch.distributed as dist
+from impl.distributed import close_tp, init_tp
+from tpcheck.inputs.arg_types import int_list
+from tpcheck.capture.dump import DumpWriter
+import importlib.util
+import importlib
+from impl.executor import Executor
 
 RUNNER = "tpcheck.engines.hf_tp:HFTPRank"
 
@@ -50,7 +57,6 @@ def check_layout(cfg: ModelConfig, tp: int) -> None:
 def _dist_env(device: str) -> None:
     """transformers' ``tp_plan`` reads the rank layout from torchrun's variables; a group started by impl's
     executor (a FileStore, no torchrun) gets them from torch.distributed."""
-    import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank)):
         os.environ.setdefault(key, str(value))
@@ -62,7 +68,7 @@ def _tp_plan_kwargs(tp: int) -> dict:
     """``from_pretrained`` keywords for the model's own tp_plan: ``distributed_config`` where transformers has
     it (5.x; a bare ``tp_plan`` is deprecated there), ``tp_plan="auto"`` before."""
     try:
-        from transformers import DistributedConfig
+        from transformers import DistributedConfig  # transformers 5.x only (ImportError before)
     except ImportError:
         return {"tp_plan": "auto"}
     return {"distributed_config": DistributedConfig(tp_size=tp, tp_plan="auto")}
@@ -72,11 +78,9 @@ class HFTPRank:
     """One rank: the tp_plan model with capture hooks, teacher pre-hooks and per-prompt ``DynamicCache``s."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu"):
-        import torch.distributed as dist
         _dist_env(device)
         self.rank, self.tp = dist.get_rank(), dist.get_world_size()
         register_attention()
-        import importlib.util
         if importlib.util.find_spec("accelerate") is None:  # transformers needs it for tp_plan, and says so late
             raise ImportError("--engine hf-tp needs accelerate (pip install 'tpcheck[hf-tp]' or "
                               "pip install accelerate)")
@@ -93,7 +97,6 @@ class HFTPRank:
         """Run ``fn(rank, *args, **kwargs)`` (a function or ``"module:function"``) inside this rank: how a
         test patches one rank's weights."""
         if isinstance(target, str):
-            import importlib
             module, _, name = target.partition(":")
             target = getattr(importlib.import_module(module), name)
         return target(self, *args, **kwargs)
@@ -133,7 +136,6 @@ class HFTPAdapter:
 
     def __init__(self, model_dir: str, tp: int, dtype: str = "float32", device: str = "cpu",
                  timeout_s: float = 300.0):
-        from impl.executor import Executor
         self.tp, self.device, self.reductions = tp, device, Reductions(tp)
         self.teacher_forcing = True  # pre-hooks replace each decoder layer's input (the local pass)
         self.executor = Executor(tp, device=device, timeout_s=timeout_s, runner=RUNNER)
@@ -201,9 +203,6 @@ def _greedy_dump(rank: HFTPRank, prompts: list[list[int]], decode_steps: int, wr
 
 def main(argv: list[str] | None = None) -> int:
     """One rank under torchrun: load with tp_plan, greedy-decode the prompts, dump every step."""
-    from impl.distributed import close_tp, init_tp
-    from tpcheck.inputs.arg_types import int_list
-    from tpcheck.capture.dump import DumpWriter
     ap = argparse.ArgumentParser(prog="torchrun ... -m tpcheck.engines.hf_tp",
                                  description="one rank of Hugging Face tp_plan, dumping its points per step "
                                              "(then: tpcheck compare DIR --model CKPT)")

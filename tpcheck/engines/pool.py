@@ -11,6 +11,7 @@ import os
 from typing import Callable, TypeVar
 
 from impl.executor import start_fork_server
+from tpcheck.engines.impl import get_llm
 
 E = TypeVar("E")
 
@@ -61,7 +62,6 @@ class EnginePool:
     def get(self, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
             num_kv_blocks: int | None = None, ep: int = 1):
         """impl's ``LLM`` of ``tp`` ranks, experts in ``ep`` groups (``tpcheck.engines.impl.get_llm``)."""
-        from tpcheck.engines.impl import get_llm
         return get_llm(self, model_dir, tp, dtype, block_size, num_kv_blocks, ep)
 
     def close(self) -> None:

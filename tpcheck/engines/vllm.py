@@ -44,6 +44,7 @@ import torch
 
 from impl.config import ConfigError, ModelConfig
 from tpcheck.reference.reductions import Reductions
+from tpcheck.engines.adapter import by_point
 
 logger = logging.getLogger("tpcheck.engines.vllm")
 
@@ -189,7 +190,6 @@ class VLLMAdapter:
         want_starts = [n - len(t) for n, t in zip(self.lens, new_tokens)]
         if toks != [list(t) for t in new_tokens] or starts != want_starts:
             raise RuntimeError(f"vLLM consumed {toks} at {starts}, the harness gave {new_tokens} at {want_starts}")
-        from tpcheck.engines.adapter import by_point
         return by_point(per_rank)
 
     def close(self) -> None:

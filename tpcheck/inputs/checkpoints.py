@@ -37,6 +37,7 @@ from tpcheck.inputs.sink_recipe import _add_sink, check_sink_config, sink_channe
 from tpcheck.inputs.weight_recipe import (  # noqa: F401
     _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
+from impl.config import load_config
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
 # the massive-activation recipe (``_add_outliers``), the attention-sink recipe (``tpcheck.inputs.sink_recipe``),
@@ -142,7 +143,6 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
 def _check_impl_reads(model_dir: pathlib.Path, cfg) -> None:
     """The written config as impl reads it (``impl.config.load_config``: an option impl refuses is a ConfigError
     naming it) has the optional tensors ``_tensor_specs`` draws: one reading of the family flags, not two."""
-    from impl.config import load_config
     mc = load_config(model_dir)
     got = {"qkv_bias": mc.qkv_bias, "o_proj_bias": mc.o_proj_bias, "mlp_bias": mc.mlp_bias, "qk_norm": mc.qk_norm}
     want = family_options(cfg)

@@ -16,6 +16,8 @@ import shlex
 import shutil
 import sys
 import tempfile
+from tpcheck.inputs import checkpoints as _checkpoints  # RECIPE_VERSION read at each call (a test bumps it)
+from tpcheck.inputs.checkpoints import make_config_checkpoint
 
 
 def default_root() -> pathlib.Path:
@@ -27,8 +29,7 @@ def default_root() -> pathlib.Path:
 def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: str = "float32",
                    outliers: float = 0.0) -> str:
     """The cache directory's hash (``cfg-<key>``) of what defines a config's checkpoint."""
-    from tpcheck.inputs.checkpoints import RECIPE_VERSION
-    what = {"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype, "recipe": RECIPE_VERSION}
+    what = {"config": config, "seed": seed, "bias_std": bias_std, "dtype": dtype, "recipe": _checkpoints.RECIPE_VERSION}
     if outliers:
         what["outliers"] = outliers
     blob = json.dumps(what, sort_keys=True)
@@ -42,7 +43,6 @@ def config_checkpoint(config: dict, root: str | os.PathLike | None = None, seed:
     written once (``tpcheck.inputs.checkpoints.make_config_checkpoint``: the presets' value recipe, atomic rename)
     and cached by a hash of (config, seed, bias_std, dtype, outliers). Deterministic: the same arguments recreate the
     same weights bit for bit, so a path printed by a failing test can be rebuilt after its temp dir is gone."""
-    from tpcheck.inputs.checkpoints import make_config_checkpoint
     path = pathlib.Path(root) if root is not None else default_root()
     path = path / f"cfg-{checkpoint_key(config, seed, bias_std, dtype, outliers)}"
     if (path / "config.json").is_file():

@@ -72,6 +72,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from impl.config import FAMILIES, HF_DTYPE_KEY, TRANSFORMERS_5
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -200,7 +201,6 @@ def preset_available(name: str) -> bool:
     """Whether the installed transformers can read preset ``name``'s family (Qwen3 needs transformers >= 4.51) and
     tpcheck can capture it: the MoE presets need transformers 5, whose router returns (logits, top-k weights, ids)
     and whose experts are one module (``tpcheck.capture.maps.HF_MAP``; 4.x routes inside the block)."""
-    from impl.config import FAMILIES, TRANSFORMERS_5
     family = FAMILIES[preset_family(name)]
     return family.available and (family.moe is None or TRANSFORMERS_5)
 
@@ -269,7 +269,6 @@ def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> PretrainedConfig
     """An HF config from a preset's dict or one drawn by ``tpcheck.inputs.strategies``: ``model_type`` (default
     ``qwen2``) picks the family's config class (``impl.config.FAMILIES``), the other keys are its keyword
     arguments; ``dtype`` and the family's architecture are recorded in it."""
-    from impl.config import FAMILIES, HF_DTYPE_KEY
     _check_dtype(dtype)
     kwargs = dict(kwargs)
     model_type = kwargs.pop("model_type", "qwen2")

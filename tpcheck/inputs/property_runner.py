@@ -11,6 +11,7 @@ import os
 import pathlib
 from dataclasses import asdict, dataclass
 
+from tpcheck.inputs.checkpoints import cached_checkpoint
 from tpcheck.inputs.config_checkpoints import config_checkpoint, default_root, recreate_command
 from tpcheck.inputs.tp_layout import kv_layout
 
@@ -58,13 +59,12 @@ class Case:
     def checkpoint(self, root: str | os.PathLike | None = None) -> pathlib.Path:
         """Write (once) and return the checkpoint directory of this case's model under ``root``."""
         if self.preset is not None:
-            from tpcheck.inputs.checkpoints import cached_checkpoint
             return cached_checkpoint(self.preset, seed=self.weight_seed, root=root)
         return config_checkpoint(self.config, root, self.weight_seed, self.bias_std, outliers=self.outliers)
 
     def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
         """The ``tpcheck diff`` command line of this case (block size included)."""
-        from tpcheck.options import DiffOptions
+        from tpcheck.options import DiffOptions  # upward: tests/test_layout.py UPWARD_ALLOWED
         by_name = self.preset is not None and self.weight_seed == 0
         source = {"preset": self.preset} if by_name else {"model": str(model_dir)}
         return DiffOptions(**source, tp=self.tp, dtype=self.dtype, prompts=self.prompts,
@@ -83,7 +83,7 @@ class Case:
     def diff(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
              **kw):
         """``tpcheck.diff`` of this case (``pool``: a ``tpcheck.engines.pool.EnginePool`` to reuse engines)."""
-        import tpcheck
+        import tpcheck  # upward: tests/test_layout.py UPWARD_ALLOWED (a drawn case runs itself)
         model = self.checkpoint(root)
         return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
                             decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,

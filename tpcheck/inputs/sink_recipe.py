@@ -50,6 +50,7 @@ import re
 import torch
 
 from tpcheck.inputs.weight_recipe import _outlier_units
+from tpcheck.inputs.weight_recipe import family_options
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
 
@@ -164,7 +165,6 @@ def _add_sink(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
 def check_sink_config(cfg) -> None:
     """ValueError unless ``cfg`` can carry the recipe: biases on q/k/v/o and the MLP (``family_options``), at
     least two query heads per KV head, and a head_dim that holds the P channels."""
-    from tpcheck.inputs.weight_recipe import family_options
     opt = family_options(cfg)
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     need = {"q/k/v and o_proj biases": opt["qkv_bias"] and opt["o_proj_bias"], "MLP biases": opt["mlp_bias"],

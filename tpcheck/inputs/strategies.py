@@ -57,6 +57,8 @@ from tpcheck.inputs.config_checkpoints import checkpoint_key, config_checkpoint,
 from tpcheck.inputs.moe_strategies import MOE_FAMILIES, base_family, draw_ep, moe_options
 from tpcheck.inputs.property_runner import Case
 from tpcheck.inputs.tp_layout import kv_layout, splits, tp_compatible
+from impl.config import FAMILIES as SUPPORTED
+from tpcheck.inputs.presets import PRESETS
 
 DEFAULT_TPS = (1, 2, 4)
 DEFAULT_DTYPES = ("float32", "bfloat16")
@@ -97,7 +99,6 @@ def _kv_candidates(tps: tuple[int, ...], max_kv: int = 8) -> list[int]:
 
 
 def _check_families(families) -> tuple[str, ...]:
-    from impl.config import FAMILIES as SUPPORTED
     families = tuple(families)
     bad = [f for f in families if f not in SUPPORTED]
     if not families or bad:
@@ -349,7 +350,6 @@ def _preset_config(draw, s: CaseSpace) -> tuple[dict, int, str] | None:
     # sampled_from draws uniformly (small integer ranges lean toward their lower bound)
     if not s.presets or not draw(st.sampled_from((False,) * (s.preset_share - 1) + (True,))):
         return None
-    from tpcheck.inputs.presets import PRESETS
     name = draw(st.sampled_from(tuple(s.presets)))
     config = dict(PRESETS[name])
     ok = [t for t in s.tps if tp_compatible(config, t) and kv_layout(config["num_key_value_heads"], t) in s.layouts]

@@ -111,7 +111,7 @@ def _short(v) -> str:
 
 def tensor_digest(t) -> str:
     """sha256 of a tensor's bytes (row-major, its own dtype), the content hash goldens and dumps record."""
-    import torch
+    import torch  # reading a JSON result imports no torch; hashing a tensor has one already
     t = t.detach().contiguous().cpu()
     return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 

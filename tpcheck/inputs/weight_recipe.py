@@ -20,11 +20,12 @@ from __future__ import annotations
 import re
 
 import torch
+from impl.config import FAMILIES
+from impl.config import family_biases
 
 
 def _family(cfg):
     """impl's ``Family`` of an HF config (its ``model_type``), or a ValueError naming the supported ones."""
-    from impl.config import FAMILIES
     family = FAMILIES.get(getattr(cfg, "model_type", None))
     if family is None:
         raise ValueError(f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {sorted(FAMILIES)}")
@@ -35,7 +36,6 @@ def family_options(cfg) -> dict[str, bool]:
     """Which optional tensors an HF config's model has, spelt as ``impl.config.Family`` says the family spells
     them (the same reading as ``impl.config.load_config``, which ``make_config_checkpoint`` checks against):
     ``qkv_bias``, ``o_proj_bias``, ``mlp_bias`` (gate/up/down biases) and ``qk_norm`` (per-head q/k norms)."""
-    from impl.config import family_biases
     family = _family(cfg)
     qkv, o = family_biases(family, cfg)
     return {"qkv_bias": qkv, "o_proj_bias": o, "mlp_bias": family.mlp_bias and bool(getattr(cfg, "mlp_bias", False)),

@@ -33,6 +33,7 @@ from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure.metrics import compare
 from tpcheck.reference.hf import hf_logits
 from tpcheck.result.table import DiffResult, Row
+from tpcheck.engines.pool import EnginePool
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -65,7 +66,6 @@ def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: lis
     """One row per (tp, prompt): engine and HF-at-dtype errors against the fp64 golden, and the verdict
     (``passed``: the noise-floor gate and no NaN, and ``logprobs_close`` when ``logprobs_topk`` is given;
     ``argmax_flips`` / ``near_tie_flips`` are informational, see the module docstring)."""
-    from tpcheck.engines.pool import EnginePool
     logger.info(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s)...")
     golden = hf_logits(model_dir, "float64", prompts)
     ref = hf_logits(model_dir, dtype, prompts) if dtype != "float64" else golden

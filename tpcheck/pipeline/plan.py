@@ -59,6 +59,9 @@ class RunPlan:
         module = entry.load()
         if opts.inject and not getattr(module, "FAULTS", False):
             raise ValueError(f"--inject applies to impl only (faults patch impl's modules), not --engine {opts.engine}")
+        if opts.block_size != DiffOptions.block_size and opts.engine != "impl":
+            raise ValueError(f"--block-size {opts.block_size} applies to --engine impl only (impl's paged KV cache); "
+                             f"--engine {opts.engine} keeps its own cache layout")
         model_dir = str(opts.model or cached_checkpoint(opts.preset))
         cfg = load_config(model_dir)
         if opts.ep != 1:
@@ -116,7 +119,7 @@ def _silent_faults(opts: DiffOptions, cfg) -> dict[str, str]:
     for name in opts.inject:
         why = get_fault(name).silent_because(cfg, opts.tp, opts.dtype, opts.decode_steps, opts.exact_ops,
                                              prompt_lens=[len(p) for p in opts.prompts],
-                                             block_size=opts.block_size)
+                                             block_size=opts.block_size, layer=opts.inject_layer)
         if why:
             silent[name] = why
             logger.warning(f"tpcheck diff: note: {name} {why}; expect this run to pass")

@@ -22,6 +22,7 @@ from tpcheck.capture.maps import HF_MAP
 from tpcheck.capture.teacher import Teacher
 from tpcheck.reference.forced_route import forced_route
 from tpcheck.reference.reductions import Reductions, row_parallel_linear
+import inspect
 
 ATTN_NAME = "tpcheck_sdpa"
 _STATE: dict = {}
@@ -46,7 +47,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             sink(f"layers.{i}.attn.k_rope", k.detach())
         if probe is not None:
             probe(q[None], k[None])
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # submodule: loaded on first call
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -54,13 +55,13 @@ def register_attention() -> None:
     """Register tpcheck's attention function (sdpa, plus the post-RoPE q/k) with transformers under
     ``ATTN_NAME``; a model uses it once ``model.config._attn_implementation = ATTN_NAME``."""
     try:
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface  # transformers >= 4.51
         AttentionInterface.register(ATTN_NAME, _attention)
     except ImportError:  # transformers < 4.51: the registry is a plain dict
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # transformers < 4.51
         ALL_ATTENTION_FUNCTIONS[ATTN_NAME] = _attention
     try:  # transformers >= 4.53 builds masks per attention implementation
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # transformers >= 4.53
         AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     except ImportError:
         pass
@@ -70,7 +71,7 @@ def hf_classes(model_dir) -> tuple[type, type]:
     """HF's config class and causal LM class of a checkpoint directory: those ``impl.config.FAMILIES`` names for
     its ``model_type`` (read and checked by ``impl.config.load_config``: an unsupported type, RoPE scaling or
     activation is a ``ConfigError`` naming it). Never ``trust_remote_code``: only transformers' own classes."""
-    import transformers
+    import transformers  # the family's class by name, at the version installed
     family = load_config(model_dir).family
     model_cls = getattr(transformers, family.hf_model_class, None)
     if model_cls is None:
@@ -82,7 +83,7 @@ def load_hf_model(model_dir, dtype: str | torch.dtype = "float32", **kwargs) -> 
     """Hugging Face's causal LM of a checkpoint directory (its family's class, ``hf_classes``) in ``dtype``, in
     eval mode (transformers 4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``); ``kwargs`` go to
     ``from_pretrained`` (``tp_plan="auto"``: transformers' tensor parallelism)."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # submodule: loaded with the first model
     _, model_cls = hf_classes(model_dir)
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per reference model would bury tpcheck's output
     if parse_dtype(dtype) == torch.float64 and getattr(load_config(model_dir), "moe", None) is not None \
@@ -183,7 +184,6 @@ def cache_keyword(model) -> str:
     warns at every call given ``past_key_values``), else ``past_key_values`` (transformers 4.x, early 5.x)."""
     cls = type(model)
     if cls not in _CACHE_KEYWORD:
-        import inspect
         params = inspect.signature(cls.forward).parameters
         _CACHE_KEYWORD[cls] = "cache" if "cache" in params else "past_key_values"
     return _CACHE_KEYWORD[cls]
@@ -198,7 +198,7 @@ def new_cache(model):
     the window is the attention mask's business either way (HF masks by position), but the KV-cache points
     compare every cached position with the engine's cache (impl's paged cache keeps them all), so the golden
     keeps them all too. Layers without a window are the same either way."""
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # submodule: loaded with the first cache
     try:
         cache = DynamicCache(config=model.config)
     except TypeError:  # transformers 4.x: one full layer per decoder layer, created as the forward reaches it

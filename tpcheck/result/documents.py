@@ -51,6 +51,8 @@ from pathlib import Path, PurePath
 
 import numpy as np
 import pandas as pd
+from importlib import metadata
+from importlib import resources
 
 SCHEMA_VERSION = 2
 KINDS = ("diff", "check", "sweep", "fault_matrix", "comparison")
@@ -59,7 +61,6 @@ RUN_META_KEYS = ("versions", "machine", "command", "created_utc")
 
 
 def package_version(dist: str) -> str | None:
-    from importlib import metadata
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -192,5 +193,4 @@ def write_json(path: str | Path, kind: str, body: dict, meta: dict | None = None
 
 def load_schema() -> dict:
     """The JSON Schema (draft 2020-12) of every document kind, shipped in the package (``result.schema.json``)."""
-    from importlib import resources
     return json.loads(resources.files("tpcheck.result").joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))

@@ -9,6 +9,8 @@ from torch import nn
 
 from tpcheck.inputs.faults.patching import mark, read_tensors, seeded_randn
 from tpcheck.inputs.faults.registry import fault, tp_gt_1
+from safetensors.torch import load_file
+from impl.loader import checkpoint_files
 
 
 def _dim1_shardable(cfg, plan, dtype) -> bool:
@@ -115,9 +117,7 @@ def untied_lm_head(runner, i, layer):
                   "tpcheck diff passes",
        expected_origin="memory", shows=tp_gt_1, check="memory")
 def full_state_dict_every_rank(runner, i, layer):
-    from safetensors.torch import load_file
 
-    from impl.loader import checkpoint_files
     if getattr(runner, "_tpcheck_full_state", None) is None:
         state: dict[str, torch.Tensor] = {}
         for fname in checkpoint_files(runner.cfg.model_dir):

@@ -52,7 +52,7 @@ def _block(layer, name: str, module: str = "") -> SparseMoeBlock | None:
 
 @fault(24, "moe_router_low_precision",
        "MoE router computed in bfloat16 under float32 activations (the logits rounded to 8 bits before the softmax)",
-       shows_when="MoE models in float32", expected_origin="layers.{layer}.moe.router", shows=_sparse_float32)
+       shows_when="MoE models in float32", expected_origin="layers.{layer}.moe.router", shows=_sparse_float32, sparse_only=True)
 def moe_router_low_precision(runner, i, layer):
     mlp = _block(layer, "moe_router_low_precision", "gate")
     if mlp is None:
@@ -64,7 +64,7 @@ def moe_router_low_precision(runner, i, layer):
 @fault(25, "moe_topk_not_renormalized",
        "top-k weights not renormalised to sum 1 although the config says so (norm_topk_prob; Mixtral always)",
        shows_when="MoE models that renormalise the top-k weights", expected_origin="layers.{layer}.moe.topk_weights",
-       shows=_renormalized)
+       shows=_renormalized, sparse_only=True)
 def moe_topk_not_renormalized(runner, i, layer):
     mlp = _block(layer, "moe_topk_not_renormalized", "topk")
     if mlp is not None:
@@ -74,7 +74,7 @@ def moe_topk_not_renormalized(runner, i, layer):
 @fault(26, "moe_shared_gate_skipped",
        "the shared expert added without its sigmoid gate (shared_expert_gate computed, then forgotten)",
        shows_when="MoE models with a shared expert (Qwen2-MoE)", expected_origin="layers.{layer}.mlp.out",
-       shows=_shared)
+       shows=_shared, sparse_only=True)
 def moe_shared_gate_skipped(runner, i, layer):
     mlp = _block(layer, "moe_shared_gate_skipped")
     if mlp is None or mlp.shared_expert is None:
@@ -91,7 +91,7 @@ def moe_shared_gate_skipped(runner, i, layer):
 @fault(27, "moe_expert_offset_wrong",
        "the last rank maps a global expert id to the wrong local expert (off by one within its experts): tokens "
        "routed to expert e get e+1's weights there",
-       shows_when="MoE models at tp > 1 (TP or EP)", expected_origin="layers.{layer}.moe.experts", shows=_sparse_tp)
+       shows_when="MoE models at tp > 1 (TP or EP)", expected_origin="layers.{layer}.moe.experts", shows=_sparse_tp, sparse_only=True)
 def moe_expert_offset_wrong(runner, i, layer):
     mlp = _block(layer, "moe_expert_offset_wrong", "experts")
     if mlp is None or runner.rank != runner.tp_size - 1:
@@ -110,7 +110,7 @@ def moe_expert_offset_wrong(runner, i, layer):
 
 @fault(28, "moe_experts_reduced_twice",
        "the experts' partial outputs all-reduced inside the experts and again by the block (tp times the output)",
-       shows_when="MoE models at tp > 1", expected_origin="layers.{layer}.moe.experts", shows=_sparse_tp)
+       shows_when="MoE models at tp > 1", expected_origin="layers.{layer}.moe.experts", shows=_sparse_tp, sparse_only=True)
 def moe_experts_reduced_twice(runner, i, layer):
     mlp = _block(layer, "moe_experts_reduced_twice", "experts")
     if mlp is None:
@@ -122,7 +122,7 @@ def moe_experts_reduced_twice(runner, i, layer):
 @fault(29, "moe_wrong_combine_weights",
        "each token's expert outputs combined with the top-k weights in reverse slot order (weight of the k-th "
        "choice on the first)", shows_when="MoE models with top-k > 1", expected_origin="layers.{layer}.moe.experts",
-       shows=_several)
+       shows=_several, sparse_only=True)
 def moe_wrong_combine_weights(runner, i, layer):
     mlp = _block(layer, "moe_wrong_combine_weights", "experts")
     if mlp is None:
@@ -134,7 +134,7 @@ def moe_wrong_combine_weights(runner, i, layer):
 @fault(31, "moe_shared_gate_reduced",
        "the shared expert's gate logit (a replicated linear) all-reduced as if row-parallel: tp times the logit "
        "(doubled at tp 2) before its sigmoid", shows_when="MoE models with a shared expert (Qwen2-MoE) at tp > 1",
-       expected_origin="layers.{layer}.moe.shared_gate", shows=_shared_tp)
+       expected_origin="layers.{layer}.moe.shared_gate", shows=_shared_tp, sparse_only=True)
 def moe_shared_gate_reduced(runner, i, layer):
     if getattr(getattr(layer, "mlp", None), "shared_expert_gate", None) is None:
         return

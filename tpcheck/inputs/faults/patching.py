@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 from torch import nn
+from impl.loader import checkpoint_files
 
 MARK = "_tpcheck_faults"  # on every modified module: the list of fault names applied to it
 
@@ -25,7 +26,6 @@ def marks(module: nn.Module) -> list[str]:
 
 def read_tensors(runner, names: list[str]) -> dict[str, torch.Tensor]:
     """Full checkpoint tensors by name, cast to the runner's dtype."""
-    from impl.loader import checkpoint_files
     want, out = set(names), {}
     for fname, in_file in checkpoint_files(runner.cfg.model_dir).items():
         hits = want.intersection(in_file)

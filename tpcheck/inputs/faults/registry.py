@@ -75,6 +75,13 @@ class Fault:
     needs_exact_ops: bool = False
     # shows only once a sequence (prompt + decode steps) is longer than ``longer_than(cfg)`` tokens
     longer_than: Reach | None = field(default=None, repr=False, compare=False)
+    # acts on mixture-of-experts layers only: a dense layer of a MoE model (Qwen2-MoE's ``mlp_only_layers``)
+    # cannot show it
+    sparse_only: bool = False
+
+    def shows_in_layer(self, cfg: ModelConfig, layer: int) -> bool:
+        """Whether decoder ``layer`` of ``cfg`` can show this per-layer fault (a MoE fault: a sparse layer)."""
+        return not self.sparse_only or (getattr(cfg, "moe", None) is not None and cfg.is_sparse(layer))
 
     @property
     def per_layer(self) -> bool:
@@ -104,11 +111,14 @@ class Fault:
         return block_boundary_step(prompt_lens, decode_steps, block_size)
 
     def silent_because(self, cfg: ModelConfig, tp: int, dtype: str, decode_steps: int, exact_ops: bool, *,
-                       prompt_lens=None, block_size: int = 16) -> str | None:
+                       prompt_lens=None, block_size: int = 16, layer: int | None = None) -> str | None:
         """Why a ``tpcheck diff`` of this configuration cannot fail on this fault (None: it should fail).
-        ``prompt_lens`` (None: not known) and ``block_size`` describe the run's KV layout."""
+        ``prompt_lens`` (None: not known) and ``block_size`` describe the run's KV layout; ``layer`` the one
+        decoder layer it is injected into (None: every layer)."""
         if not self.applies(cfg, tp, dtype):
             return f"cannot show at tp {tp} in {dtype} with this model (shows: {self.shows_when})"
+        if layer is not None and self.per_layer and not self.shows_in_layer(cfg, layer):
+            return f"acts on mixture-of-experts layers only, and layer {layer} of this model is dense"
         if self.decode_only and decode_steps == 0:
             return "shows only while decoding, and --decode-steps is 0"
         if self.check == "memory":

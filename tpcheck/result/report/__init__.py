@@ -7,7 +7,7 @@ from tpcheck.result.table import ResultFormatError, load_result, result_from_dic
 
 def __getattr__(name):  # lazy: the HTML module is only imported when a report is written
     if name in ("render_html", "write_html", "render_sweep_html"):
-        from tpcheck.result.report import html
+        from tpcheck.result.report import html  # only when a report is written (above)
         return getattr(html, name)
     raise AttributeError(name)
 
