@@ -96,9 +96,8 @@ class RunPlan:
 
 
 def _prompts(opts: DiffOptions, cfg) -> list[list[int]]:
-    """The prompts' token ids (random ones from ``seq_len``/``batch``/``seed`` when none are given), checked."""
-    if opts.decode_steps < 0:
-        raise ValueError(f"decode_steps must be >= 0, got {opts.decode_steps}")
+    """The prompts' token ids (random ones from ``seq_len``/``batch``/``seed`` when none are given), checked
+    (``--decode-steps`` itself was, by ``DiffOptions.validate``)."""
     prompts = [list(p) for p in opts.prompts] if opts.prompts else \
         random_prompts(cfg.vocab_size, opts.batch, opts.seq_len, opts.seed)
     for i, p in enumerate(prompts):
