@@ -10,7 +10,7 @@ from impl import CacheConfig
 from tpcheck.inputs.checkpoints import cached_checkpoint
 from tpcheck.engines.pool import EnginePool
 
-pytest_plugins = ["tpcheck.inputs.hypothesis_profiles"]  # profile from HYPOTHESIS_PROFILE; prints the example count
+pytest_plugins = ["tpcheck.properties.profiles"]  # profile from HYPOTHESIS_PROFILE; prints the example count
 
 
 @pytest.fixture(scope="session")

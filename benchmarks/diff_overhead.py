@@ -65,7 +65,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
 
-    import tpcheck
+    from tpcheck.options import DiffOptions
+    from tpcheck.pipeline.diff import run
     from tpcheck.pipeline.check import random_prompts
     from tpcheck.inputs.checkpoints import cached_checkpoint
     from tpcheck.reference.cache import hf_capture
@@ -96,12 +97,12 @@ def main() -> int:
             llm.logits(prompt)
 
         def diff():  # the default: the propagated and the local pass
-            return tpcheck.diff(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], pool=pool,
-                                exact_ops=a.exact_ops)
+            return run(DiffOptions(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], exact_ops=a.exact_ops),
+                       pool=pool)
 
         def propagated():  # --no-isolate: the propagated pass alone (the default before the local pass)
-            return tpcheck.diff(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], pool=pool,
-                                exact_ops=a.exact_ops, isolate=False)
+            return run(DiffOptions(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], exact_ops=a.exact_ops,
+                                   isolate=False), pool=pool)
 
         print("warm-up...", file=log, flush=True)
         bare()

@@ -21,7 +21,8 @@ import random
 import sys
 import time
 
-import tpcheck
+from tpcheck.options import DiffOptions
+from tpcheck.pipeline.diff import run
 from tpcheck.engines.pool import EnginePool
 from tpcheck.inputs.checkpoints import cached_checkpoint
 
@@ -81,8 +82,8 @@ def main(argv=None) -> int:
             for dtype in a.dtype.split(","):
                 res = []
                 for b in batches:
-                    r = tpcheck.diff(str(ckpt), tp=tp, dtype=dtype, prompts=b, decode_steps=a.decode,
-                                     engine=a.engine, pool=pool)
+                    r = run(DiffOptions(model=str(ckpt), tp=tp, dtype=dtype, prompts=b, decode_steps=a.decode,
+                                        engine=a.engine), pool=pool)
                     lens = "+".join(str(len(p)) for p in b)
                     res.append({"tp": tp, "dtype": dtype, "len": lens, **judge_run(r)})
                     log(f"{a.engine} tp={tp} {dtype} {lens} tokens: {'PASS' if r.passed else 'FAIL'} "

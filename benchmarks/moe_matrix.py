@@ -12,14 +12,16 @@ import json
 import sys
 import time
 
+from tpcheck.options import DiffOptions
+from tpcheck.pipeline.diff import run
+
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
 PRESETS = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-moe-ties"]
 
 
 def run_one(pool, preset: str, tp: int, ep: int, dtype: str, steps: int) -> dict:
-    import tpcheck
     t0 = time.monotonic()
-    r = tpcheck.diff(preset=preset, tp=tp, ep=ep, dtype=dtype, decode_steps=steps, pool=pool)
+    r = run(DiffOptions(preset=preset, tp=tp, ep=ep, dtype=dtype, decode_steps=steps), pool=pool)
     t = r.table
     ids = t[t["kind"] == "moe.topk_ids"]
     worst = r.worst()

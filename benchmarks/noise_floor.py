@@ -25,7 +25,8 @@ import time
 
 import pandas as pd
 
-import tpcheck
+from tpcheck.options import DiffOptions
+from tpcheck.pipeline.diff import run
 from impl.config import load_config
 from tpcheck.inputs.faults import FAULTS, get_fault
 from tpcheck.pipeline.check import random_prompts
@@ -86,8 +87,8 @@ def clean_runs(presets, seeds, decodes, pool) -> pd.DataFrame:
             for dtype in ("bfloat16", "float16"):
                 for seed in range(seeds):
                     for steps in decodes:
-                        r = tpcheck.diff(model=str(d), tp=tp, dtype=dtype, decode_steps=steps, pool=pool,
-                                         prompts=random_prompts(vocab, 2, 24 + 5 * seed, seed))
+                        r = run(DiffOptions(model=str(d), tp=tp, dtype=dtype, decode_steps=steps,
+                                            prompts=random_prompts(vocab, 2, 24 + 5 * seed, seed)), pool=pool)
                         v = verdicts(r)
                         rows.append(dict(preset=preset, tp=tp, dtype=dtype, seed=seed, decode=steps,
                                          one_device=v["one_device"]["origin"],
@@ -103,9 +104,9 @@ def clean_runs(presets, seeds, decodes, pool) -> pd.DataFrame:
 def _fault_run(name: str, config: dict, pool) -> dict:
     fault = get_fault(name)
     d = cached_checkpoint(config["preset"])
-    r = tpcheck.diff(model=str(d), tp=config["tp"], dtype=config["dtype"], decode_steps=config["decode_steps"],
-                     prompts=prompts_for(config, load_config(d).vocab_size), inject=[name], pool=pool,
-                     block_size=config["block_size"], exact_ops=True)
+    r = run(DiffOptions(model=str(d), tp=config["tp"], dtype=config["dtype"], decode_steps=config["decode_steps"],
+                        prompts=prompts_for(config, load_config(d).vocab_size), inject=(name,),
+                        block_size=config["block_size"], exact_ops=True), pool=pool)
     v = verdicts(r)
     want = (fault.origin(None), expected_step(fault, config))
     at = lambda rule: (v[rule]["point"], v[rule]["step"]) == want  # noqa: E731

@@ -146,11 +146,12 @@ def tpcheck_diff(tpcheck_checkpoint, tpcheck_engines):
     """``tpcheck_diff(preset="tiny", tp=2, **kwargs) -> DiffResult``: ``tpcheck.diff`` on a synthetic checkpoint
     (or ``model=``) with the session's engines; progress is logged to ``tpcheck`` at INFO (pytest's caplog)."""
 
-    def run(preset: str = "tiny", tp: int = 2, **kwargs):
-        from tpcheck.pipeline.diff import diff
+    def run(preset: str = "tiny", tp: int = 2, tolerances=None, **kwargs):
+        from tpcheck.options import DiffOptions
+        from tpcheck.pipeline import diff
         kwargs.setdefault("model", None)
         if kwargs["model"] is None:
-            kwargs["model"] = tpcheck_checkpoint(preset)
-        return diff(tp=tp, pool=tpcheck_engines, **kwargs)
+            kwargs["model"] = str(tpcheck_checkpoint(preset))
+        return diff.run(DiffOptions.of(tp=tp, **kwargs), tolerances, pool=tpcheck_engines)
 
     return run

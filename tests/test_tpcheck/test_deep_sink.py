@@ -13,7 +13,7 @@ from hypothesis.errors import NoSuchExample
 
 from impl.config import load_config
 from tpcheck.inputs import checkpoints as ck
-from tpcheck.inputs import strategies as tst
+from tpcheck.properties import strategies as tst
 from tpcheck.inputs.sink_recipe import check_sink_config, sink_channels
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 

@@ -15,7 +15,7 @@ from impl.config import load_config
 from impl.layers.rotary import default_inv_freq, llama3_inv_freq
 from tpcheck.inputs import checkpoints as ck
 from tpcheck.cli import fault_matrix as M
-from tpcheck.inputs import strategies as tst
+from tpcheck.properties import strategies as tst
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 from tpcheck.capture.maps import HF_TP_MAP, IMPL_MAP
 from tpcheck.judge.coverage import Coverage, check_known

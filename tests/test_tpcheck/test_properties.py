@@ -12,7 +12,7 @@
 
 Engines come from the session pool (one per TP size per xdist worker, reloaded per drawn checkpoint);
 drawn checkpoints go to a per-worker temp dir. Example budgets scale with the Hypothesis profile
-(``tpcheck.inputs.hypothesis_profiles``: ``HYPOTHESIS_PROFILE=dev|ci|thorough``); the ``ci`` profile runs
+(``tpcheck.properties.profiles``: ``HYPOTHESIS_PROFILE=dev|ci|thorough``); the ``ci`` profile runs
 ``CI_MINIMUM`` examples or more in all. A failure prints the shrunk example and a one-line ``tpcheck diff``
 command that reproduces it (recreating the drawn checkpoint if its temp dir is gone)."""
 from __future__ import annotations
@@ -25,10 +25,10 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from impl import SamplingParams
-from tpcheck.inputs import strategies as tst
+from tpcheck.properties import strategies as tst
 from tpcheck.inputs.config_checkpoints import config_checkpoint, recreate_command
-from tpcheck.inputs.hypothesis_profiles import PROFILE, PROFILES, examples, record_examples, recorded
-from tpcheck.inputs.property_runner import Case
+from tpcheck.properties.profiles import PROFILE, PROFILES, examples, record_examples, recorded
+from tpcheck.properties.case import Case
 from tpcheck.inputs.tp_layout import kv_layout
 
 
@@ -136,7 +136,7 @@ def test_moe_within_noise_floor_under_tp_and_ep(engines, root):
     """Mixture-of-experts models drawn (experts, top-k, expert width, shared expert, renormalisation, sparse layers,
     tp and an ep that splits them) in float32 and bfloat16: every point within the noise floor, every differing
     route a near tie (tpcheck.judge.routing)."""
-    from tpcheck.inputs.moe_strategies import MOE_FAMILIES
+    from tpcheck.properties.moe_strategies import MOE_FAMILIES
     name = "diff[moe]"
     seen: list[tuple] = []
 
@@ -261,7 +261,7 @@ def test_kv_cache_holds_unrepeated_heads(engines, root):
 def test_ci_profile_runs_at_least_250_examples():
     """The ci profile's budgets add up to >= CI_MINIMUM; when every property test ran in this process (no
     xdist split), the executed count is checked too. The total of a run is printed at its end and written to
-    reports/property_examples.txt by the tpcheck.inputs.hypothesis_profiles pytest plugin."""
+    reports/property_examples.txt by the tpcheck.properties.profiles pytest plugin."""
     ci = PROFILES["ci"]["max_examples"]
     planned = sum(max(1, round(w * ci)) for w in WEIGHTS.values())
     assert planned >= CI_MINIMUM, f"ci profile plans {planned} property examples, fewer than {CI_MINIMUM}"

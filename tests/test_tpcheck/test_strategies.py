@@ -1,6 +1,6 @@
-"""tpcheck.inputs.strategies draws only valid cases and covers the layouts it promises; the drawn configs' checkpoints
-(tpcheck.inputs.config_checkpoints) and a case's reproduction command (tpcheck.inputs.property_runner) are deterministic;
-tpcheck.inputs.hypothesis_profiles selects profiles from the environment."""
+"""tpcheck.properties.strategies draws only valid cases and covers the layouts it promises; the drawn configs' checkpoints
+(tpcheck.inputs.config_checkpoints) and a case's reproduction command (tpcheck.properties.case) are deterministic;
+tpcheck.properties.profiles selects profiles from the environment."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,11 +11,12 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from tpcheck.inputs import config_checkpoints, property_runner, tp_layout
-from tpcheck.inputs import hypothesis_profiles as hp
-from tpcheck.inputs import strategies as tst
+from tpcheck.inputs import config_checkpoints, tp_layout
+from tpcheck.properties import case as property_runner
+from tpcheck.properties import profiles as hp
+from tpcheck.properties import strategies as tst
 from tpcheck.inputs.config_checkpoints import checkpoint_key, config_checkpoint, recreate_command
-from tpcheck.inputs.property_runner import Case
+from tpcheck.properties.case import Case
 from tpcheck.inputs.tp_layout import kv_layout, tp_compatible
 
 FAST = settings(max_examples=200, deadline=None, database=None)
@@ -204,7 +205,7 @@ def test_tp_rules_are_impls(tmp_path):
 
 
 def test_strategies_reexports():
-    """``tpcheck.inputs.strategies`` still names what moved out of it (sweep, user tests, printed repro lines)."""
+    """``tpcheck.properties.strategies`` still names what moved out of it (sweep, user tests, printed repro lines)."""
     assert tst.Case is property_runner.Case
     assert tst.config_checkpoint is config_checkpoints.config_checkpoint
     assert tst.recreate_command is config_checkpoints.recreate_command

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from tpcheck.inputs import strategies as tst
+from tpcheck.properties import strategies as tst
 from tpcheck.cli import sweep
 
 

@@ -224,9 +224,12 @@ def adapter(pool, ckpt):
 
 
 def _diff(adapter, ckpt, faults=()):
-    from tpcheck.pipeline.diff import compare_engine
+    from tpcheck.options import DiffOptions
+    from tpcheck.pipeline.diff import compare
+    from tpcheck.result.meta import RunOrigin
     adapter.faults = list(faults)
-    return compare_engine(adapter, str(ckpt), PROMPTS, "float32", decode_steps=3, meta={"tp": 2})
+    opts = DiffOptions(model=str(ckpt), prompts=PROMPTS, decode_steps=3)
+    return compare(adapter, opts, origin=RunOrigin(tp=2, engine="vllm", command="test_vllm"))
 
 
 @pytest.mark.parametrize("fault,layer,rank,origin", [

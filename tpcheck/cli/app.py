@@ -148,7 +148,9 @@ def _cmd_diff(a, argv: list[str]) -> int:
 
 def _cmd_compare(a, argv: list[str]) -> int:
     from tpcheck.capture.dump import DumpAdapter, read_dump
-    from tpcheck.pipeline.diff import compare_engine
+    from tpcheck.options import DiffOptions
+    from tpcheck.pipeline.diff import compare
+    from tpcheck.result.meta import RunOrigin
     from tpcheck.reference.reductions import Reductions
     from tpcheck.judge.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)
@@ -157,11 +159,10 @@ def _cmd_compare(a, argv: list[str]) -> int:
     engine = DumpAdapter(dump, Reductions(dump.tp, a.reduce_dtype))
     print(f"engine:     {dump.engine} tp={dump.tp} {dump.dtype}, replayed from the dump {a.dump_dir}\n"
           f"golden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
-    r = compare_engine(engine, str(a.model), engine.prompts, dump.dtype, engine.decode_steps, tolerances=tol,
-                       meta={"tp": dump.tp, "dump": str(a.dump_dir), "engine": dump.engine,
-                             "command": shlex.join(["tpcheck", *argv])}, exact_ops=a.exact_ops,
-                       require_points=a.require_points)
-    return _show(r, a)
+    opts = DiffOptions(model=str(a.model), dtype=dump.dtype, prompts=engine.prompts,
+                       decode_steps=engine.decode_steps, exact_ops=a.exact_ops, require_points=a.require_points)
+    origin = RunOrigin(tp=dump.tp, engine=dump.engine, dump=str(a.dump_dir), command=shlex.join(["tpcheck", *argv]))
+    return _show(compare(engine, opts, tol, origin), a)
 
 
 def _show(r, a) -> int:

@@ -121,12 +121,13 @@ from tpcheck.cli.fault_memory import (  # noqa: E402,F401
 # ---- the matrix -------------------------------------------------------------------------------------------
 
 def _diff(pool, ckpt, config: dict, inject: list[str], inject_layer: int | None = None):
-    import tpcheck
+    from tpcheck.options import DiffOptions
+    from tpcheck.pipeline.diff import run
     d = ckpt(config["preset"])
     prompts = prompts_for(config, load_config(d).vocab_size)
-    return tpcheck.diff(model=str(d), tp=config["tp"], dtype=config["dtype"], prompts=prompts,
-                        decode_steps=config["decode_steps"], inject=list(inject), pool=pool,
-                        block_size=config["block_size"], exact_ops=EXACT_OPS, inject_layer=inject_layer)
+    return run(DiffOptions(model=str(d), tp=config["tp"], dtype=config["dtype"], prompts=prompts,
+                           decode_steps=config["decode_steps"], inject=tuple(inject), block_size=config["block_size"],
+                           exact_ops=EXACT_OPS, inject_layer=inject_layer), pool=pool)
 
 
 def _row(name: str, config: dict, check: str, **kw) -> dict:

@@ -1,7 +1,7 @@
 """``tpcheck sweep``: the layer-by-layer diff over a matrix of configurations, inputs drawn by Hypothesis.
 
 One configuration = (model, tp, dtype, decode steps); the model is a named preset or, with
-``--random-configs``, a fresh model drawn per example (``tpcheck.inputs.strategies.config_and_tp`` at that tp, so
+``--random-configs``, a fresh model drawn per example (``tpcheck.properties.strategies.config_and_tp`` at that tp, so
 both KV partition and replication appear). Each configuration runs ``--examples`` drawn inputs (prompts of
 ragged lengths near block boundaries, block sizes) through ``tpcheck.diff`` on one pool of engines (one per
 TP size, reloaded per checkpoint). A failing configuration is shrunk to its smallest failing example and
@@ -72,7 +72,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     sw = subparsers.add_parser(
         "sweep", help="the layer-by-layer diff over tp x dtype x decode steps, inputs drawn by Hypothesis",
         description="Run the layer-by-layer diff over every (model, tp, dtype, decode steps) configuration, "
-                    "--examples inputs drawn by Hypothesis each (tpcheck.inputs.strategies), on pooled engines. "
+                    "--examples inputs drawn by Hypothesis each (tpcheck.properties.strategies), on pooled engines. "
                     "Prints one row per configuration: pass/fail, the worst point over its examples and its "
                     "excess over the noise-floor threshold (rel_err / (k * ref_rel_err + floor), or the gain's "
                     "over its own; above 1 fails). A failing configuration is shrunk to its smallest failing "
@@ -86,7 +86,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--preset", type=name_list, action="extend", default=None,
                      help=f"synthetic presets, comma-separated or repeated (default: {','.join(TINY_PRESETS)})")
     src.add_argument("--random-configs", action="store_true",
-                     help="a fresh random model (tpcheck.inputs.strategies) per example instead of presets")
+                     help="a fresh random model (tpcheck.properties.strategies) per example instead of presets")
     sw.add_argument("--outliers", type=lambda s: [float(x) for x in name_list(s)], default=[0.0],
                     help="with --random-configs: strengths of the massive-activation recipe to draw from, "
                          "comma-separated (0: off; 1: small-outliers' strength; default 0)")
@@ -150,7 +150,7 @@ def _row_seed(seed: int, *key) -> int:
 def _case_strategy(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions):
     from hypothesis import strategies as st
 
-    from tpcheck.inputs import strategies as tst
+    from tpcheck.properties import strategies as tst
     from tpcheck.inputs.checkpoints import PRESETS
     bss = (opts.block_size,) if opts.block_size else tst.DEFAULT_BLOCK_SIZES
 
@@ -262,7 +262,7 @@ def sweep(opts: SweepOptions, pool=None, results: dict | None = None) -> list[di
     from impl.config import load_config
     from tpcheck.inputs.checkpoints import PRESETS, cached_checkpoint
     from tpcheck.engines.pool import EnginePool
-    from tpcheck.inputs.strategies import tp_compatible
+    from tpcheck.properties.strategies import tp_compatible
 
     sources = ["random"] if opts.random_configs else list(opts.preset or TINY_PRESETS)
     root = Path(opts.checkpoints) if opts.checkpoints else Path(tempfile.mkdtemp(prefix="tpcheck-sweep-"))

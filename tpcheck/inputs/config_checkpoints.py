@@ -1,5 +1,5 @@
 """The cache of random-weight checkpoints of arbitrary configs of any supported family (HF config keyword dicts,
-``model_type`` naming the family, none for Qwen2, such as ``tpcheck.inputs.strategies`` draws), next to
+``model_type`` naming the family, none for Qwen2, such as ``tpcheck.properties.strategies`` draws), next to
 ``tpcheck.inputs.checkpoints``' cache of the named presets.
 
 ``config_checkpoint`` writes a config's checkpoint once into ``root`` under a hash of what defines it (config,

@@ -266,7 +266,7 @@ def preset_config(name: str, dtype: str = "float32") -> PretrainedConfig:
 
 
 def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> PretrainedConfig:
-    """An HF config from a preset's dict or one drawn by ``tpcheck.inputs.strategies``: ``model_type`` (default
+    """An HF config from a preset's dict or one drawn by ``tpcheck.properties.strategies``: ``model_type`` (default
     ``qwen2``) picks the family's config class (``impl.config.FAMILIES``), the other keys are its keyword
     arguments; ``dtype`` and the family's architecture are recorded in it."""
     _check_dtype(dtype)

@@ -1,4 +1,4 @@
-"""What impl makes of a config keyword dict of any family (a preset's, or one drawn by ``tpcheck.inputs.strategies``) at a
+"""What impl makes of a config keyword dict of any family (a preset's, or one drawn by ``tpcheck.properties.strategies``) at a
 TP size: whether it splits, and whether its KV heads are partitioned or replicated (head counts and MLP width
 decide, whatever the family). impl's own rules, read from ``impl.config.ModelConfig.check_tp`` and
 ``impl.shard_plan.kv_split``, never re-derived here."""

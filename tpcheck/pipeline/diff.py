@@ -13,6 +13,7 @@ holds the RMSNorms and residual adds to bit-identity with HF's own modules appli
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from impl.config import parse_dtype
 from tpcheck.engines.pool import EnginePool
@@ -27,6 +28,8 @@ from tpcheck.progress import bar
 from tpcheck.reference.cache import hf_capture
 from tpcheck.reference.reductions import Reductions
 from tpcheck.reference.saved import GoldenWriter, SavedGolden
+from tpcheck.result.documents import run_meta
+from tpcheck.result.meta import DiffMeta, RunOrigin
 from tpcheck.result.table import DiffResult
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
@@ -60,17 +63,26 @@ def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, comm
     pool = pool or EnginePool()
     try:
         adapter = plan.entry.start(pool, plan)
-        meta = {"tp": opts.tp, "ep": opts.ep, "engine": opts.engine, "inject": list(opts.inject), "inject_layer": opts.inject_layer,
-                "inject_silent": plan.silent, "command": command or plan.command()}
-        return _compare(adapter, plan, tolerances, meta)
+        origin = RunOrigin(tp=opts.tp, ep=opts.ep, engine=opts.engine, inject=opts.inject,
+                           inject_layer=opts.inject_layer, inject_silent=plan.silent,
+                           command=command or plan.command())
+        return _compare(adapter, plan, tolerances, origin)
     finally:
         if own:
             pool.close()
 
 
+def compare(engine, opts: DiffOptions, tolerances: Tolerances | None = None,
+            origin: RunOrigin | None = None) -> DiffResult:
+    """``compare_engine`` on a ``DiffOptions`` (its model, dtype, prompts, decode steps and what to compare; the
+    engine is already running): the passes over any adapter, judged. ``origin``: the engine side of the result's
+    meta (``tpcheck.result.meta.RunOrigin``; a replayed dump's tp, engine name, directory and command)."""
+    return _compare(engine, RunPlan.of(opts), tolerances, origin)
+
+
 def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str, decode_steps: int = 0,
-                   isolate: bool | None = None, *, tolerances: Tolerances | None = None, meta: dict | None = None,
-                   **options) -> DiffResult:
+                   isolate: bool | None = None, *, tolerances: Tolerances | None = None,
+                   origin: RunOrigin | None = None, **options) -> DiffResult:
     """Run any ``tpcheck.engines.adapter.EngineAdapter`` against HF float64 (golden) and HF at ``dtype`` (noise
     floor: on one device, and with the engine's declared ``reductions`` emulated when its tp > 1) on the
     checkpoint ``model_dir``; the engine must already be loaded with that checkpoint. ``options``: fields of
@@ -78,10 +90,10 @@ def compare_engine(engine, model_dir: str, prompts: list[list[int]], dtype: str,
     regex of the canonical points the engine must report; ``meta["coverage"]`` says what it did not),
     ``points`` / ``layers`` (compare only those), ``fail_fast`` (stop after the first step with a failing point;
     no isolated pass then), ``golden`` (a saved golden replayed instead of the float64 run), ``save_golden``
-    (save this run's golden there; ``tpcheck.reference.saved``), ``streamed``."""
+    (save this run's golden there; ``tpcheck.reference.saved``), ``streamed``. ``origin``: as ``compare``'s."""
     opts = DiffOptions.of(model=str(model_dir), dtype=dtype, decode_steps=decode_steps, isolate=isolate,
                           prompts=prompts, **options)
-    return _compare(engine, RunPlan.of(opts), tolerances, meta)
+    return compare(engine, opts, tolerances, origin)
 
 
 class _Notes(logging.Handler):
@@ -96,20 +108,18 @@ class _Notes(logging.Handler):
         self.notes.append(record.getMessage().removeprefix("tpcheck diff: note: "))
 
 
-def _compare(engine, plan: RunPlan, tolerances: Tolerances | None, meta: dict | None) -> DiffResult:
+def _compare(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOrigin | None) -> DiffResult:
     """The passes of one diff over an engine adapter, judged (its notes saved with it)."""
     notes = _Notes()
     logger.addHandler(notes)  # every module of the pipeline logs to this one logger
     try:
-        result = _passes(engine, plan, tolerances, meta)
+        return _passes(engine, plan, tolerances, origin, notes)
     finally:
         logger.removeHandler(notes)
-    if notes.notes:
-        result.meta["notes"] = notes.notes
-    return result
 
 
-def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, meta: dict | None) -> DiffResult:
+def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOrigin | None,
+            notes: _Notes) -> DiffResult:
     opts, cfg, select, prompts = plan.opts, plan.cfg, plan.select, plan.prompts
     model_dir, dtype, steps = opts.model, opts.dtype, opts.decode_steps
     coverage = Coverage(list(plan.expected), require=opts.require_points)
@@ -134,14 +144,14 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, meta: dict | N
     ctx.golden_routes = {} if ctx.sparse else None
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)
-    meta = {"model": str(model_dir), "dtype": dtype, "coverage": coverage.as_meta(), "decode_steps": steps,
-            "isolate": isolate, "exact_ops": opts.exact_ops, "select": select, "stopped_at_step": stopped,
-            "golden": str(opts.golden) if opts.golden else None,
-            "reductions": {"tp": reductions.tp, "dtype": reductions.dtype or dtype},
-            "num_layers": cfg.num_layers, "prompt_lens": [len(p) for p in prompts], **(meta or {})}
-    result = DiffResult.from_rows(rows, meta)
-    result.meta["effective_precision"] = effective_precision(result.table, dtype)  # informational, not the verdict
-    return judge(result, tolerances)
+    meta = DiffMeta(origin=origin, model=str(model_dir), dtype=dtype, coverage=coverage.as_meta(), decode_steps=steps,
+                    isolate=isolate, exact_ops=opts.exact_ops, select=select, stopped_at_step=stopped,
+                    golden=str(opts.golden) if opts.golden else None,
+                    reductions={"tp": reductions.tp, "dtype": reductions.dtype or dtype}, num_layers=cfg.num_layers,
+                    prompt_lens=[len(p) for p in prompts], notes=tuple(notes.notes))
+    table = DiffResult.from_rows(rows, {}, stamp=False).table
+    meta = replace(meta, effective_precision=effective_precision(table, dtype))  # informational, not the verdict
+    return judge(DiffResult(table, {**run_meta(), **meta.to_dict()}), tolerances)  # stamped: made here, now
 
 
 def local_pass(engine, isolate: bool | None) -> bool:

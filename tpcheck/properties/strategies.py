@@ -27,7 +27,7 @@ smallest case that still fails. Everything drawn is valid for impl and for Huggi
 Use in your own tests::
 
     from hypothesis import given
-    from tpcheck.inputs import strategies as tst
+    from tpcheck.properties import strategies as tst
     from tpcheck.engines.pool import EnginePool
 
     POOL = EnginePool()                       # one engine per TP size, reused by every example
@@ -36,7 +36,7 @@ Use in your own tests::
     def test_my_engine(case):
         case.check(pool=POOL, root="/tmp/my-ckpts")   # AssertionError: report + `tpcheck diff` line
 
-``Case`` and how it runs are in ``tpcheck.inputs.property_runner``; drawn checkpoints are written by
+``Case`` and how it runs are in ``tpcheck.properties.case``; drawn checkpoints are written by
 ``tpcheck.inputs.config_checkpoints.config_checkpoint`` into ``root`` under a hash of what defines them (config,
 weight seed, bias scale, dtype, outliers): cached, and written atomically (safe under pytest-xdist). Which TP
 sizes split a config and how its KV heads do is impl's rule (``tpcheck.inputs.tp_layout``: ``ModelConfig.check_tp``,
@@ -54,8 +54,8 @@ from hypothesis import strategies as st
 # re-exported: the drawn case and its checkpoints live in their own modules (``from tpcheck import strategies as
 # tst; tst.Case``, ``tst.config_checkpoint``, ``tst.tp_compatible`` keep working)
 from tpcheck.inputs.config_checkpoints import checkpoint_key, config_checkpoint, default_root, recreate_command  # noqa: F401
-from tpcheck.inputs.moe_strategies import MOE_FAMILIES, base_family, draw_ep, moe_options
-from tpcheck.inputs.property_runner import Case
+from tpcheck.properties.moe_strategies import MOE_FAMILIES, base_family, draw_ep, moe_options
+from tpcheck.properties.case import Case
 from tpcheck.inputs.tp_layout import kv_layout, splits, tp_compatible
 from impl.config import FAMILIES as SUPPORTED
 from tpcheck.inputs.presets import PRESETS

@@ -1,4 +1,4 @@
-"""One drawn example (``Case``: what ``tpcheck.inputs.strategies.cases`` draws) and how it runs: its checkpoint
+"""One drawn example (``Case``: what ``tpcheck.properties.strategies.cases`` draws) and how it runs: its checkpoint
 (``Case.checkpoint``: a preset's cached one, or the drawn config's, ``tpcheck.inputs.config_checkpoints``), the
 layer-by-layer diff through an engine pool (``Case.diff``), the properties as assertions (``Case.check``: ranks
 agree on replicated points, every point within the noise floor), the failure report and a one-line
@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from tpcheck.inputs.checkpoints import cached_checkpoint
 from tpcheck.inputs.config_checkpoints import config_checkpoint, default_root, recreate_command
 from tpcheck.inputs.tp_layout import kv_layout
+from tpcheck.options import DiffOptions
+from tpcheck.pipeline.diff import run
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -62,14 +64,19 @@ class Case:
             return cached_checkpoint(self.preset, seed=self.weight_seed, root=root)
         return config_checkpoint(self.config, root, self.weight_seed, self.bias_std, outliers=self.outliers)
 
-    def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
-        """The ``tpcheck diff`` command line of this case (block size included)."""
-        from tpcheck.options import DiffOptions  # upward: tests/test_layout.py UPWARD_ALLOWED
-        by_name = self.preset is not None and self.weight_seed == 0
-        source = {"preset": self.preset} if by_name else {"model": str(model_dir)}
-        return DiffOptions(**source, tp=self.tp, dtype=self.dtype, prompts=self.prompts,
+    def options(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None, **kw) -> DiffOptions:
+        """The ``DiffOptions`` of this case on the checkpoint ``model_dir`` (``kw``: more of its fields)."""
+        return DiffOptions(model=str(model_dir), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
                            decode_steps=self.decode_steps, block_size=self.block_size, exact_ops=self.exact_ops,
-                           inject=tuple(inject), inject_layer=inject_layer, ep=self.ep).command()
+                           inject=tuple(inject), inject_layer=inject_layer, ep=self.ep, **kw)
+
+    def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
+        """The ``tpcheck diff`` command line of this case (block size included): by preset name where the preset's
+        own checkpoint is the case's."""
+        opts = self.options(model_dir, inject, inject_layer)
+        if self.preset is not None and self.weight_seed == 0:
+            opts = opts.replace(model=None, preset=self.preset)
+        return opts.command()
 
     def repro(self, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None) -> str:
         """One shell line that recreates the checkpoint if needed and runs ``tpcheck diff`` on this case."""
@@ -82,13 +89,11 @@ class Case:
 
     def diff(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None,
              **kw):
-        """``tpcheck.diff`` of this case (``pool``: a ``tpcheck.engines.pool.EnginePool`` to reuse engines)."""
-        import tpcheck  # upward: tests/test_layout.py UPWARD_ALLOWED (a drawn case runs itself)
+        """The diff of this case (``pool``: a ``tpcheck.engines.pool.EnginePool`` to reuse engines; ``kw``: more
+        ``DiffOptions`` fields)."""
         model = self.checkpoint(root)
-        return tpcheck.diff(model=str(model), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
-                            decode_steps=self.decode_steps, inject=list(inject), inject_layer=inject_layer,
-                            pool=pool, block_size=self.block_size, exact_ops=self.exact_ops, ep=self.ep,
-                            command=self.diff_command(model, inject, inject_layer), **kw)
+        return run(self.options(model, inject, inject_layer, **kw), pool=pool,
+                   command=self.diff_command(model, inject, inject_layer))
 
     def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None):
         """The properties of one case, as assertions: ranks agree on every replicated point (the

@@ -15,7 +15,7 @@ suppresses the ``too_slow`` / ``data_too_large`` / ``function_scoped_fixture`` h
 tests size themselves from the profile with ``examples(weight)``: ``weight * max_examples``.
 
 Importing this module registers and loads the profile. As a pytest plugin (``pytest_plugins =
-["tpcheck.inputs.hypothesis_profiles"]`` in ``conftest.py``) it also collects ``record_examples(...)`` from every
+["tpcheck.properties.profiles"]`` in ``conftest.py``) it also collects ``record_examples(...)`` from every
 test, across pytest-xdist workers, prints the total at the end of the run and writes it to
 ``reports/property_examples.txt``."""
 from __future__ import annotations

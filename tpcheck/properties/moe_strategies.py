@@ -1,4 +1,4 @@
-"""Hypothesis strategies for mixture-of-experts models (``tpcheck.inputs.strategies`` draws them when its families
+"""Hypothesis strategies for mixture-of-experts models (``tpcheck.properties.strategies`` draws them when its families
 include ``MOE_FAMILIES``): the number of experts, top-k, the experts' width, Qwen2-MoE's shared expert, top-k
 renormalisation, which layers are sparse, and an expert-parallel size that splits them at the drawn tp.
 
