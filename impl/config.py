@@ -16,6 +16,7 @@ import transformers
 from impl.errors import ConfigError
 from impl.layers.rotary import Llama3RopeScaling
 from impl.moe_config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoeConfig, MoeSpelling, read_moe
+from impl.quant import Int8Scheme, QuantConfigError, parse_quant_config
 
 if TYPE_CHECKING:
     from torch import nn
@@ -228,6 +229,7 @@ class ModelConfig:
     rope_scaling: Llama3RopeScaling | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer attends to all its past
     moe: MoeConfig | None = None  # mixture of experts: the experts and which layers are sparse
+    quant: Int8Scheme | None = None  # quantized linears (impl.quant); None: float weights
 
     @property
     def family(self) -> Family:
@@ -322,6 +324,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     qkv_bias, o_bias = family_biases(family, hf)
     moe = read_moe(family.moe, raw, hf, path, model_type) if family.moe is not None else None
+    quant = _quant(raw, path, moe)
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -332,5 +335,17 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(hf.tie_word_embeddings), eos_token_ids=eos_ids,
         model_type=model_type, qkv_bias=qkv_bias, o_proj_bias=o_bias,
         mlp_bias=family.mlp_bias and bool(getattr(hf, "mlp_bias", False)), qk_norm=family.qk_norm,
-        rope_scaling=scaling, sliding_windows=_sliding_windows(family, hf, path), moe=moe,
+        rope_scaling=scaling, sliding_windows=_sliding_windows(family, hf, path), moe=moe, quant=quant,
     )
+
+
+def _quant(raw: dict, path: Path, moe: MoeConfig | None) -> Int8Scheme | None:
+    """The checkpoint's quantization scheme (``impl.quant``), refused with the field at fault and the path."""
+    try:
+        quant = parse_quant_config(raw.get("quantization_config"))
+    except QuantConfigError as e:
+        raise QuantConfigError(f"{path}: {e}") from None
+    if quant is not None and moe is not None:
+        raise QuantConfigError(f"{path}: a quantized mixture-of-experts model is not supported yet "
+                               f"(quantization_config with model_type {raw.get('model_type')!r})")
+    return quant

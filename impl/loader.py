@@ -127,6 +127,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
                 if name.endswith(".bias"):  # the usual cause: a bias flag in config.json that disagrees
                     hint = (f" (config.json of model_type {model.cfg.model_type!r} gives this layer no bias: "
                             "check attention_bias / mlp_bias)")
+                elif name.endswith((".weight_scale", ".input_scale", ".qweight", ".qzeros", ".scales", ".g_idx")):
+                    hint = (" (a quantized checkpoint's tensor: config.json has no quantization_config impl reads; "
+                            "impl runs compressed-tensors INT8 W8A8)")
                 elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                     hint = (" (experts fused in one 3-D tensor, transformers 5's in-memory layout: impl reads one "
                             "tensor per expert, as save_pretrained writes them)")
@@ -138,7 +141,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
             # one mapping per tensor: safetensors slices are views into an mmap of the file, and the pages a
             # slice touches stay resident until the mapping closes (a row-parallel column slice touches them all)
             with open_safetensors(fname) as f:
-                lazy = LazySlice(f.get_slice(name), dtype)
+                lazy = LazySlice(f.get_slice(name), param.dtype)  # the model's dtype; int8 / float32 quant params
                 try:
                     loader(param, lazy, sid)
                 except ShapeMismatch as e:

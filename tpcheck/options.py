@@ -127,9 +127,27 @@ class DiffOptions:
             raise ValueError(f"--layers {beyond[0]} is beyond this {L}-layer model (layers 0-{L - 1})")
         if self.inject_layer is not None and not 0 <= self.inject_layer < L:
             raise ValueError(f"--inject-layer {self.inject_layer} is beyond this {L}-layer model (layers 0-{L - 1})")
+        self._validate_quantized(cfg)
         b = self.dump_budget_mb
         if b is not None and not (isinstance(b, (int, float)) and math.isfinite(b) and b > 0):
             raise ValueError(f"--dump-budget-mb must be a finite number of MiB > 0, got {b!r}")
+
+    def _validate_quantized(self, cfg) -> None:
+        """A quantized checkpoint (``impl.quant``) is judged in bfloat16 / float16 on impl or vLLM, from memory."""
+        quant = getattr(cfg, "quant", None)
+        if quant is None:
+            return
+        if self.dtype == "float32":
+            raise ValueError(f"--dtype float32 on a quantized checkpoint ({quant.name}): in float32 an activation "
+                             "within float noise of a rounding boundary lands one quantization step apart in the "
+                             "engine and the golden (a near tie) and tpcheck does not follow those yet; run "
+                             "--dtype bfloat16 or float16")
+        if self.engine == "hf-tp":
+            raise ValueError(f"--engine hf-tp on a quantized checkpoint ({quant.name}): transformers' TP runs "
+                             "compressed-tensors through its own package; check impl or vllm")
+        if self.streamed:
+            raise ValueError("--golden-streamed on a quantized checkpoint: the streamed golden reads float weights; "
+                             "a quantized golden is built in memory")
 
     def replace(self, **changes) -> "DiffOptions":
         return replace(self, **changes)

@@ -14,6 +14,12 @@ Weights follow ``nn.Linear``: ``W`` is ``[out_features, in_features]`` and ``y =
 Each parameter carries ``weight_loader(param, loaded, shard_id=None)``. ``loaded`` is the full checkpoint
 tensor, or any object with ``.shape`` and ``.narrow(dim, start, length)`` (the loader passes lazy safetensors
 slices, so a rank reads only its own rows or columns).
+
+Quantized (``quant``: an ``impl.quant.Int8Scheme``): the layer's quant method creates an int8 ``weight`` (sharded
+by the same ``weight_loader``) and a ``weight_scale`` loaded by ``scale_loader``: a channel scale ``[out, 1]``
+follows the output rows (``channel_scale_loader``: the weight's own row rule on column-parallel layers, whole on
+row-parallel and replicated ones); a per-tensor scale fills its fused partition's slot (``partition_index``).
+``forward`` then calls the method's ``apply`` instead of ``F.linear``.
 """
 from __future__ import annotations
 
@@ -22,18 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl.distributed import all_reduce, get_tp_rank, get_tp_size
+from impl.errors import ShapeMismatch, check_shape  # noqa: F401 (re-exported: the loader and layers import them here)
 from impl.placements import Fused, Partial, Replicate, Shard
+from impl.quant import Int8LinearMethod, Int8Scheme, per_tensor_slot
 from impl.shard_plan import kv_split
-
-
-class ShapeMismatch(ValueError):
-    """Checkpoint tensor shape differs from what the layer expects; the loader adds the tensor name."""
-
-
-def check_shape(loaded, expected: tuple[int, ...]) -> None:
-    got = tuple(loaded.shape)
-    if got != tuple(expected):
-        raise ShapeMismatch(f"checkpoint shape {list(got)} != expected {list(expected)}")
 
 
 def divide(a: int, b: int, what: str) -> int:
@@ -43,23 +41,50 @@ def divide(a: int, b: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype, quant: Int8Scheme | None = None,
+                 partitions: list[int] | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = Int8LinearMethod(quant) if quant is not None else None
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self, out_local, in_local, partitions or [out_local])
+        else:
+            self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` on this rank's weight: ``F.linear``, or the quant method's ``apply``."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def partition_index(self, shard_id) -> int:
+        """Which fused partition ``shard_id`` names (a per-tensor weight scale's slot); 0 on an unfused layer."""
+        return 0
+
+    def channel_scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """A per-channel weight scale ``[out, 1]`` follows the weight's output rows."""
+        self.weight_loader(param, loaded, shard_id)
+
+    def scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """``weight_scale``: per channel (2-D) by the row rule, per tensor (1-D) into its partition's slot."""
+        if param.dim() == 1:
+            per_tensor_slot(param, loaded, self.partition_index(shard_id))
+        else:
+            self.channel_scale_loader(param, loaded, shard_id)
+
 
 class ReplicatedLinear(LinearBase):
     """``[out, in]`` held whole by every rank; output ``Replicate`` (vLLM's ``ReplicatedLinear``)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32):
-        super().__init__(input_size, output_size, bias, dtype)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 quant: Int8Scheme | None = None):
+        super().__init__(input_size, output_size, bias, dtype, quant)
         self.input_size, self.output_size = input_size, output_size
         self.output_placement = Replicate()
 
@@ -68,15 +93,16 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
     """``[out, in]`` split along out: rank r holds rows ``[r*out/tp, (r+1)*out/tp)``; output ``Shard(-1)``."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 quant: Int8Scheme | None = None, partitions: list[int] | None = None):
         tp = get_tp_size()
-        super().__init__(input_size, divide(output_size, tp, "output_size"), bias, dtype)
+        super().__init__(input_size, divide(output_size, tp, "output_size"), bias, dtype, quant, partitions)
         self.input_size, self.output_size = input_size, output_size
         self.output_placement = Shard(-1)
 
@@ -86,7 +112,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -96,11 +122,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ``Shard(-1)``. ``shard_id`` is the index of the part being loaded."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 dtype: torch.dtype = torch.float32, names: tuple[str, ...] = ("gate", "up")):
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
+                 dtype: torch.dtype = torch.float32, names: tuple[str, ...] = ("gate", "up"),
+                 quant: Int8Scheme | None = None):
+        local = [divide(s, get_tp_size(), "output_size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, dtype, quant, local)
         self.output_sizes = output_sizes
-        local = [divide(s, self.tp_size, "output_size") for s in output_sizes]
         self.output_placement = Fused(tuple((n, w, Shard(-1)) for n, w in zip(names, local)))
+
+    def partition_index(self, shard_id) -> int:
+        return shard_id
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int = None) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
@@ -118,7 +148,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     Local output width = ``(H/tp + 2*max(K/tp, 1)) * head_dim``; placement ``Fused(q, k, v)``."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = True, dtype: torch.dtype = torch.float32):
+                 bias: bool = True, dtype: torch.dtype = torch.float32, quant: Int8Scheme | None = None):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
@@ -131,7 +161,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.totals = {"q": total_num_heads * head_dim, "k": total_num_kv_heads * head_dim,
                        "v": total_num_kv_heads * head_dim}
         # ColumnParallelLinear takes the global width; with KV replication it counts each replica.
-        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, bias, dtype)
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, bias, dtype, quant,
+                         [self.q_size, self.kv_size, self.kv_size])
         kv = Shard(-1, self.kv_replicas)
         self.output_placement = Fused((("q", self.q_size, Shard(-1)), ("k", self.kv_size, kv), ("v", self.kv_size, kv)))
 
@@ -144,6 +175,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         check_shape(loaded, (self.totals[shard_id], *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
+    def partition_index(self, shard_id) -> int:
+        return "qkv".index(shard_id)
+
 
 class RowParallelLinear(LinearBase):
     """``[out, in]`` split along in: rank r holds columns ``[r*in/tp, (r+1)*in/tp)`` and consumes the matching
@@ -151,9 +185,9 @@ class RowParallelLinear(LinearBase):
     ``Partial`` with ``reduce_results=False`` (the caller all-reduces ``x_r W_r^T + [r == 0] b``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 reduce_results: bool = True):
+                 reduce_results: bool = True, quant: Int8Scheme | None = None):
         tp = get_tp_size()
-        super().__init__(divide(input_size, tp, "input_size"), output_size, bias, dtype)
+        super().__init__(divide(input_size, tp, "input_size"), output_size, bias, dtype, quant)
         self.input_size, self.output_size, self.reduce_results = input_size, output_size, reduce_results
         self.output_placement = Replicate() if reduce_results else Partial()
 
@@ -166,7 +200,12 @@ class RowParallelLinear(LinearBase):
         check_shape(loaded, (self.output_size, self.input_size))
         param.data.copy_(loaded.narrow(1, self.tp_rank * cols, cols))
 
+    def channel_scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """The output is not split: every rank holds the whole ``[out, 1]`` channel scale."""
+        check_shape(loaded, param.shape)
+        param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = self.matmul(x, bias)
         return all_reduce(y) if self.reduce_results else y

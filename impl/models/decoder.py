@@ -37,10 +37,11 @@ class DecoderAttention(nn.Module):
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias,
-                                          dtype=dtype)
+                                          dtype=dtype, quant=cfg.quant)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size, self.head_dim = self.qkv_proj.q_size, self.qkv_proj.kv_size, d
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype,
+                                        quant=cfg.quant)
         self.rotary_emb = RotaryEmbedding(d, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, cfg.sliding_window(layer_idx))
 
@@ -71,7 +72,7 @@ class DecoderLayer(nn.Module):
         if cfg.is_sparse(layer_idx):
             self.mlp = SparseMoeBlock(cfg, dtype, ep_size)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, quant=cfg.quant)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # same op order and dtype as HF: residual adds in the activation dtype

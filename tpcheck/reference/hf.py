@@ -21,6 +21,7 @@ from tpcheck.capture.core import install
 from tpcheck.capture.maps import HF_MAP
 from tpcheck.capture.teacher import Teacher
 from tpcheck.reference.forced_route import forced_route
+from tpcheck.reference.quantized import load_quantized_hf
 from tpcheck.reference.reductions import Reductions, row_parallel_linear
 import inspect
 
@@ -84,8 +85,13 @@ def load_hf_model(model_dir, dtype: str | torch.dtype = "float32", **kwargs) -> 
     eval mode (transformers 4.4x names the dtype keyword ``torch_dtype``, 4.56+ ``dtype``); ``kwargs`` go to
     ``from_pretrained`` (``tp_plan="auto"``: transformers' tensor parallelism)."""
     from transformers.utils import logging as hf_logging  # submodule: loaded with the first model
-    _, model_cls = hf_classes(model_dir)
+    config_cls, model_cls = hf_classes(model_dir)
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per reference model would bury tpcheck's output
+    if load_config(model_dir).quant is not None:
+        if kwargs:
+            raise ValueError(f"{model_dir}: a quantized checkpoint has no Hugging Face TP or other loading options "
+                             f"here (got {sorted(kwargs)})")
+        return load_quantized_hf(model_dir, dtype, config_cls, model_cls)
     if parse_dtype(dtype) == torch.float64 and getattr(load_config(model_dir), "moe", None) is not None \
             and TRANSFORMERS_5:
         # transformers 5's default experts kernel (grouped_mm) has no float64: the golden adds expert by expert

@@ -49,7 +49,6 @@ zero-size CPU parameter so that ``model.device`` (the first parameter's) is the 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -57,8 +56,9 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 
-from impl.config import HF_DTYPE_KEY, parse_dtype
+from impl.config import parse_dtype
 from impl.loader import IGNORED_SUFFIXES, LoadError, checkpoint_files, open_safetensors
+from tpcheck.reference.build import meta_model
 from tpcheck.reference.hf import HFCapture, hf_classes
 
 #: LM-head chunks are a multiple of this many vocab rows (see the module docstring: BLAS column blocks)
@@ -136,17 +136,6 @@ class CheckpointReader:
                 out[j].copy_(sl[t:t + 1][0])
         self.bytes_read += len(index) * math.prod(shape[1:]) * self.itemsize[name]
         return out
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """What ``from_pretrained`` does around the model's ``__init__``: parameters are created in ``dtype``."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def _meta_like(p: torch.Tensor) -> nn.Parameter:
@@ -315,14 +304,7 @@ def build_streamed_model(model_dir: str | Path, dtype: str | torch.dtype = "floa
     config_cls, model_cls = hf_classes(model_dir)
     config = config_cls.from_pretrained(str(model_dir))
     reader = CheckpointReader(model_dir)
-    setattr(config, HF_DTYPE_KEY, td)  # as from_pretrained records it
-    config._name_or_path = str(model_dir)
-    with _default_dtype(td), torch.device("meta"):
-        model = model_cls(config)
-    # the rotary buffers are computed, not loaded: from_pretrained recomputes them on the CPU after the load
-    # (transformers 5: _init_weights calls the same rope function as __init__), so build the module there
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=model.config)
+    model = meta_model(model_dir, td, config, model_cls)
     model.tpcheck_streamer = Streamer(model, reader, td, head_chunk_rows)
     # PreTrainedModel.device is its first parameter's device (the embedding's, meta here) and HF code and
     # tpcheck.reference.hf's teacher hook move inputs there: a zero-size CPU parameter, registered first, says CPU

@@ -1,7 +1,8 @@
 """Named, injectable tensor-parallel bugs, applied inside the rank workers of a live impl engine.
 
 Each fault is declared once, beside its patch, with ``@fault(...)`` (``registry``); the modules group them
-by where they strike: ``loading``, ``attention``, ``collectives``, ``kv_cache``, ``norm``, and ``families``
+by where they strike: ``loading``, ``attention``, ``collectives``, ``kv_cache``, ``norm``, ``quant`` (the
+scales of quantized linears), ``moe`` and ``families``
 (what the families beyond Qwen2 add: q/k norms, llama3 RoPE, biases, sliding windows). Applying them:
 ``engine`` (``apply`` in a rank, ``inject`` / ``injected`` / ``restore`` from the driver). How faults
 work, how to add one, and what cannot be injected: docs/faults.md.
@@ -13,7 +14,7 @@ work, how to add one, and what cannot be injected: docs/faults.md.
 from __future__ import annotations
 
 # the fault modules register their faults on import (order: their catalogue numbers)
-from tpcheck.inputs.faults import attention, collectives, families, kv_cache, loading, moe, norm  # noqa: F401
+from tpcheck.inputs.faults import attention, collectives, families, kv_cache, loading, moe, norm, quant  # noqa: F401
 from tpcheck.inputs.faults.attention import DEFAULT_ROPE_THETA
 from tpcheck.inputs.faults.collectives import LOW_PRECISION_REDUCE
 from tpcheck.inputs.faults.engine import apply, describe, inject, injected, restore

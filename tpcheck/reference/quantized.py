@@ -1,0 +1,106 @@
+"""The reference models of a quantized checkpoint (``impl.quant``: INT8 W8A8, compressed-tensors): a golden that
+means what the checkpoint means.
+
+A W8A8 linear computes ``y = s_x s_w (q_x W_q^T)`` with ``q_x = clamp(round(x / s_x), -128, 127)`` per token. The
+golden is Hugging Face's own model with every quantized linear's weight **dequantized** (``W_q * s_w``, exact in
+float64) and its input **fake-quantized** by a forward pre-hook (``x -> q_x * s_x``, the rounding rule, scale and
+clamp of the engine): in float64 its output is that formula with exact integer products, so it differs from a
+correct engine only by the engine's float rounding of the scales and the cast of the result, and by activations
+that sit within float noise of a rounding boundary (a near tie: one quantization step apart, legitimately).
+
+The noise-floor references are the same model at the run's dtype: dequantized weights rounded to the dtype, the
+input scale computed in float32 from the dtype's activations (as the engines do) and the fake-quantized input cast
+back to the dtype. They are one correct implementation among many (the fake-quant one), with their own near ties,
+so the floor admits what quantizing noisy activations does.
+
+transformers cannot build these models itself without the ``compressed-tensors`` package (and would run its own
+kernels if it could): the model is built from its config with ``quantization_config`` removed, and its state dict
+is read tensor by tensor from the safetensors files (never pickle)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from impl.config import load_config, parse_dtype
+from impl.loader import checkpoint_files
+from impl.quant import QMAX, Int8Scheme
+from tpcheck.reference.build import meta_model
+
+#: the projections a compressed-tensors ``Linear`` target quantizes in a decoder layer (HF's names)
+QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+
+
+def fake_quant(x: torch.Tensor, scheme: Int8Scheme, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``q_x * s_x`` in ``x``'s dtype: per token (``s_x = max|x_t| / 127``, a zero row kept zero) or with the static
+    ``input_scale``; float64 end to end for the golden, else the scale and rounding in float32 (as an engine
+    quantizes its bf16 / fp16 / fp32 activations) and the product cast back."""
+    work = x if x.dtype == torch.float64 else x.float()
+    if scheme.dynamic_input:
+        s = work.abs().amax(dim=-1, keepdim=True) / QMAX
+        s = torch.where(s == 0, torch.ones_like(s), s)
+    else:
+        s = input_scale.to(work.dtype)
+    q = torch.round(work / s).clamp_(-QMAX - 1, QMAX)
+    return (q * s).to(x.dtype)
+
+
+def _state_dict(model_dir: str | Path, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every tensor of the checkpoint in ``dtype`` with each int8 ``weight`` dequantized by its ``weight_scale``
+    (in float64, then cast); and the static ``input_scale`` of each layer that has one."""
+    raw: dict[str, torch.Tensor] = {}
+    for fname, names in checkpoint_files(model_dir).items():
+        with safe_open(fname, framework="pt") as f:
+            for name in names:
+                raw[name] = f.get_tensor(name)
+    state, input_scales = {}, {}
+    for name, t in raw.items():
+        if name.endswith(".weight_scale"):
+            continue
+        if name.endswith(".input_scale"):
+            input_scales[name.removesuffix(".input_scale")] = t.float().reshape(1)
+            continue
+        if t.dtype == torch.int8:
+            scale = raw.get(name + "_scale")
+            if scale is None:
+                raise ValueError(f"{model_dir}: int8 tensor {name!r} has no {name}_scale")
+            t = t.double() * scale.double().reshape(-1, 1) if scale.numel() > 1 else t.double() * scale.double()
+        state[name] = t.to(dtype)
+    return state, input_scales
+
+
+def load_quantized_hf(model_dir: str | Path, dtype: str | torch.dtype, config_cls: type, model_cls: type) -> nn.Module:
+    """HF's model of a quantized checkpoint in ``dtype``: dequantized weights, fake-quantized linear inputs."""
+    scheme, td = load_config(model_dir).quant, parse_dtype(dtype)
+    config = config_cls.from_pretrained(str(model_dir))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # transformers would look for its own compressed-tensors quantizer
+    model = meta_model(model_dir, td, config, model_cls)
+    state, input_scales = _state_dict(model_dir, td)
+    tied = bool(config.tie_word_embeddings)
+    if tied:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: the quantized checkpoint does not match {model_cls.__name__}: missing "
+                         f"{missing[:8]}, unexpected {unexpected[:8]}")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _fake_quant_inputs(model, scheme, input_scales)
+    return model.eval()
+
+
+def _fake_quant_inputs(model: nn.Module, scheme: Int8Scheme, input_scales: dict[str, torch.Tensor]) -> None:
+    """A forward pre-hook on each quantized linear (appended: the capture's own pre-hooks, installed earlier or
+    later with ``prepend``, still see the float input)."""
+    for i, layer in enumerate(model.model.layers):
+        for rel in QUANTIZED:
+            mod = layer.get_submodule(rel)
+            scale = input_scales.get(f"model.layers.{i}.{rel}")
+            if not scheme.dynamic_input and scale is None:
+                raise ValueError(f"model.layers.{i}.{rel}: a static activation scheme with no input_scale")
+            mod.register_forward_pre_hook(lambda m, args, s=scale: (fake_quant(args[0], scheme, s), *args[1:]))
