@@ -30,13 +30,14 @@ from safetensors.torch import save_file
 # re-exported: the presets and the value recipe live in their own modules; ``from tpcheck.inputs.checkpoints
 # import PRESETS`` (and ``ck._tensor_specs`` in the tests) keep working
 from tpcheck.inputs.presets import (  # noqa: F401
-    DTYPES, OUTLIERS, PRESETS, ROUTER_TIES, SINKS, _check_dtype, _check_preset, config_family, config_from_kwargs,
+    DTYPES, OUTLIERS, PRESETS, QUANTIZED, ROUTER_TIES, SINKS, _check_dtype, _check_preset, config_family, config_from_kwargs,
     describe_preset, preset_available, preset_config, preset_family, preset_names,
 )
 from tpcheck.inputs.sink_recipe import _add_sink, check_sink_config, sink_channels  # noqa: F401
 from tpcheck.inputs.weight_recipe import (  # noqa: F401
     _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
+from tpcheck.inputs.quantize import quantize_checkpoint
 from impl.config import load_config
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
@@ -72,6 +73,18 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
     ``shards > 1`` writes ``model-0000i-of-0000N.safetensors`` plus an index json.
     Returns ``out`` as a Path.
     """
+    if preset in QUANTIZED:  # the float preset's checkpoint, quantized (a temp dir beside ``out``)
+        base, scheme = QUANTIZED[preset]
+        out = pathlib.Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.float-", dir=out.parent) as tmp:
+            src = make_checkpoint(base, pathlib.Path(tmp) / "float", seed=seed, dtype=dtype, shards=shards)
+            try:
+                return quantize_checkpoint(src, out, scheme)
+            except ValueError:
+                if (out / "config.json").is_file():  # another process finished first
+                    raise FileExistsError(f"checkpoint destination exists and is not empty: {out}") from None
+                raise
     return make_config_checkpoint(preset_config(preset, dtype), out, seed=seed, dtype=dtype, shards=shards,
                                   outliers=OUTLIERS.get(preset, 0.0), router_ties=ROUTER_TIES.get(preset, 0.0),
                                   sink=preset in SINKS)

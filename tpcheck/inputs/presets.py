@@ -179,6 +179,11 @@ OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
 ROUTER_TIES: dict[str, float] = {"tiny-moe-ties": 0.01}
 # presets drawn with the attention-sink recipe (``sink=True`` of ``make_config_checkpoint``: ``_add_sink``)
 SINKS: tuple[str, ...] = ("deep-sink", "deep-sink-3")
+# quantized presets: the float preset's checkpoint (same seed) quantized by ``tpcheck.inputs.quantize`` with this
+# scheme. small-hd32's shape: head_dim 32 and K, N per rank multiples of 32 at tp 1/2/4, as vLLM's CPU kernels want
+QUANTIZED: dict[str, tuple[str, str]] = {"small-w8a8": ("small-hd32", "w8a8-int8"),
+                                         "small-w8a8-tensor": ("small-hd32", "w8a8-int8-tensor")}
+PRESETS.update({name: PRESETS[base] for name, (base, _) in QUANTIZED.items()})
 
 
 def preset_names() -> list[str]:
@@ -221,6 +226,8 @@ def describe_preset(name: str) -> str:
     extra += _describe_moe(name, c)
     if name in SINKS:
         extra.append("attention sink at token 0: ~2e4 mid-depth, ~2.5e3 at the last layer")
+    if name in QUANTIZED:
+        extra.append(f"{QUANTIZED[name][0]} quantized {QUANTIZED[name][1]}")
     return (f"{name:15s} {config_family(c):9s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
             f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
             f"{'tied' if c.get('tie_word_embeddings') else 'untied'}" + "".join(f"; {e}" for e in extra))
