@@ -60,18 +60,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_checkpoint_commands(sub) -> None:
     """make-checkpoint, presets, schema, faults."""
-    mk = sub.add_parser("make-checkpoint", help="write a synthetic Hugging Face checkpoint (any supported family)")
-    mk.add_argument("--preset", required=True, choices=checkpoints.preset_names())
-    mk.add_argument("--out", required=True, type=Path)
-    mk.add_argument("--seed", type=int, default=0)
-    mk.add_argument("--dtype", default="float32", choices=sorted(checkpoints.DTYPES))
-    mk.add_argument("--shards", type=int, default=1, help="number of safetensors files (>1 writes an index)")
+    from tpcheck.cli import fault_matrix_command, make_checkpoint
+    make_checkpoint.register(sub)
     sub.add_parser("presets", help="list the synthetic checkpoint presets")
     sub.add_parser("schema", help="print the JSON Schema (draft 2020-12) of the --json documents")
     fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
     fsub = fl.add_subparsers(dest="action", required=True)
     fsub.add_parser("list", help="each fault: description, where it shows, expected origin")
-    from tpcheck.cli import fault_matrix_command
     fault_matrix_command.register(fsub)
 
 
@@ -340,8 +335,8 @@ def _run(a, argv: list[str]) -> int:
     from tpcheck.cli.paths import check_outputs
     check_outputs(a)  # two outputs on one path, or an output on an input: exit 2 before any work
     if a.cmd == "make-checkpoint":
-        print(checkpoints.make_checkpoint(a.preset, a.out, seed=a.seed, dtype=a.dtype, shards=a.shards))
-        return 0
+        from tpcheck.cli import make_checkpoint
+        return make_checkpoint.run(a)
     if a.cmd == "presets":
         for name in checkpoints.preset_names():
             print(checkpoints.describe_preset(name))

@@ -1,0 +1,65 @@
+"""``tpcheck make-checkpoint``: a synthetic Hugging Face checkpoint of a preset (``--preset``), optionally quantized
+(``--quantize SCHEME``); or the quantization of an existing float checkpoint (``--model SRC_DIR --quantize SCHEME``).
+
+The quantized format (compressed-tensors INT8 W8A8, as vLLM reads it) is ``tpcheck.inputs.quantize``'s."""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from tpcheck.cli.lazy import Lazy
+
+checkpoints = Lazy("tpcheck.inputs.checkpoints")  # these import torch: only the command's run needs them
+quantize = Lazy("tpcheck.inputs.quantize")
+
+
+def register(subparsers) -> None:
+    mk = subparsers.add_parser("make-checkpoint", help="write a synthetic Hugging Face checkpoint (any supported "
+                                                       "family), or a quantized one (--quantize)",
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = mk.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=checkpoints.preset_names(), help="write this synthetic preset")
+    src.add_argument("--model", type=Path, metavar="SRC_DIR",
+                     help="a float Hugging Face checkpoint directory to quantize (needs --quantize)")
+    mk.add_argument("--out", required=True, type=Path)
+    mk.add_argument("--quantize", choices=list(quantize.SCHEMES), metavar="SCHEME",
+                    help="write the checkpoint quantized: " + "; ".join(f"{k}: {v}" for k, v in
+                                                                        quantize.SCHEMES.items()))
+    # None: not given (they describe a preset's float weights, so --model refuses them)
+    mk.add_argument("--seed", type=int, default=None, help="the preset's random seed (default 0)")
+    mk.add_argument("--dtype", default=None, choices=sorted(checkpoints.DTYPES),
+                    help="the preset's float dtype (default float32)")
+    mk.add_argument("--shards", type=int, default=None,
+                    help="number of safetensors files (>1 writes an index; not with --quantize)")
+
+
+def run(a) -> int:
+    """Write the checkpoint; print what was written."""
+    if a.model is not None:
+        if a.quantize is None:
+            raise ValueError("--model SRC_DIR needs --quantize SCHEME (a float checkpoint is written from --preset)")
+        given = [f for f, v in (("--seed", a.seed), ("--dtype", a.dtype), ("--shards", a.shards)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: describe a --preset's weights, not --model's")
+    seed, dtype = a.seed or 0, a.dtype or "float32"
+    if a.quantize is None:
+        print(checkpoints.make_checkpoint(a.preset, a.out, seed=seed, dtype=dtype, shards=a.shards or 1))
+        return 0
+    if a.shards is not None:
+        raise ValueError("--shards: a quantized checkpoint is written as one model.safetensors")
+    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):  # before the preset is written
+        raise ValueError(f"destination {a.out} exists and is not an empty directory")
+    if a.model is not None:
+        out = quantize.quantize_checkpoint(a.model, a.out, a.quantize)
+        source = str(a.model)
+    else:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{a.out.name}.float-", dir=a.out.parent) as tmp:
+            float_dir = checkpoints.make_checkpoint(a.preset, Path(tmp) / "float", seed=seed, dtype=dtype)
+            out = quantize.quantize_checkpoint(float_dir, a.out, a.quantize)
+        source = f"preset {a.preset} (seed {seed}, {dtype})"
+    n = len(quantize.quantized_names(out))
+    print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights int8 "
+          f"({quantize.SCHEMES[a.quantize]})")
+    return 0

@@ -1,0 +1,314 @@
+"""Quantized checkpoints in the compressed-tensors INT8 W8A8 format, as vLLM reads it.
+
+``quantize_checkpoint(src, dst, scheme)`` reads a float Hugging Face checkpoint (``config.json`` and
+``model.safetensors``, or shards named by ``model.safetensors.index.json``) one tensor at a time and writes ``dst``:
+
+* ``model.safetensors``: every source tensor; each decoder-layer linear weight
+  (``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``)
+  becomes an int8 ``...weight`` plus a float32 ``...weight_scale``. Embeddings, norms, biases and ``lm_head``
+  stay as they are (same dtype, same bytes).
+* ``config.json``: the source config plus ``quantization_config`` (``quantization_config(scheme)``).
+* the other top-level files (``generation_config.json``, tokenizer files) copied as they are; other weight files
+  (``*.bin``, ``*.pt``, ...) and subdirectories are left out: they would hold the float weights again.
+
+The math (symmetric, no zero point), for each output channel (``w8a8-int8``) or the whole tensor
+(``w8a8-int8-tensor``) of a weight ``W``::
+
+    scale = float32(absmax(W) / 127)                 # absmax / 127 in float64, stored as float32
+    q     = int8(clamp(round(W / scale), -128, 127))  # in float64, with the float32 scale; round: half to even
+
+``q`` is computed with the stored float32 scale, so ``q * scale`` (what an engine dequantizes from the file) is
+within ``scale / 2`` of ``W``. An all-zero row (or tensor) gets ``scale = 1.0`` and ``q = 0``: a zero scale would
+put 0 / 0 into the division above and into any kernel that rescales by a weight scale (vLLM requantizes the
+per-tensor scales of fused q/k/v and gate/up to their maximum by dividing by it); any positive scale dequantizes
+``q = 0`` to exact zeros, and 1.0 is exact in every float format. (llm-compressor divides by 127.5, the half
+range of [-128, 127]; the format only fixes ``q`` and ``scale``, so either reads the same way.)
+
+Activations are not stored: both schemes quantize a linear layer's input dynamically per token at run time
+(``input_activations``: int8, symmetric, strategy ``token``, dynamic).
+
+``quantization_config`` is ``compressed_tensors.quantization.QuantizationConfig`` (compressed-tensors 0.17.0)
+as ``model_dump(mode="json")`` writes it (validating and dumping it again gives the same dict). What vLLM 0.32 reads
+of it (``vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py``):
+
+* ``quant_method`` ``"compressed-tensors"``: selects ``CompressedTensorsConfig`` (``vllm.config.model``);
+* ``format`` ``"int-quantized"``: an activation-quantization format, so ``input_activations`` is honoured;
+* ``config_groups.*.targets`` (``["Linear"]``: every linear layer), ``.weights`` and ``.input_activations``
+  (each through ``QuantizationArgs.model_validate``), ``.output_activations``, ``.format`` (null: the global one);
+  weights int8 symmetric static with strategy channel / tensor plus inputs int8 dynamic per token select
+  ``CompressedTensorsW8A8Int8`` (``_is_dynamic_token_w8a8``), which expects the int8 ``weight`` and a float32
+  ``weight_scale`` of shape ``[out, 1]`` (channel) or ``[1]`` per fused part (tensor);
+* ``ignore`` (``["lm_head"]``: left in float), ``kv_cache_scheme`` (null: no KV-cache quantization);
+  ``transform_config``, ``sparsity_config``, ``total_num_heads`` / ``total_num_kv_heads`` when present (absent).
+
+``quantization_status``, ``global_compression_ratio`` and the ``observer`` fields are not read by vLLM; they are
+written as compressed-tensors writes them (``compressed``: the weights on disk are already int8).
+
+vLLM 0.32 on CPU runs these layers with ``CPUInt8ScaledMMLinearKernel`` (oneDNN; per-tensor scales of fused layers
+converted to per channel). On an x86 CPU without VNNI (AVX2 only) oneDNN's u8 x s8 products saturate in int16 where
+weights use the full +-127 range: a linear's output is then off by a few percent, far above bf16 noise, most with
+``w8a8-int8`` (every row reaches 127). That is the kernel's error, not the file's (7-bit weights run clean there).
+
+The output is written into a temporary directory beside ``dst`` and renamed into place, so a crash leaves no half
+checkpoint; ``model.safetensors`` is streamed (one source tensor in memory at a time) in safetensors' own layout
+(tensors grouped by item size, largest first, then by name: every tensor aligned), so the same source and scheme
+give byte-identical files.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+#: scheme name -> what it writes
+SCHEMES: dict[str, str] = {
+    "w8a8-int8": "int8 weights with a per-output-channel float32 scale [out, 1]; activations int8, dynamic per token",
+    "w8a8-int8-tensor": "int8 weights with one float32 scale per tensor [1]; activations int8, dynamic per token",
+}
+_STRATEGY = {"w8a8-int8": "channel", "w8a8-int8-tensor": "tensor"}
+
+#: the decoder-layer linear weights that are quantized (lm_head is not: it is in ``ignore``)
+LINEAR_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+#: a projection weight that vLLM would take for a quantized Linear although it is not one of the names above
+_OTHER_PROJ = re.compile(r"model\.layers\.\d+\..*_proj\.weight")
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # what a float weight may be stored as
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_MOE_KEYS = ("num_experts", "num_local_experts")
+
+
+def _qargs(strategy: str, dynamic: bool) -> dict:
+    """One ``QuantizationArgs`` (int8, symmetric) as compressed-tensors dumps it."""
+    return {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": strategy,
+            "block_structure": None, "dynamic": dynamic, "actorder": None, "scale_dtype": None, "zp_dtype": None,
+            # the validator's default observer: memoryless min-max for static weights, none for dynamic inputs
+            "observer": None if dynamic else "memoryless_minmax", "observer_kwargs": {}}
+
+
+def quantization_config(scheme: str) -> dict:
+    """The ``quantization_config`` entry of ``config.json`` for ``scheme`` (the module docstring: what vLLM reads)."""
+    _check_scheme(scheme)
+    group = {"targets": ["Linear"], "weights": _qargs(_STRATEGY[scheme], False),
+             "input_activations": _qargs("token", True), "output_activations": None, "format": None}
+    return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
+            "format": "int-quantized", "quantization_status": "compressed", "global_compression_ratio": None,
+            "ignore": ["lm_head"]}
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
+
+
+def weight_scale(w: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The float32 scale of a 2-D float weight: ``[out, 1]`` (``w8a8-int8``) or ``[1]`` (``w8a8-int8-tensor``)."""
+    _check_scheme(scheme)
+    a = w.detach().to(torch.float64).abs()
+    absmax = a.amax(dim=1, keepdim=True) if _STRATEGY[scheme] == "channel" else a.amax().reshape(1)
+    scale = (absmax / 127).to(torch.float32)
+    # all zero: any positive scale dequantizes q = 0 exactly; 1.0 keeps every division by the scale finite
+    scale = torch.where(absmax == 0, torch.ones_like(scale), scale)
+    if bool((scale < torch.finfo(torch.float32).tiny).any()):  # a subnormal scale loses the round trip's bound
+        raise ValueError(f"absmax {absmax[absmax > 0].min().item():.3g} is too small for a normal float32 scale")
+    return scale
+
+
+def quantize_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``clamp(round(w / scale), -128, 127)`` as int8, in float64 with the stored float32 ``scale`` (half to even)."""
+    q = torch.round(w.detach().to(torch.float64) / scale.to(torch.float64))
+    return q.clamp_(-128, 127).to(torch.int8)
+
+
+class _Source:
+    """The tensors of a checkpoint directory, opened lazily: name -> (dtype string, shape) without reading data;
+    ``get(name)`` reads one tensor."""
+
+    def __init__(self, src: Path, stack: contextlib.ExitStack):
+        index = src / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no weight_map")
+            files = sorted(set(weight_map.values()))
+        elif (src / "model.safetensors").is_file():
+            weight_map, files = None, ["model.safetensors"]
+        else:
+            raise ValueError(f"{src}: no model.safetensors nor model.safetensors.index.json")
+        self.handles = {f: stack.enter_context(safe_open(src / f, framework="pt")) for f in files}
+        self.where: dict[str, str] = {}
+        self.meta: dict[str, tuple[str, list[int]]] = {}
+        for f, h in self.handles.items():
+            for name in h.keys():
+                if name in self.where:
+                    raise ValueError(f"{src}: tensor {name} is in both {self.where[name]} and {f}")
+                if weight_map is not None and weight_map.get(name) != f:
+                    raise ValueError(f"{src}: tensor {name} is in {f}, the index says {weight_map.get(name)}")
+                sl = h.get_slice(name)
+                self.where[name], self.meta[name] = f, (sl.get_dtype(), list(sl.get_shape()))
+        missing = sorted(set(weight_map or {}) - set(self.where))
+        if missing:
+            raise ValueError(f"{src}: the index names {missing[0]} (and {len(missing) - 1} more) in no shard")
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.handles[self.where[name]].get_tensor(name)
+
+
+def _read_config(src: Path) -> dict:
+    path = src / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{src}: no config.json")
+    cfg = json.loads(path.read_text())
+    for key in ("quantization_config", "compression_config"):
+        if key in cfg:
+            method = cfg[key].get("quant_method", "?") if isinstance(cfg[key], dict) else "?"
+            raise ValueError(f"{src}: already quantized (config.json has {key}, quant_method {method!r})")
+    moe = [k for k in _MOE_KEYS if cfg.get(k)]
+    if moe:
+        raise ValueError(f"{src}: mixture-of-experts model ({moe[0]}={cfg[moe[0]]}): quantizing experts is not "
+                         "supported yet")
+    return cfg
+
+
+#: output tensor name -> (safetensors dtype, shape, role): "copy" as in the source, "weight" the int8 values of a
+#: quantized weight, "scale" its weight_scale
+Plan = dict[str, tuple[str, list[int], str]]
+
+
+def _plan(source: _Source, scheme: str) -> Plan:
+    """The output tensors, refusing what cannot be quantized: a non-float linear weight, a projection this module
+    does not know, a name already taken."""
+    out: Plan = {}
+    for name, (dtype, shape) in sorted(source.meta.items()):
+        if LINEAR_WEIGHT.fullmatch(name):
+            if dtype not in _FLOAT_DTYPES or len(shape) != 2:
+                raise ValueError(f"tensor {name}: expected a 2-D float weight, found {dtype} {shape}")
+            if name + "_scale" in source.meta:
+                raise ValueError(f"tensor {name}_scale is already in the source")
+            scale_shape = [shape[0], 1] if _STRATEGY[scheme] == "channel" else [1]
+            out[name], out[name + "_scale"] = ("I8", shape, "weight"), ("F32", scale_shape, "scale")
+        elif _OTHER_PROJ.fullmatch(name):  # vLLM's "Linear" target would expect it int8 as well
+            raise ValueError(f"tensor {name}: a projection weight this quantizer does not know (a fused or other "
+                             "layout); supported: q/k/v/o_proj and gate/up/down_proj")
+        elif dtype not in _ITEMSIZE:
+            raise ValueError(f"tensor {name}: dtype {dtype} is not supported")
+        elif name not in out:
+            out[name] = (dtype, shape, "copy")
+    if not any(role == "weight" for _, _, role in out.values()):
+        raise ValueError("no decoder-layer linear weight (model.layers.N.self_attn.q_proj.weight ...) in the source")
+    return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _write_safetensors(path: Path, source: _Source, plan: Plan, scheme: str) -> None:
+    """Stream the planned tensors into ``path``: the header first (every shape is known), then each tensor's
+    bytes, reading one source tensor at a time (a weight twice: for its scale, then for its int8 values)."""
+    order = sorted(plan, key=lambda n: (-_ITEMSIZE[plan[n][0]], n))  # safetensors' order: aligned, deterministic
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        dtype, shape, _ = plan[name]
+        size = _ITEMSIZE[dtype] * int(torch.Size(shape).numel())
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # padded as safetensors pads it: the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name in order:
+            f.write(_tensor_bytes(_output_tensor(source, name, plan, scheme)))
+        written = f.tell()
+    if written != 8 + len(head) + offset:
+        raise AssertionError(f"{path}: wrote {written} bytes, the header describes {8 + len(head) + offset}")
+
+
+def _output_tensor(source: _Source, name: str, plan: Plan, scheme: str) -> torch.Tensor:
+    """One output tensor, checked against its planned shape."""
+    role = plan[name][2]
+    if role == "scale":
+        base = name.removesuffix("_scale")
+        t = _checked_scale(source.get(base), base, scheme)
+    elif role == "weight":
+        w = source.get(name)
+        t = quantize_weight(w, _checked_scale(w, name, scheme))
+    else:
+        t = source.get(name)
+    if list(t.shape) != plan[name][1]:
+        raise AssertionError(f"tensor {name}: shape {list(t.shape)}, planned {plan[name][1]}")
+    return t
+
+
+def _checked_scale(w: torch.Tensor, name: str, scheme: str) -> torch.Tensor:
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"tensor {name}: has inf or nan values, which have no int8 scale")
+    try:
+        return weight_scale(w, scheme)
+    except ValueError as e:
+        raise ValueError(f"tensor {name}: {e}") from None
+
+
+def _copy_other_files(src: Path, tmp: Path) -> None:
+    """Top-level files other than the config and weights (tokenizer, generation config), as they are."""
+    for p in sorted(src.iterdir()):
+        if p.name.startswith(".") or p.name == "config.json" or not p.is_file():
+            continue
+        if p.name.endswith(_WEIGHT_FILES) or p.name.endswith(".index.json"):
+            continue  # float weights (or their index) next to the quantized ones would be read instead of them
+        shutil.copyfile(p, tmp / p.name)
+
+
+def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) -> Path:
+    """Write the ``scheme`` quantization of the float checkpoint ``src`` into the new (or empty) directory ``dst``
+    (the module docstring: the format and the math). Returns ``dst`` as a Path.
+
+    Refused with a ValueError naming the fault: an unknown scheme, a source with a ``quantization_config``, a
+    mixture-of-experts model, a linear weight that is not float, ``dst`` existing and not an empty directory."""
+    _check_scheme(scheme)
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise ValueError(f"source checkpoint {src} is not a directory")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"destination {dst} exists and is not an empty directory")
+    cfg = _read_config(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        with contextlib.ExitStack() as stack:
+            source = _Source(src, stack)
+            plan = _plan(source, scheme)
+            _write_safetensors(tmp / "model.safetensors", source, plan, scheme)
+        (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config(scheme)},
+                                                    indent=2) + "\n")
+        _copy_other_files(src, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        try:
+            os.replace(tmp, dst)  # POSIX: onto a missing or empty directory, atomically
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise ValueError(f"destination {dst} was filled by someone else meanwhile") from None
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def quantized_names(model_dir: str | os.PathLike) -> list[str]:
+    """The quantized weights of a checkpoint written here: each int8 weight that has a ``weight_scale``."""
+    with safe_open(Path(model_dir) / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+    return sorted(k.removesuffix("_scale") for k in keys if k.endswith(".weight_scale"))
