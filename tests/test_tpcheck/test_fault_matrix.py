@@ -44,9 +44,10 @@ SMALLEST = {
 STEP = {"gqa_cache_repeated_heads": 0, "decode_position_off_by_one": 1, "slot_mapping_off_by_one_at_block_boundary": 3}
 
 # the family faults (tpcheck.inputs.faults.families) run on the other families' presets: tests/test_tpcheck/test_families.py
-# (and the MoE faults on the MoE presets: tests/test_tpcheck/test_routing.py)
-CATALOG = [n for n, f in FAULTS.items()
-           if f.patch.__module__ not in ("tpcheck.inputs.faults.families", "tpcheck.inputs.faults.moe")]
+# (the MoE faults on the MoE presets: tests/test_tpcheck/test_routing.py; the quantization faults on the quantized
+# presets: tests/test_tpcheck/test_quantized.py)
+CATALOG = [n for n, f in FAULTS.items() if f.patch.__module__ not in (
+    "tpcheck.inputs.faults.families", "tpcheck.inputs.faults.moe", "tpcheck.inputs.faults.quant")]
 DIFF_FAULTS = [n for n in CATALOG if FAULTS[n].check == "diff"]
 # the check expected to flag each origin (the rest: the noise floor)
 BY = {"nan_causal_mask": "NaN", "rmsnorm_weight_before_cast": "exact ops", "gqa_cache_repeated_heads": "shape",

@@ -23,8 +23,10 @@ DESCRIBE = "tpcheck.inputs.faults:describe"
 FAMILY = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.families"]
 # mixture-of-experts faults need an MoE preset: tests/test_tpcheck/test_routing.py
 MOE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.moe"]
+# quantization faults need a quantized preset: tests/test_tpcheck/test_quantized.py
+QUANT = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
-           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE)]
+           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT)]
 
 
 def smallest_tp(fault, cfg) -> int:
@@ -53,7 +55,7 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 31
+    assert len(names) == len(set(names)) == len(FAULTS) == 35
     assert FAMILY == ["qk_norm_after_rope", "llama3_scaling_ignored", "bias_where_none", "sliding_window_ignored"]
     assert MOE == ["moe_router_low_precision", "moe_topk_not_renormalized", "moe_shared_gate_skipped",
                    "moe_expert_offset_wrong", "moe_experts_reduced_twice", "moe_wrong_combine_weights",
@@ -110,7 +112,7 @@ def test_applies(ckpt):
                                           ("qkv_shard_dim1", "row_bias_every_rank", "skip_o_proj_allreduce",
                                            "kv_replica_index", "full_state_dict_every_rank", "vocab_ids_not_masked",
                                            "every_rank_loads_rank0_shard", "rmsnorm_weight_before_cast",
-                                           "rope_theta_default", "allreduce_low_precision", *FAMILY, *MOE)]
+                                           "rope_theta_default", "allreduce_low_precision", *FAMILY, *MOE, *QUANT)]
 
 
 
@@ -126,7 +128,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 31  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 35  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

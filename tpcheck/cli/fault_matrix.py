@@ -26,7 +26,7 @@ from impl import CacheConfig
 from impl.config import load_config
 from tpcheck.inputs.faults import FAULTS, Fault, get_fault
 from tpcheck.progress import bar
-from tpcheck.inputs.checkpoints import preset_available
+from tpcheck.inputs.checkpoints import QUANTIZED, preset_available
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on st
 # that has the option (tpcheck.inputs.checkpoints: tiny-llama, tiny-mistral, tiny-qwen3)
 PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small",
                 "tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe",
-                "tiny-mixtral")
+                "tiny-mixtral", "small-w8a8", "small-w8a8-tensor")
 TP_ORDER = (1, 2, 4)
 DTYPE_ORDER = ("float32", "bfloat16")
 CLEAN_DTYPES = ("float32", "bfloat16")
@@ -217,13 +217,15 @@ def clean_row(config: dict, pool, ckpt=None) -> dict:
 
 
 def clean_configs(configs: list[dict], dtypes=CLEAN_DTYPES) -> list[dict]:
-    """Each distinct layout of ``configs`` (preset, tp, prompts, decode steps, block size) once per dtype."""
+    """Each distinct layout of ``configs`` (preset, tp, prompts, decode steps, block size) once per dtype; a
+    quantized preset's float32 run is float16's (float32 quantized runs are refused: near ties)."""
     seen, out = set(), []
     for c in configs:
         key = _layout_key(c)
         if key not in seen:
             seen.add(key)
-            out += [dict(c, dtype=d) for d in dtypes]
+            quantized = c["preset"] in QUANTIZED
+            out += [dict(c, dtype="float16" if quantized and d == "float32" else d) for d in dtypes]
     return out
 
 
