@@ -35,9 +35,10 @@ def script(tmp_path_factory):
     ("tpcheck faults matrix --no", ["--no-clean"]),
     ("tpcheck diff --eng", ["--engine"]),
     ("tpcheck diff --engine h", ["hf-tp"]),
-    ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-hd32", "small-llama", "small-qwen3"]),
+    ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-hd32", "small-llama", "small-qwen3", "small-w8a8",
+                                             "small-w8a8-tensor"]),
     ("tpcheck sweep --qui", ["--quiet"]),
-    ("tpcheck diff --inject qkv_s", ["qkv_shard_dim1"]),  # fault names
+    ("tpcheck diff --inject qkv_sh", ["qkv_shard_dim1"]),  # fault names
     ("tpcheck diff --inject rope_skipped,qkv_b", ["rope_skipped,qkv_bias_missing"]),  # the last of a list
     ("tpcheck faults matrix --faults untied", ["untied_lm_head"]),
     ("tpcheck sweep --preset tiny,tiny-m", ["tiny,tiny-mha", "tiny,tiny-mqa", "tiny,tiny-mistral", "tiny,tiny-mixtral",
