@@ -24,15 +24,16 @@ def marks(module: nn.Module) -> list[str]:
     return list(module.__dict__.get(MARK, []))
 
 
-def read_tensors(runner, names: list[str]) -> dict[str, torch.Tensor]:
-    """Full checkpoint tensors by name, cast to the runner's dtype."""
+def read_tensors(runner, names: list[str], cast: bool = True) -> dict[str, torch.Tensor]:
+    """Full checkpoint tensors by name, cast to the runner's dtype (``cast=False``: as stored, e.g. float32
+    quantization scales)."""
     want, out = set(names), {}
     for fname, in_file in checkpoint_files(runner.cfg.model_dir).items():
         hits = want.intersection(in_file)
         if hits:
             with safe_open(fname, framework="pt") as f:
                 for n in hits:
-                    out[n] = f.get_tensor(n).to(runner.dtype)
+                    out[n] = f.get_tensor(n).to(runner.dtype) if cast else f.get_tensor(n)
     missing = want - set(out)
     if missing:
         raise ValueError(f"checkpoint {runner.cfg.model_dir} lacks {sorted(missing)}")

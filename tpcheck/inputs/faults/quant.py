@@ -2,30 +2,15 @@
 are the bugs engines have shipped (the scales, not the matmuls): a row-parallel scale sharded like a column-parallel
 one, fused partitions' scales in the wrong slots, every rank reading rank 0's scale rows.
 
-Each patch rewrites the rank's ``weight_scale`` after loading, from the checkpoint's own scale tensors
-(``read_scales``); the int8 weights are untouched. They show on quantized checkpoints only, in the dtypes tpcheck
+Each patch rewrites the rank's ``weight_scale`` after loading (from the checkpoint's own scale tensors, read as
+stored: ``read_tensors(..., cast=False)``); the int8 weights are untouched. They show on quantized checkpoints only, in the dtypes tpcheck
 judges a quantized run in (``shows``: not float32, whose near ties are not handled yet)."""
 from __future__ import annotations
 
 import torch
-from safetensors import safe_open
 
-from impl.loader import checkpoint_files
-from tpcheck.inputs.faults.patching import mark
+from tpcheck.inputs.faults.patching import mark, read_tensors
 from tpcheck.inputs.faults.registry import fault
-
-
-def read_scales(runner, names: list[str]) -> dict[str, torch.Tensor]:
-    """Checkpoint scale tensors by name, as stored (float32): ``read_tensors`` would cast them to the run's dtype."""
-    want, out = set(names), {}
-    for fname, in_file in checkpoint_files(runner.cfg.model_dir).items():
-        with safe_open(fname, framework="pt") as f:
-            for n in want.intersection(in_file):
-                out[n] = f.get_tensor(n)
-    missing = want - set(out)
-    if missing:
-        raise ValueError(f"checkpoint {runner.cfg.model_dir} lacks {sorted(missing)}")
-    return out
 
 
 def _quantized(cfg, plan, dtype) -> bool:
@@ -77,7 +62,7 @@ def column_scale_rank0_rows(runner, i, layer):
     p = f"model.layers.{i}."
     targets = [(sa.qkv_proj, f"self_attn.{s}_proj", s) for s in ("q", "k", "v")]
     targets += [(mlp.gate_up_proj, "mlp.gate_proj", 0), (mlp.gate_up_proj, "mlp.up_proj", 1)]
-    full = read_scales(runner, [p + f"{hf}.weight_scale" for _, hf, _ in targets])
+    full = read_tensors(runner, [p + f"{hf}.weight_scale" for _, hf, _ in targets], cast=False)
     for m, hf, sid in targets:
         rank = m.tp_rank
         m.tp_rank = 0  # the layer's own scale loader, narrowing at rank 0's rows
