@@ -3,8 +3,9 @@ are the bugs engines have shipped (the scales, not the matmuls): a row-parallel 
 one, fused partitions' scales in the wrong slots, every rank reading rank 0's scale rows.
 
 Each patch rewrites the rank's ``weight_scale`` after loading (from the checkpoint's own scale tensors, read as
-stored: ``read_tensors(..., cast=False)``); the int8 weights are untouched. They show on quantized checkpoints only, in the dtypes tpcheck
-judges a quantized run in (``shows``: not float32, whose near ties are not handled yet)."""
+stored: ``read_tensors(..., cast=False)``); the int8 weights are untouched. They show on quantized checkpoints
+only, in the dtypes tpcheck judges a quantized run in (``shows``: not float32, whose near ties are not handled
+yet)."""
 from __future__ import annotations
 
 import torch
