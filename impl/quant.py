@@ -112,24 +112,25 @@ def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
     return Int8Scheme(w["strategy"], dynamic, ignore)
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric int8 quantization of each row of ``x`` ``[T, K]``: ``(q_x as float32, s_x [T, 1])`` with
-    ``s_x = max|x_t| / 127`` in float32 (a zero row: scale 1, q 0)."""
-    x32 = x.float()
-    s = x32.abs().amax(dim=-1, keepdim=True) / QMAX
+def quantize_per_token(x: torch.Tensor, work: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 quantization of each row of ``x`` ``[T, K]``: ``(q_x, s_x [T, 1])`` in ``work`` with
+    ``s_x = max|x_t| / 127`` (a zero row: scale 1, q 0). ``work``: float32 as the kernels compute it; the golden
+    (``tpcheck.reference.quantized``) asks for float64."""
+    xw = x.to(work)
+    s = xw.abs().amax(dim=-1, keepdim=True) / QMAX
     s = torch.where(s == 0, torch.ones_like(s), s)
-    return torch.round(x32 / s).clamp_(-QMAX - 1, QMAX), s
+    return torch.round(xw / s).clamp_(-QMAX - 1, QMAX), s
 
 
-def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``clamp(round(x / input_scale), -128, 127)`` (one float32 scale for every token)."""
-    return torch.round(x.float() / scale).clamp_(-QMAX - 1, QMAX)
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, work: torch.dtype = torch.float32) -> torch.Tensor:
+    """``clamp(round(x / input_scale), -128, 127)`` in ``work`` (one scale for every token)."""
+    return torch.round(x.to(work) / scale.to(work)).clamp_(-QMAX - 1, QMAX)
 
 
 class Int8LinearMethod:
     """INT8 W8A8 for one parallel linear (``layer``): parameters created by ``create_weights``, loaded by the
-    layer's own sharding rule (``layer.quant_loader``), expanded by ``process_weights_after_loading``, applied by
-    ``apply``."""
+    layer's own sharding rules (``weight_loader``, ``scale_loader``), applied by ``apply`` (a per-tensor scale
+    expanded to its partition's channels there: ``channel_scale``)."""
 
     def __init__(self, scheme: Int8Scheme):
         self.scheme = scheme

@@ -26,7 +26,7 @@ from torch import nn
 
 from impl.config import load_config, parse_dtype
 from impl.loader import checkpoint_files
-from impl.quant import QMAX, Int8Scheme
+from impl.quant import Int8Scheme, quantize_per_token, quantize_static
 from tpcheck.reference.build import meta_model
 
 #: the projections a compressed-tensors ``Linear`` target quantizes in a decoder layer (HF's names)
@@ -38,13 +38,12 @@ def fake_quant(x: torch.Tensor, scheme: Int8Scheme, input_scale: torch.Tensor | 
     """``q_x * s_x`` in ``x``'s dtype: per token (``s_x = max|x_t| / 127``, a zero row kept zero) or with the static
     ``input_scale``; float64 end to end for the golden, else the scale and rounding in float32 (as an engine
     quantizes its bf16 / fp16 / fp32 activations) and the product cast back."""
-    work = x if x.dtype == torch.float64 else x.float()
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
     if scheme.dynamic_input:
-        s = work.abs().amax(dim=-1, keepdim=True) / QMAX
-        s = torch.where(s == 0, torch.ones_like(s), s)
+        q, s = quantize_per_token(x, work)
     else:
-        s = input_scale.to(work.dtype)
-    q = torch.round(work / s).clamp_(-QMAX - 1, QMAX)
+        s = input_scale.to(work)
+        q = quantize_static(x, s, work)
     return (q * s).to(x.dtype)
 
 
