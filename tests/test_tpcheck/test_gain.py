@@ -10,8 +10,8 @@ import torch
 
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.verdict import GAIN_MODES, judge
-from tpcheck.measure.gain import GAIN_C, MIN_ELEMENTS, U_FP32, gain_fields, gain_of, gain_z, is_narrow, ratios, \
-    row_gains
+from tpcheck.measure.gain import GAIN_C, MIN_ELEMENTS, U_FP32, gain_fields, gain_of, gain_z, gain_z_cols, is_narrow, \
+    ratios, row_gains
 from tpcheck.reference.reductions import Reductions
 from tpcheck.result.report.sample import sample_result
 
@@ -51,6 +51,36 @@ def test_clean_gain_over_its_se_is_standard_normal_like():
         ses.append(st.se)
     assert max(z) < 4.5
     assert 0.6 < np.std(gains) / np.mean(ses) < 1.4
+
+
+def test_errors_a_column_shares_down_its_rows_widen_the_column_group_se():
+    """Where every row carries one column's error (each token's context is mostly its sink's V, whose rounding
+    is then in every row), the elements are not independent, ``se`` is too small, and ``se_cols`` sees the
+    spread of the column groups."""
+    def shared(seed: int, rows: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
+        g = golden(rows, 192, seed)
+        col = 2e-4 * golden(1, 192, seed + 1000)  # a relative error per column, the same in every row
+        return (g * (1 + col)).to(torch.float16), g
+
+    st = gain_of(*shared(0))
+    assert st.groups == 64 and st.se_cols > 3 * st.se
+    indep = gain_of(golden(400, 192, seed=2).to(torch.float16), golden(400, 192, seed=2))  # a fresh rounding
+    assert indep.groups == 64 and 0.6 < indep.se_cols / indep.se < 1.6  # per element: the two agree
+    # over many clean tensors with shared column errors |gain| / se_cols stays t-like, while |gain| / se does not
+    zs, zc = [], []
+    for seed in range(40):
+        s = gain_of(*shared(seed, 200))
+        zs.append(abs(s.gain) / s.se)
+        zc.append(abs(s.gain) / s.se_cols)
+    assert max(zs) > gain_z(19200) and max(zc) < gain_z_cols(64)
+    # not measured: one row, or rows too narrow for 16 groups of two features
+    assert math.isnan(gain_of(golden(1, 192).to(torch.float16), golden(1, 192)).se_cols)
+    assert gain_of(golden(64, 24).to(torch.float16), golden(64, 24)).groups == 0
+
+
+def test_gain_z_cols_is_students_t_at_the_normal_six_sigma_tail():
+    assert gain_z_cols(64) == pytest.approx(7.0, abs=0.02) and gain_z_cols(16) == pytest.approx(12.7, abs=0.05)
+    assert gain_z_cols(100_000) == pytest.approx(6.0, abs=0.01)  # many groups: the normal's 6
 
 
 def test_outliers_and_near_zero_elements_cannot_move_the_gain():
@@ -166,10 +196,12 @@ def test_a_wide_point_keeps_the_per_row_rule():
 
 # ---- the judge -------------------------------------------------------------------------------------------
 
-def _with_gain(gain: float, se: float, ref_gain: float, floor: float = 1e-9, dtype: str = "bfloat16"):
+def _with_gain(gain: float, se: float, ref_gain: float, floor: float = 1e-9, dtype: str = "bfloat16",
+               se_cols: float = math.nan):
     r = sample_result(2, 0, isolate=True, dtype=dtype)
     t = r.table
     t["gain"], t["gain_se"], t["gain_n"], t["ref_gain"], t["gain_floor"] = 0.0, se, 2000.0, ref_gain, floor
+    t["gain_se_cols"], t["gain_groups"] = se_cols, 64.0
     at = t["point"] == "layers.1.attn.residual"
     t.loc[at, "gain"] = gain  # in both passes: the propagated one is not judged
     r = judge(r)
@@ -194,6 +226,8 @@ def test_judge_fails_a_gain_over_each_term_and_names_it():
     assert shared.table.loc[i, "passed"] and shared.table.loc[i, "gain_threshold"] == pytest.approx(9e-3)
     floor, i = _with_gain(3e-7, 1e-9, 0.0, floor=GAIN_C * U_FP32 * 8, dtype="float32")
     assert floor.table.loc[i, "passed"]  # a per-row float32 scalar: the floor term
+    cols, i = _with_gain(6e-4, 1e-5, 0.0, se_cols=1e-4)  # errors shared down the columns: the column-group term
+    assert cols.table.loc[i, "passed"] and cols.table.loc[i, "gain_threshold"] == pytest.approx(gain_z_cols(64) * 1e-4)
     assert GAIN_MODES == ("isolated",)
 
 

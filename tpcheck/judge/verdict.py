@@ -15,14 +15,19 @@ inputs that are themselves within their floors. NaN never passes (a NaN ``rank_s
 replicas). ``tpcheck diff``, ``tpcheck gate`` (re-judging a saved result), ``tpcheck sweep`` and the pytest plugin
 all call this function.
 
-**The gain rule** (``tpcheck.measure.gain``): ``gain_threshold = max(gain_z(n) * gain_se, k * ref_gain,
-gain_floor)``, ``gain_z(n) = 6 (1 + 4 / sqrt(n))``, k the point's tolerance factor. Each term, and why a correct
+**The gain rule** (``tpcheck.measure.gain``): ``gain_threshold = max(gain_z(n) * gain_se, gain_z_cols(G) *
+gain_se_cols, k * ref_gain, gain_floor)``, ``gain_z(n) = 6 (1 + 4 / sqrt(n))``, ``gain_z_cols(G)`` Student's t of
+``G - 1`` degrees of freedom at the same tail, k the point's tolerance factor. Each term, and why a correct
 engine stays under it:
 
 * ``gain_z(n) * gain_se``: elementwise rounding has random sign, so a clean engine's gain is its estimation noise,
   ~N(0, se), with se measured on the engine's own ratios; 6 se is exceeded with probability ~2e-9 per comparison
   (a run has ~10^3), and the ``4 / sqrt(n)`` widens it where se is itself estimated from few elements (its tail,
   simulated: ``tpcheck.measure.gain``);
+* ``gain_z_cols(G) * gain_se_cols``: where rows are near copies (a trained model's tokens all attend to their sink)
+  a GEMM's error in one column repeats down its rows, the elements are not independent and ``gain_se`` is too
+  small; the spread of the gains of G column groups is the standard error then (it equals ``gain_se`` where the
+  elements are independent);
 * ``k * ref_gain``: what is systematic and shared: the weights rounded to the dtype are the same numbers in HF and
   the engine, and scale features alike in every row (an RMSNorm weight rounded down by 2^-9 is a gain of every
   element it multiplies); each reference's whole-tensor gain is a sample of it, and the largest so far, times
@@ -52,7 +57,7 @@ import pandas as pd
 from tpcheck.capture.points import point_order, split_point
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure import own_input
-from tpcheck.measure.gain import gain_z
+from tpcheck.measure.gain import gain_z, gain_z_cols
 from tpcheck.result.table import DiffResult
 
 GAIN_MODES = ("isolated",)  # the passes whose gain is judged (module docstring)
@@ -66,7 +71,11 @@ def gain_thresholds(t: pd.DataFrame, dtype: str, tol: Tolerances) -> np.ndarray:
     """Each row's ``gain_threshold`` (module docstring); NaN where no gain is judged."""
     k = np.array([tol.k_for(kind, dtype) for kind in t["kind"]], dtype=float)
     z = np.array([gain_z(n) if n > 0 else np.nan for n in _col(t, "gain_n")], dtype=float)
-    thr = np.fmax(np.fmax(z * _col(t, "gain_se"), k * np.nan_to_num(_col(t, "ref_gain"))), _col(t, "gain_floor"))
+    groups = _col(t, "gain_groups") if "gain_groups" in t else np.full(len(t), np.nan)
+    se_cols = _col(t, "gain_se_cols") if "gain_se_cols" in t else np.full(len(t), np.nan)
+    zc = np.array([gain_z_cols(int(g)) if g >= 2 else np.nan for g in groups], dtype=float)
+    thr = np.fmax.reduce([z * _col(t, "gain_se"), zc * se_cols, k * np.nan_to_num(_col(t, "ref_gain")),
+                          _col(t, "gain_floor")])
     judged = np.isfinite(_col(t, "gain")) & t["mode"].isin(GAIN_MODES).to_numpy()
     return np.where(judged, thr, np.nan)
 

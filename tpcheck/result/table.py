@@ -41,11 +41,15 @@ class Row:
     # a systematic relative error (tpcheck.measure.gain): the median of (engine - golden) / golden over the
     # gain_n elements of at least their row's median magnitude, its standard error from the engine's own spread,
     # the largest |gain| of a reference at this point so far, the floor for a per-row float32 scalar, and the
-    # judge's threshold max(gain_z(gain_n) * gain_se, k * ref_gain, gain_floor); NaN: not measured (the
+    # judge's threshold max(gain_z(gain_n) * gain_se, gain_z_cols(gain_groups) * gain_se_cols, k * ref_gain,
+    # gain_floor) (gain_se_cols: the standard error from gain_groups column groups, for errors a column shares
+    # down its rows); NaN: not measured (the
     # propagated pass, integer points, under 32 qualifying elements) or not judged
     gain: float = NAN
     gain_se: float = NAN
     gain_n: float = NAN
+    gain_se_cols: float = NAN
+    gain_groups: float = NAN
     ref_gain: float = NAN
     gain_floor: float = NAN
     gain_threshold: float = NAN
