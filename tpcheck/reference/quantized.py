@@ -18,6 +18,7 @@ kernels if it could): the model is built from its config with ``quantization_con
 is read tensor by tensor from the safetensors files (never pickle)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -94,12 +95,19 @@ def load_quantized_hf(model_dir: str | Path, dtype: str | torch.dtype, config_cl
 
 
 def _fake_quant_inputs(model: nn.Module, scheme: Int8Scheme, input_scales: dict[str, torch.Tensor]) -> None:
-    """A forward pre-hook on each quantized linear (appended: the capture's own pre-hooks, installed earlier or
-    later with ``prepend``, still see the float input)."""
+    """Each quantized linear's ``forward`` fake-quantizes its input first. Inside ``forward``, not a pre-hook:
+    the capture reads ``attn.context`` / ``mlp.act`` from o_proj's / down_proj's input with a pre-hook, and must
+    see the activation as the engine's point does, before its quantization (a pre-hook installed at load runs
+    before the capture's: the golden's points were the quantized activations, 1.7% off the engine's at
+    ``mlp.act``, with a gain of their own from the int8 grid)."""
     for i, layer in enumerate(model.model.layers):
         for rel in QUANTIZED:
             mod = layer.get_submodule(rel)
             scale = input_scales.get(f"model.layers.{i}.{rel}")
             if not scheme.dynamic_input and scale is None:
                 raise ValueError(f"model.layers.{i}.{rel}: a static activation scheme with no input_scale")
-            mod.register_forward_pre_hook(lambda m, args, s=scale: (fake_quant(args[0], scheme, s), *args[1:]))
+            mod.forward = functools.partial(_quantized_forward, mod.forward, scheme, scale)
+
+
+def _quantized_forward(forward, scheme: Int8Scheme, scale: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return forward(fake_quant(x, scheme, scale))
