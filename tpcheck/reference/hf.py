@@ -128,7 +128,11 @@ class HFCapture:
             self.sink(name, t)
 
     def _row_parallel(self, linear: nn.Linear):
+        quant = getattr(linear, "input_quant", None)  # a quantized checkpoint's (tpcheck.reference.quantized)
+
         def forward(x):
+            if quant is not None:
+                x = quant(x)
             if self.reductions is None or not self.reductions.emulated:
                 return nn.Linear.forward(linear, x)
             return row_parallel_linear(x, linear.weight, linear.bias, self.reductions)

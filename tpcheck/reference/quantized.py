@@ -99,15 +99,22 @@ def _fake_quant_inputs(model: nn.Module, scheme: Int8Scheme, input_scales: dict[
     the capture reads ``attn.context`` / ``mlp.act`` from o_proj's / down_proj's input with a pre-hook, and must
     see the activation as the engine's point does, before its quantization (a pre-hook installed at load runs
     before the capture's: the golden's points were the quantized activations, 1.7% off the engine's at
-    ``mlp.act``, with a gain of their own from the int8 grid)."""
+    ``mlp.act``, with a gain of their own from the int8 grid). The quantization is also the module's
+    ``input_quant``: a forward that replaces this one (``tpcheck.reference.hf.HFCapture``'s row-parallel
+    emulation of o_proj / down_proj) applies it first."""
     for i, layer in enumerate(model.model.layers):
         for rel in QUANTIZED:
             mod = layer.get_submodule(rel)
             scale = input_scales.get(f"model.layers.{i}.{rel}")
             if not scheme.dynamic_input and scale is None:
                 raise ValueError(f"model.layers.{i}.{rel}: a static activation scheme with no input_scale")
-            mod.forward = functools.partial(_quantized_forward, mod.forward, scheme, scale)
+            mod.input_quant = functools.partial(_input_quant, scheme, scale)
+            mod.forward = functools.partial(_quantized_forward, mod.forward, mod.input_quant)
 
 
-def _quantized_forward(forward, scheme: Int8Scheme, scale: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return forward(fake_quant(x, scheme, scale))
+def _input_quant(scheme: Int8Scheme, scale: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return fake_quant(x, scheme, scale)
+
+
+def _quantized_forward(forward, input_quant, x: torch.Tensor) -> torch.Tensor:
+    return forward(input_quant(x))
