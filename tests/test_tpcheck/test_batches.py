@@ -195,3 +195,24 @@ def test_a_prefix_cache_hit_without_prompts_is_refused_with_one_diagnosis(ckpt, 
         read_dump(tmp_path / "dump")
     assert "mislabelled" not in str(e.value)
     assert main(["compare", str(tmp_path / "dump"), "--model", str(d)]) == 2
+
+
+def test_impl_serving_dump_with_prefix_cache_hits_compares_clean(ckpt, tmp_path):
+    """impl's own prefix cache (blocks of 4 tokens): three prompts share their first 9 tokens, so the later ones
+    start their prefill at position 8 on the first one's blocks; the dump records their prompts and ``compare``
+    rebuilds the cached prefix in the golden and passes."""
+    from impl import LLM, CacheConfig, SamplingParams
+    from tpcheck.engines.impl import generate_dumped
+    d = ckpt("tiny")
+    shared = [(5 * t + 3) % 200 + 3 for t in range(9)]
+    prompts = [shared + [40 + k, 90 + k] for k in range(3)]
+    params = [SamplingParams(max_tokens=3)] * 3
+    with LLM(d, tp_size=2, block_size=4, num_kv_blocks=16, cache=CacheConfig(max_num_seqs=1)) as llm:
+        want = llm.generate(prompts, params)
+        got = generate_dumped(llm, prompts, params, tmp_path / "dump")
+    assert got == want
+    dump = read_dump(tmp_path / "dump")
+    hits = [(rid, start) for b in dump.batches for rid, start in zip(b.ids, b.starts)
+            if start > 0 and rid in b.prompts]
+    assert [s for _, s in hits] == [8, 8], hits  # the second and third prompts, each on the first's two blocks
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d)]) == 0
