@@ -12,7 +12,7 @@ are the requests' rows concatenated in that order. Requests may join at any step
 prefilled over several steps, and a preempted request may run again from an earlier position (with the same
 tokens). ``rows``: ``{point: flat row indices}`` for a point that holds only some of the step's rows (vLLM's
 ``logits``: the sampled rows). ``prompts`` (optional: older dumps lack it): ``{request id: token ids from
-position 0}`` of the requests first scheduled in the step, so a request whose first step starts past 0 (a
+position 0}`` of the requests first scheduled (or scheduled again after a preemption) in the step, so a request whose first step starts past 0 (a
 prefix-cache hit: another request computed its first blocks) has its prefix run by the golden first.
 ``placements``: per point, how the rank's tensor maps onto the full one
 (``impl.placements``, as JSON). Every rank of a step must agree on tp, ids, tokens and starts. Format 1 (no

@@ -191,7 +191,11 @@ def _install(worker) -> None:
             return execute(scheduler_output, *args, **kwargs)
         cap.clear()  # a warm-up or profiling forward since the last step
         dump.inputs, dump.batch, dump.sched = None, None, scheduler_output
-        dump.prompts = new_prompts(scheduler_output)
+        try:
+            dump.prompts = new_prompts(scheduler_output)
+        except Exception:  # never stop the serving run: a prefix-cache hit is then warned of and refused
+            logger.exception("tpcheck: the new requests' token ids could not be read")
+            dump.prompts = {}
         try:
             out = execute(scheduler_output, *args, **kwargs)
         finally:
