@@ -41,17 +41,22 @@ def test_request_log_follows_each_request():
         StepBatch(["a", "a"], [[1], [2]], [0, 0])
 
 
-def _serve(model_dir, root, schedule, tamper=None):
+def _serve(model_dir, root, schedule, tamper=None, prompts=None):
     """Run ``schedule`` on HF float32 as a serving engine: one cache per request (cut back on a recompute),
-    every point written at tp 1, logits only for each request's last row (as vLLM samples)."""
+    every point written at tp 1, logits only for each request's last row (as vLLM samples). ``prompts``:
+    ``{step: {request: prompt}}`` recorded in the dump; a request that starts past 0 has its prefix run into its
+    cache first (a prefix-cache hit: the same keys and values another request computed), without rows."""
     cap = HFCapture(load_hf_model(model_dir, "float32"))
     writer = DumpWriter(root, 0, 1, "float32", engine="serving-hf")
     caches: dict = {}
     for step, batch in enumerate(schedule):
         ids, tokens, starts = (list(x) for x in zip(*batch))
+        known = (prompts or {}).get(step, {})
         for rid, start in zip(ids, starts):
             if rid not in caches or start == 0:
                 caches[rid] = new_cache(cap.model)
+                if start > 0:
+                    cap.step([known[rid][:start]], [caches[rid]], [0])
             elif caches[rid].get_seq_length() > start:
                 caches[rid].crop(start)
         points = cap.step(tokens, [caches[r] for r in ids], starts)
@@ -60,7 +65,7 @@ def _serve(model_dir, root, schedule, tamper=None):
         if tamper is not None and step == tamper:
             points["layers.1.mlp.out"] = points["layers.1.mlp.out"] * 1.01
         writer.write(step, tokens, starts, {n: (Replicate(), t) for n, t in points.items()}, ids=ids,
-                     rows={"logits": last})
+                     rows={"logits": last}, prompts=known or None)
 
 
 def test_a_continuously_batched_dump_compares_clean(ckpt, tmp_path, capsys):
@@ -138,3 +143,76 @@ def test_impl_serving_dump_compares_clean(ckpt, tmp_path):
     assert main(["compare", str(tmp_path / "faulty"), "--model", str(d), "--json", str(tmp_path / "f.json")]) == 1
     origin = json.loads((tmp_path / "f.json").read_text())["first_divergence"]
     assert origin["point"] == "layers.0.attn.out" and origin["step"] == 0
+
+
+# a prefix-cache hit: "p" runs A whole; "q" (the same first 4 tokens, then its own) starts at 4 on p's blocks, and
+# its parallel-sampling sibling "r" (q's prompt) on the same blocks in the same step
+Q = A[:4] + [77, 78, 79]
+HIT = [[("p", A, 0)], [("p", [61], 6), ("q", Q[4:], 4), ("r", Q[4:], 4)], [("q", [62], 7), ("r", [63], 7)]]
+HIT_PROMPTS = {1: {"q": Q, "r": Q}}
+
+
+def test_request_log_fills_a_recorded_prefix_and_refuses_an_unknown_one():
+    log = RequestLog()
+    log.advance(StepBatch(["p"], [A], [0]))
+    assert log.advance(StepBatch(["q"], [Q[4:]], [4], prompts={"q": Q})) == [None]
+    assert log.gaps == {"q": (0, A[:4])} and log.seen["q"] == Q
+    log.advance(StepBatch(["q"], [[1]], [7]))
+    assert log.gaps == {}
+    with pytest.raises(ValueError, match="'s' runs positions 4..6 but only 0 .*no prompt tokens.*prefix-cache hit"):
+        log.advance(StepBatch(["s"], [Q[4:]], [4]))
+    with pytest.raises(ValueError, match="'t' .*runs \\[77, 78, 79\\] there, its recorded prompt has \\[1, 2, 3\\]"):
+        log.advance(StepBatch(["t"], [Q[4:]], [4], prompts={"t": A[:4] + [1, 2, 3]}))
+
+
+def test_a_prefix_cache_hit_with_recorded_prompts_compares_clean(ckpt, tmp_path):
+    """q and r start at position 4 on p's blocks: the golden runs their first 4 tokens first (no rows compared
+    there), then their steps as usual; a fault in the cached-prefix request's rows is still found there."""
+    d = ckpt("tiny")
+    _serve(d, tmp_path / "dump", HIT, prompts=HIT_PROMPTS)
+    dump = read_dump(tmp_path / "dump")
+    assert dump.batches[1].prompts == {"q": Q, "r": Q}
+    out = tmp_path / "r.json"
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["prompt_lens"] == [6, 7, 7]  # q's and r's prompts include the cached prefix
+    _serve(d, tmp_path / "faulty", HIT, tamper=2, prompts=HIT_PROMPTS)
+    assert main(["compare", str(tmp_path / "faulty"), "--model", str(d), "--json", str(out)]) == 1
+    fd = json.loads(out.read_text())["first_divergence"]
+    assert (fd["point"], fd["step"]) == ("layers.1.mlp.out", 2)
+
+
+def test_a_prefix_cache_hit_without_prompts_is_refused_with_one_diagnosis(ckpt, tmp_path):
+    """An older dump (no ``prompts``) of the same run reads as before and is refused: the message names the
+    request, the step and the prefix cache, and no longer blames mixed or mislabelled steps."""
+    d = ckpt("tiny")
+    _serve(d, tmp_path / "dump", HIT, prompts=HIT_PROMPTS)
+    for p in (tmp_path / "dump" / "rank0").glob("*.json"):
+        m = json.loads(p.read_text())
+        m.pop("prompts", None)
+        p.write_text(json.dumps(m))
+    with pytest.raises(DumpError, match="step1.json: request 'q' runs positions 4..6 .*prefix-cache hit") as e:
+        read_dump(tmp_path / "dump")
+    assert "mislabelled" not in str(e.value)
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d)]) == 2
+
+
+def test_impl_serving_dump_with_prefix_cache_hits_compares_clean(ckpt, tmp_path):
+    """impl's own prefix cache (blocks of 4 tokens): three prompts share their first 9 tokens, so the later ones
+    start their prefill at position 8 on the first one's blocks; the dump records their prompts and ``compare``
+    rebuilds the cached prefix in the golden and passes."""
+    from impl import LLM, CacheConfig, SamplingParams
+    from tpcheck.engines.impl import generate_dumped
+    d = ckpt("tiny")
+    shared = [(5 * t + 3) % 200 + 3 for t in range(9)]
+    prompts = [shared + [40 + k, 90 + k] for k in range(3)]
+    params = [SamplingParams(max_tokens=3)] * 3
+    with LLM(d, tp_size=2, block_size=4, num_kv_blocks=16, cache=CacheConfig(max_num_seqs=1)) as llm:
+        want = llm.generate(prompts, params)
+        got = generate_dumped(llm, prompts, params, tmp_path / "dump")
+    assert got == want
+    dump = read_dump(tmp_path / "dump")
+    hits = [(rid, start) for b in dump.batches for rid, start in zip(b.ids, b.starts)
+            if start > 0 and rid in b.prompts]
+    assert [s for _, s in hits] == [8, 8], hits  # the second and third prompts, each on the first's two blocks
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d)]) == 0

@@ -82,6 +82,28 @@ def test_probe_cpu_index_learns_a_kernel_layout():
     assert torch.equal(v_idx, torch.arange(bs * d).view(bs, d))
 
 
+def test_plugin_records_new_requests_prompts_and_warns_once_of_an_unknown_prefix(caplog):
+    """Pure (no vLLM): the scheduler output's new requests give their token ids from position 0 (a resumed
+    request's ``prefill_token_ids`` first; none for prompt embeddings); a request that starts past 0 without
+    them is warned of at that step, once, naming the request, the step and the rank."""
+    from types import SimpleNamespace as NS
+
+    from tpcheck.capture.vllm_plugin import StepDump, new_prompts
+    sched = NS(scheduled_new_reqs=[NS(req_id="a", prompt_token_ids=[1, 2, 3], prefill_token_ids=None),
+                                   NS(req_id="b", prompt_token_ids=[1, 2], prefill_token_ids=[1, 2, 7]),
+                                   NS(req_id="c", prompt_token_ids=None, prefill_token_ids=None)])
+    assert new_prompts(sched) == {"a": [1, 2, 3], "b": [1, 2, 7]}
+    dump = StepDump(None, None)
+    dump.step = 3
+    with caplog.at_level("WARNING", logger="tpcheck.capture.vllm_plugin"):
+        dump.check_prefixes(["a", "c"], [2, 0], {"a": [1, 2, 3]}, 1)  # a's cached prefix is known
+        assert not caplog.records
+        dump.check_prefixes(["a", "c"], [2, 128], {"a": [1, 2, 3]}, 1)
+        dump.check_prefixes(["d"], [128], {}, 1)
+    assert len(caplog.records) == 1
+    assert "step 3, rank 1: request 'c' starts at position 128 (a prefix-cache hit)" in caplog.records[0].message
+
+
 # ------------------------------------------------------------------ real vLLM
 
 @pytest.fixture(scope="module")
@@ -172,6 +194,52 @@ def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, 
     assert "PASS: tp=2 " + dtype in cmp.stdout
     assert "logits" in json.loads(out.read_text())["meta"]["coverage"]["rows_not_produced"]
     assert read_dump(dump).fingerprint is not None  # the plugin recorded the checkpoint vLLM loaded
+
+
+SHARED = [(11 * j + 5) % 256 for j in range(130)]  # more than one CPU block (128 tokens): a cached block
+# a plain vLLM script with prefix caching on (vLLM's default): the second generate's prompt shares its first block
+# with the first's, and samples two completions (n = 2) whose siblings share it in the same step
+PREFIX_SCRIPT = textwrap.dedent("""
+    import sys
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":
+        ckpt, dtype, shared = sys.argv[1], sys.argv[2], %r
+        llm = LLM(model=ckpt, tensor_parallel_size=1, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+                  max_model_len=256, seed=0)
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, detokenize=False)
+        sampled = SamplingParams(n=2, max_tokens=3, temperature=0.8, ignore_eos=True, detokenize=False)
+        llm.generate([TokensPrompt(prompt_token_ids=shared + [1, 2, 3, 4])], greedy, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=shared + [9, 8, 7])], sampled, use_tqdm=False)
+        print("done")
+    """ % (SHARED,))
+
+
+def test_plugin_dump_with_prefix_caching_compares_clean(vllm_env, ckpt, tmp_path):
+    """vLLM's prefix caching on (its default): the second prompt's first 128 tokens (a CPU block) are served from
+    the first prompt's blocks, for both of its sampled completions; the dump records their prompts and
+    `tpcheck compare` rebuilds the cached prefix in the golden and passes."""
+    from tpcheck.capture.dump import read_dump
+    script = tmp_path / "prefix.py"
+    script.write_text(PREFIX_SCRIPT)
+    dump = tmp_path / "dump"
+    run = subprocess.run([sys.executable, str(script), str(ckpt), "float32"], env=dict(os.environ, TPCHECK_DUMP=str(dump)),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "prefix-cache hit" not in run.stderr  # every request's prompt was recorded: no early warning
+    hits = {}
+    for b in read_dump(dump).batches:
+        for rid, start in zip(b.ids, b.starts):
+            if rid in b.prompts and start > 0:
+                hits[rid] = (start, b.prompts[rid][:130] == SHARED)
+    assert sorted(hits.values()) == [(128, True), (128, True)], hits  # the n = 2 siblings, each on the cached block
+    out = tmp_path / "r.json"
+    cmp = subprocess.run([sys.executable, "-m", "tpcheck", "compare", str(dump), "--model", str(ckpt), "--json",
+                          str(out)], capture_output=True, text=True, timeout=300)
+    assert cmp.returncode == 0, cmp.stdout[-3000:] + cmp.stderr[-2000:]
+    assert "PASS: tp=1 float32" in cmp.stdout
+    print(cmp.stdout[-1500:])
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,17 @@ Layout of a dump directory (local, or a shared filesystem for ranks on several n
 
     DIR/rank{r}/step{s}.safetensors   rank r's local tensors of step s, keyed by canonical point name
     DIR/rank{r}/step{s}.json          {"format": 2, "rank", "tp", "step", "ids", "tokens", "starts", "rows",
-                                       "placements", "dtype", "engine", "model_fingerprint", "tensors"}
+                                       "prompts", "placements", "dtype", "engine", "model_fingerprint", "tensors"}
 
 A step is the requests it ran, in the batch's row order (``tpcheck.capture.batches``): ``ids[i]`` (the engine's
 request id, stable over the run) consumed the token ids ``tokens[i]`` at positions ``starts[i]..``; a point's rows
 are the requests' rows concatenated in that order. Requests may join at any step and leave, a prompt may be
 prefilled over several steps, and a preempted request may run again from an earlier position (with the same
 tokens). ``rows``: ``{point: flat row indices}`` for a point that holds only some of the step's rows (vLLM's
-``logits``: the sampled rows). ``placements``: per point, how the rank's tensor maps onto the full one
+``logits``: the sampled rows). ``prompts`` (optional: older dumps lack it): ``{request id: token ids from
+position 0}`` of the requests first scheduled (or scheduled again after a preemption) in the step, so a request whose first step starts past 0 (a
+prefix-cache hit: another request computed its first blocks) has its prefix run by the golden first.
+``placements``: per point, how the rank's tensor maps onto the full one
 (``impl.placements``, as JSON). Every rank of a step must agree on tp, ids, tokens and starts. Format 1 (no
 hashes, no request ids) is refused: write the dump again. Safetensors and JSON only: nothing is unpickled.
 
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from impl.placements import Fused, Partial, Replicate, Shard
-from tpcheck.capture.batches import RequestLog, StepBatch
+from tpcheck.capture.batches import RequestLog, StepBatch, UnknownPrefix
 from tpcheck.inputs.step_store import load_step, save_step, write_json_atomic
 from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, token_lists, verify_tensor
 from tpcheck.inputs.fingerprint import fingerprint
@@ -107,10 +110,12 @@ class DumpWriter:
         self.budget, self.written = budget_bytes, 0
 
     def write(self, step: int, tokens: list[list[int]], starts: list[int], points: dict,
-              ids: list[str] | None = None, rows: dict[str, list[int]] | None = None) -> None:
+              ids: list[str] | None = None, rows: dict[str, list[int]] | None = None,
+              prompts: dict[str, list[int]] | None = None) -> None:
         """``points``: ``{name: (placement, this rank's tensor or None)}``; ``ids``: the requests' ids in row
         order (default: ``"0"``, ``"1"``, ...: a fixed batch); ``rows``: the rows of a point that holds only some
-        (``tpcheck.capture.batches.StepBatch``)."""
+        (``tpcheck.capture.batches.StepBatch``); ``prompts``: the token ids from position 0 of the requests first
+        scheduled in this step (what a prefix-cache hit's golden must run first; omitted when None)."""
         kept = {}
         for n, (p, t) in points.items():
             if t is None:
@@ -134,6 +139,8 @@ class DumpWriter:
                 "starts": starts, "rows": rows, "dtype": self.dtype, "engine": self.engine,
                 "placements": {n: placement_to_json(p) for n, (p, _) in kept.items()},
                 "model_fingerprint": self.fingerprint, "tensors": records}
+        if prompts:
+            meta["prompts"] = {str(r): [int(t) for t in p] for r, p in prompts.items()}
         write_json_atomic(self.dir / f"step{step}.json", meta)
         self.written += size
 
@@ -164,8 +171,9 @@ class Dump:
             raise DumpError(f"{self.root}/rank0/step0.json: model_fingerprint is not that of --model {model_dir} "
                             "(the dump was written by a run of another checkpoint, or its weights changed)")
         vocab = load_config(model_dir).vocab_size
-        for s, toks in enumerate(self.tokens):
+        for s, (toks, b) in enumerate(zip(self.tokens, self.batches)):
             token_lists(toks, vocab, f"{self.root}/rank0/step{s}.json: tokens", DumpError)
+            token_lists(list(b.prompts.values()), vocab, f"{self.root}/rank0/step{s}.json: prompts", DumpError)
 
     def points(self, step: int) -> dict:
         """``{name: (placement, [rank 0 tensor, ...])}`` of step ``step`` (None where a rank lacks a point);
@@ -224,6 +232,10 @@ def _read_meta(path: Path, rank: int, step: int) -> dict:
             raise DumpError(f"{path}: rows[{name!r}] must be a list of row indices")
         for i in r:
             int_in(i, 0, 2**40, f"{path}: rows[{name!r}]", DumpError)
+    prompts = field(meta, "prompts", "dict", str(path), DumpError, default={})
+    token_lists(list(prompts.values()), None, f"{path}: prompts", DumpError)
+    if not set(prompts) <= set(ids):
+        raise DumpError(f"{path}: prompts of requests not in the step: {sorted(set(prompts) - set(ids))[:5]}")
     fp = meta.get("model_fingerprint")
     if fp is not None and not isinstance(fp, str):
         raise DumpError(f"{path}: model_fingerprint must be a string or null")
@@ -260,6 +272,8 @@ def read_dump(root: str | Path) -> Dump:
         try:
             batches.append(_batch(metas[0][s]))
             log.advance(batches[-1])
+        except UnknownPrefix as e:  # the diagnosis is the engine's prefix cache, not a mixed or mislabelled dump
+            raise DumpError(f"{where}: {e}") from None
         except ValueError as e:
             follow = f"does not follow step {s - 1}: " if s else ""
             raise DumpError(f"{where}: {follow}{e}: steps of different runs, or requests mislabelled") from None
@@ -268,7 +282,7 @@ def read_dump(root: str | Path) -> Dump:
             raise DumpError(f"{root}/rank{r}: steps {sorted(metas[r])} differ from rank 0's {steps}")
         for s in steps:
             m, m0 = metas[r][s], metas[0][s]
-            for key in ("tp", "dtype", "ids", "tokens", "starts", "model_fingerprint"):
+            for key in ("tp", "dtype", "ids", "tokens", "starts", "prompts", "model_fingerprint"):
                 if m.get(key) != m0.get(key):
                     raise DumpError(f"{root}/rank{r}/step{s}.json: {key} {m.get(key)!r} differs from rank 0's "
                                     f"{m0.get(key)!r}")
@@ -278,7 +292,8 @@ def read_dump(root: str | Path) -> Dump:
 
 def _batch(meta: dict) -> StepBatch:
     """A step's ``StepBatch`` from its (checked) JSON; an inconsistent one is a ValueError."""
-    return StepBatch([str(i) for i in meta["ids"]], meta["tokens"], meta["starts"], meta.get("rows", {}))
+    return StepBatch([str(i) for i in meta["ids"]], meta["tokens"], meta["starts"], meta.get("rows", {}),
+                     meta.get("prompts", {}))
 
 
 class DumpAdapter:
@@ -295,11 +310,13 @@ class DumpAdapter:
 
     @property
     def prompts(self) -> list[list[int]]:
-        """Each request's tokens of the first step it ran in, in the order the requests first ran."""
+        """Each request's tokens from position 0 to the end of the first step it ran in (a cached prefix's
+        recorded tokens included), in the order the requests first ran."""
         first: dict[str, list[int]] = {}
         for b in self.dump.batches:
-            for rid, toks in zip(b.ids, b.tokens):
-                first.setdefault(rid, toks)
+            for rid, toks, start in zip(b.ids, b.tokens, b.starts):
+                if rid not in first:
+                    first[rid] = list(b.prompts.get(rid, [])[:start]) + list(toks)
         return list(first.values())
 
     @property

@@ -87,14 +87,15 @@ def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
 
 
 def serving_step(runner, ids: list[str], tokens: list[list[int]], starts: list[int],
-                 rows: dict[str, list[int]]) -> None:
+                 rows: dict[str, list[int]], prompts: dict[str, list[int]] | None = None) -> None:
     """After one forward of impl's own scheduler (``LLM.generate``): write the points it captured as the next step
     of the dump ``setup`` opened, naming the requests it ran (``ids``, in row order), the tokens each consumed and
-    where (``tokens``, ``starts``), and the rows of a point that holds only some (``rows``: the sampled rows'
-    logits)."""
+    where (``tokens``, ``starts``), the rows of a point that holds only some (``rows``: the sampled rows'
+    logits) and the token ids from position 0 of the sequences a prefill step runs (``prompts``: what a
+    prefix-cache hit's golden runs first)."""
     st = getattr(runner.model, _STATE)
     points = st["capture"].step_done()
-    st["writer"].write(st["step"], tokens, starts, points, ids=ids, rows=rows)
+    st["writer"].write(st["step"], tokens, starts, points, ids=ids, rows=rows, prompts=prompts)
     st["step"] += 1
 
 

@@ -21,6 +21,12 @@ the requests it ran, in row order, with the tokens each consumed and the positio
 may join at any step, leave, be prefilled in chunks or preempted and recomputed; the rows stay in the batch's
 order. ``logits`` holds only the rows vLLM samples (the last row of each request): the step's ``rows`` say
 which. Hooks do not fire inside CUDA graphs or compiled regions: ``enforce_eager=True``.
+
+Prefix caching (vLLM's default) is recorded too: at a request's first scheduled step the step's ``prompts`` hold
+its token ids from position 0 (the scheduler's ``scheduled_new_reqs``: ``prompt_token_ids``, or a resumed
+request's ``prefill_token_ids``), so a request that starts past 0 on blocks another request computed (its
+``num_computed_tokens``, the step's ``starts``) is rebuilt by ``compare``'s golden. Where the scheduler gives no
+token ids (prompt embeddings), the first such step logs a warning at once: ``compare`` will refuse the request.
 """
 from __future__ import annotations
 
@@ -67,6 +73,9 @@ class StepDump:
         self.sched = None                          # the scheduler output of the running step
         self.inputs = None                         # (input_ids, positions) of the step's forward
         self.batch = None                          # (request ids in row order, their rows)
+        self.prompts: dict[str, list[int]] = {}    # the running step's new requests' token ids from position 0
+        self.seen: set[str] = set()                # the requests of the steps written so far
+        self.warned = False                        # a prefix-cache hit without token ids has been reported
         self.stopped = False
 
     def pre_forward(self, module, args, kwargs):
@@ -94,8 +103,36 @@ class StepDump:
         points, rows = step_rows(points, bounds, ids.shape[0])
         tokens = [ids[a:b].tolist() for a, b in bounds]
         starts = [int(pos[a]) for a, _ in bounds]
-        writer.write(self.step, tokens, starts, points, ids=req_ids, rows=rows)
+        prompts = {r: self.prompts[r] for r in req_ids if r in self.prompts}
+        self.check_prefixes(req_ids, starts, prompts, writer.rank)
+        writer.write(self.step, tokens, starts, points, ids=req_ids, rows=rows, prompts=prompts)
+        self.seen.update(req_ids)
         self.step += 1
+
+    def check_prefixes(self, req_ids: list[str], starts: list[int], prompts: dict[str, list[int]], rank: int) -> None:
+        """Warn (once) at the first step where a request starts past 0 with no recorded token ids for the
+        positions before: ``tpcheck compare`` will refuse it, and the user should know before the run ends."""
+        if self.warned:
+            return
+        for rid, start in zip(req_ids, starts):
+            if start > 0 and rid not in self.seen and len(prompts.get(rid, ())) < start:
+                logger.warning(f"tpcheck: step {self.step}, rank {rank}: request {rid!r} starts at position "
+                               f"{start} (a prefix-cache hit) and the scheduler gave no token ids for the positions "
+                               "before: tpcheck compare will refuse it (run with enable_prefix_caching=False)")
+                self.warned = True
+                return
+
+
+def new_prompts(scheduler_output) -> dict[str, list[int]]:
+    """The token ids from position 0 of the requests the scheduler sends the workers for the first time (or
+    again, after a preemption): what a prefix-cache hit's golden runs first. A request without token ids
+    (prompt embeddings) is left out."""
+    out = {}
+    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        toks = getattr(r, "prefill_token_ids", None) or r.prompt_token_ids
+        if toks is not None:
+            out[str(r.req_id)] = [int(t) for t in toks]
+    return out
 
 
 def batch_rows(runner, scheduler_output) -> tuple[list[str], list[tuple[int, int]]]:
@@ -154,6 +191,11 @@ def _install(worker) -> None:
             return execute(scheduler_output, *args, **kwargs)
         cap.clear()  # a warm-up or profiling forward since the last step
         dump.inputs, dump.batch, dump.sched = None, None, scheduler_output
+        try:
+            dump.prompts = new_prompts(scheduler_output)
+        except Exception:  # never stop the serving run: a prefix-cache hit is then warned of and refused
+            logger.exception("tpcheck: the new requests' token ids could not be read")
+            dump.prompts = {}
         try:
             out = execute(scheduler_output, *args, **kwargs)
         finally:

@@ -99,8 +99,9 @@ def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str |
     when admitted, prefills and recomputes after preemption included, each step naming its requests (the
     scheduler's sequence ids), their tokens and positions; the logits are the sampled rows only. ``points``: a
     regex of the points to dump. The scheduler starts afresh (a dump must not begin on blocks cached by earlier
-    requests); prefix-cache hits between the dumped requests (a prefill that starts past position 0 on another
-    request's blocks) are refused by ``compare``: give distinct prompts or an engine without prefix caching."""
+    requests); a prefill that starts past position 0 on another request's blocks (a prefix-cache hit) records the
+    sequence's token ids from position 0 in the step (``prompts``), and ``compare``'s golden runs the cached
+    positions first."""
     dtype = str(llm.dtype).removeprefix("torch.")
     llm.reset_scheduler()
     llm.call(capture_impl.setup, None, llm.block_size,
@@ -111,6 +112,7 @@ def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str |
     def scheduled():  # the batch's sequences, in the order generate() hands them to the ranks
         batch, is_prefill = schedule()
         last["ids"] = [str(s.seq_id) for s in batch]
+        last["prompts"] = {str(s.seq_id): list(s.token_ids) for s in batch} if is_prefill else {}
         return batch, is_prefill
 
     def calling(method, *args, **kwargs):
@@ -118,7 +120,8 @@ def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str |
         if method == "step":  # one forward of the scheduled batch: every rank writes its points of it
             tokens, starts = [list(t) for t, _, _ in args[0]], [s for _, s, _ in args[0]]
             ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
-            call("call", "tpcheck.capture.impl:serving_step", last["ids"], tokens, starts, {"logits": ends.tolist()})
+            call("call", "tpcheck.capture.impl:serving_step", last["ids"], tokens, starts, {"logits": ends.tolist()},
+                 last["prompts"])
         return out
 
     scheduler.schedule, executor.call = scheduled, calling

@@ -150,6 +150,8 @@ class DiffPass:
                     caches[rid] = new_cache(model)
                 elif cut is not None:
                     cut_cache(caches[rid], cut)
+        if self.log.gaps:
+            fill_gaps(c, self.log.gaps, golden, self.g_caches, self.r_caches, self.floor.references, self.isolated)
         g = [self.g_caches.get(rid) for rid in batch.ids]
         return g, {name: [self.r_caches[name][rid] for rid in batch.ids] for name, _ in self.floor.references}
 
@@ -229,3 +231,18 @@ class DiffPass:
     def _selected(self, name: str) -> bool:
         return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
 
+
+def fill_gaps(c: RunContext, gaps: dict[str, tuple[int, list[int]]], golden, g_caches: dict, r_caches: dict,
+              references: list, isolated: bool) -> None:
+    """Run each prefix-cache hit's cached positions (``RequestLog.gaps``: ``{request: (position, tokens)}``, tokens
+    the engine computed for another request) into the request's golden cache (``golden``: None where the golden
+    keeps none) and each reference's (with that reference's reductions), before the step: the engine produced no
+    rows of them for this request, so none is compared."""
+    if isolated:  # a dump, the one source of prefix-cache hits, is never teacher-forced
+        raise ValueError(f"requests {sorted(gaps)} start on a cached prefix: the local pass cannot teacher-force "
+                         "positions the engine did not run for them")
+    for rid, (pos, toks) in gaps.items():
+        if golden is not None:
+            c.golden.step([toks], [g_caches[rid]], [pos])
+        for name, red in references:
+            c.ref.step([toks], [r_caches[name][rid]], [pos], None, False, red)
