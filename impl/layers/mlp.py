@@ -10,6 +10,7 @@ from torch import nn
 from impl.layers.activation import SiluAndMul
 from impl.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from impl.quant import Int8Scheme
+from impl.quant_gptq import layer_name
 
 
 class GatedMLP(nn.Module):
@@ -21,8 +22,9 @@ class GatedMLP(nn.Module):
         n = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [n, n], bias=bias, dtype=dtype, quant=quant)
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(n, hidden_size, bias=bias, dtype=dtype, reduce_results=reduce_results,
-                                           quant=quant)
+        with layer_name("down_proj"):
+            self.down_proj = RowParallelLinear(n, hidden_size, bias=bias, dtype=dtype, reduce_results=reduce_results,
+                                               quant=quant)
         self.output_placement = self.down_proj.output_placement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,12 @@ from tpcheck.cli.lazy import Lazy
 
 checkpoints = Lazy("tpcheck.inputs.checkpoints")  # these import torch: only the command's run needs them
 quantize = Lazy("tpcheck.inputs.quantize")
+quantize_gptq = Lazy("tpcheck.inputs.quantize_gptq")
+
+
+def _schemes() -> dict[str, str]:
+    """Every ``--quantize`` scheme: INT8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ (``quantize_gptq``)."""
+    return {**quantize.SCHEMES, **quantize_gptq.GPTQ_SCHEMES}
 
 
 def register(subparsers) -> None:
@@ -23,9 +29,8 @@ def register(subparsers) -> None:
     src.add_argument("--model", type=Path, metavar="SRC_DIR",
                      help="a float Hugging Face checkpoint directory to quantize (needs --quantize)")
     mk.add_argument("--out", required=True, type=Path)
-    mk.add_argument("--quantize", choices=list(quantize.SCHEMES), metavar="SCHEME",
-                    help="write the checkpoint quantized: " + "; ".join(f"{k}: {v}" for k, v in
-                                                                        quantize.SCHEMES.items()))
+    mk.add_argument("--quantize", choices=list(_schemes()), metavar="SCHEME",
+                    help="write the checkpoint quantized: " + "; ".join(f"{k}: {v}" for k, v in _schemes().items()))
     # None: not given (they describe a preset's float weights, so --model refuses them)
     mk.add_argument("--seed", type=int, default=None, help="the preset's random seed (default 0)")
     mk.add_argument("--dtype", default=None, choices=sorted(checkpoints.DTYPES),
@@ -60,6 +65,6 @@ def run(a) -> int:
             out = quantize.quantize_checkpoint(float_dir, a.out, a.quantize)
         source = f"preset {a.preset} (seed {seed}, {dtype})"
     n = len(quantize.quantized_names(out))
-    print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights int8 "
-          f"({quantize.SCHEMES[a.quantize]})")
+    print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights quantized "
+          f"({_schemes()[a.quantize]})")
     return 0
