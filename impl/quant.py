@@ -75,14 +75,11 @@ def _int8_args(args: dict, where: str, strategies: tuple[str, ...]) -> dict:
 
 
 def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
-    """The scheme of a checkpoint's ``quantization_config`` (None: not quantized; ``quant_method: gptq``: an
-    ``impl.quant_gptq.GptqScheme``); QuantConfigError otherwise."""
+    """The scheme of a checkpoint's ``quantization_config`` (None: not quantized); QuantConfigError otherwise.
+    (``impl.quant_gptq.parse_quantization_config`` reads ``quant_method: gptq`` first.)"""
     if raw is None:
         return None
     method = _field(raw, "quant_method", "the config")
-    if method == "gptq":  # 4-bit GPTQ W4A16: impl.quant_gptq
-        from impl.quant_gptq import parse_gptq_config
-        return parse_gptq_config(raw)
     if method != "compressed-tensors":
         raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}; or gptq")
     fmt = _field(raw, "format", "the config")

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from impl.errors import ShapeMismatch, check_shape
-from impl.quant import QuantConfigError
+from impl.quant import Int8Scheme, QuantConfigError, parse_quant_config
 
 PACK = 8  # 4-bit values per int32
 GROUP_SIZES = (32, 64, 128)
@@ -54,6 +54,13 @@ class GptqScheme:
     @property
     def name(self) -> str:
         return f"gptq-w4a16 (group {self.group_size}{', act-order' if self.desc_act else ''})"
+
+
+def parse_quantization_config(raw: dict | None) -> Int8Scheme | GptqScheme | None:
+    """Any ``quantization_config`` impl runs: ``quant_method: gptq`` here, the others by ``impl.quant``."""
+    if isinstance(raw, dict) and raw.get("quant_method") == "gptq":
+        return parse_gptq_config(raw)
+    return parse_quant_config(raw)
 
 
 def parse_gptq_config(raw: dict) -> GptqScheme:

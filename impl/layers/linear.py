@@ -89,10 +89,16 @@ class LinearBase(nn.Module):
         """One GPTQ tensor (``qweight``, ``qzeros``, ``scales``, ``g_idx``) into this rank's slot; a ``g_idx``
         without act-order must be ``k // group_size`` (what the kernels assume)."""
         name = next(n for n in ("qweight", "qzeros", "scales", "g_idx") if getattr(self, n) is param)
+        before = param.data.clone() if name == "g_idx" and getattr(self, "gptq_g_idx_loaded", False) else None
         if self.quant_row_parallel:
             load_rows(self, name, param, loaded)
         else:
             load_columns(self, name, param, loaded, self.column_slot(shard_id))
+        if before is not None and not torch.equal(before, param.data):
+            raise ShapeMismatch(f"g_idx of partition {shard_id!r} differs from the fused layer's other partitions' "
+                                "(they share one input: one act-order permutation)")
+        if name == "g_idx":
+            self.gptq_g_idx_loaded = True
         if name == "g_idx" and not self.quant_method.scheme.desc_act:
             n = param.shape[0]
             start = self.tp_rank * n if self.quant_row_parallel else 0

@@ -1,7 +1,8 @@
 """``tpcheck make-checkpoint``: a synthetic Hugging Face checkpoint of a preset (``--preset``), optionally quantized
 (``--quantize SCHEME``); or the quantization of an existing float checkpoint (``--model SRC_DIR --quantize SCHEME``).
 
-The quantized format (compressed-tensors INT8 W8A8, as vLLM reads it) is ``tpcheck.inputs.quantize``'s."""
+The quantized formats, as vLLM reads them: compressed-tensors INT8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ
+(``gptq-w4g32`` ..., ``tpcheck.inputs.quantize_gptq``)."""
 from __future__ import annotations
 
 import argparse
@@ -56,13 +57,13 @@ def run(a) -> int:
     if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):  # before the preset is written
         raise ValueError(f"destination {a.out} exists and is not an empty directory")
     if a.model is not None:
-        out = quantize.quantize_checkpoint(a.model, a.out, a.quantize)
+        out = quantize_gptq.quantize_any(a.model, a.out, a.quantize)
         source = str(a.model)
     else:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{a.out.name}.float-", dir=a.out.parent) as tmp:
             float_dir = checkpoints.make_checkpoint(a.preset, Path(tmp) / "float", seed=seed, dtype=dtype)
-            out = quantize.quantize_checkpoint(float_dir, a.out, a.quantize)
+            out = quantize_gptq.quantize_any(float_dir, a.out, a.quantize)
         source = f"preset {a.preset} (seed {seed}, {dtype})"
     n = len(quantize.quantized_names(out))
     print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights quantized "

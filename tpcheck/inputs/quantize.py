@@ -275,10 +275,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
 
     Refused with a ValueError naming the fault: an unknown scheme, a source with a ``quantization_config``, a
     mixture-of-experts model, a linear weight that is not float, ``dst`` existing and not an empty directory.
-    A ``gptq-*`` scheme is ``tpcheck.inputs.quantize_gptq``'s (4-bit GPTQ W4A16)."""
-    if scheme.startswith("gptq-"):
-        from tpcheck.inputs.quantize_gptq import quantize_gptq_checkpoint
-        return quantize_gptq_checkpoint(src, dst, scheme)
+    (``tpcheck.inputs.quantize_gptq.quantize_any`` also writes 4-bit GPTQ.)"""
     _check_scheme(scheme)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():

@@ -15,13 +15,16 @@ rows (``g_idx[k] == g``) and output column ``n`` (symmetric, AutoGPTQ's ``sym``)
 
 Round to nearest, no Hessian (the GPTQ algorithm's error feedback): the format is what is checked, not the
 quality of the rounding. Act-order (``-actorder`` schemes, ``desc_act: true``): the input rows are visited in a
-permutation drawn from a generator seeded by the tensor's name (the same file every time), the ``i``-th visited
+permutation drawn from a generator seeded by the layer's input (the same file every time; q, k, v share one, as do
+gate and up, as GPTQ's order comes from the input's Hessian), the ``i``-th visited
 row going to group ``i // group_size`` (``g_idx[perm[i]] = i // group_size``), as GPTQ's act-order groups rows in
 the order it quantizes them. Without it ``g_idx[k] = k // group_size``. The file is written with
 ``safetensors.torch.save_file`` (the whole output in memory: meant for the synthetic presets)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
 import re
 import shutil
@@ -33,7 +36,8 @@ import torch
 from safetensors.torch import save_file
 
 from impl.quant_gptq import pack_cols, pack_rows
-from tpcheck.inputs.quantize import LINEAR_WEIGHT, _OTHER_PROJ, _FLOAT_DTYPES, _Source, _copy_other_files, _read_config
+from tpcheck.inputs.quantize import (LINEAR_WEIGHT, _FLOAT_DTYPES, _OTHER_PROJ, _copy_other_files, _read_config, _Source,
+                                     quantize_checkpoint)
 
 #: scheme name -> what it writes
 GPTQ_SCHEMES: dict[str, str] = {
@@ -70,6 +74,12 @@ def group_index(k: int, group_size: int, act_order: bool, name: str = "") -> tor
     return g.to(torch.int32)
 
 
+def _input_key(layer: str) -> str:
+    """Layers reading the same input share one act-order permutation (GPTQ orders by the input's Hessian): q, k, v
+    -> ``...self_attn.qkv``, gate, up -> ``...mlp.gate_up``; o_proj and down_proj their own."""
+    return re.sub(r"self_attn\.[qkv]_proj$", "self_attn.qkv", re.sub(r"mlp\.(gate|up)_proj$", "mlp.gate_up", layer))
+
+
 def quantize_gptq_weight(weight: torch.Tensor, group_size: int, g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
     """An HF weight ``[out, in]`` -> ``{qweight, qzeros, scales, g_idx}`` (module docstring)."""
     w = weight.detach().to(torch.float64).t()  # [K, N]
@@ -100,7 +110,7 @@ def _tensors(source: _Source, scheme: str) -> dict[str, torch.Tensor]:
                 raise ValueError(f"tensor {name}: has inf or nan values")
             base = name.removesuffix(".weight")
             try:
-                parts = quantize_gptq_weight(w, gs, group_index(shape[1], gs, act, name))
+                parts = quantize_gptq_weight(w, gs, group_index(shape[1], gs, act, _input_key(base)))
             except ValueError as e:
                 raise ValueError(f"tensor {name}: {e}") from None
             out.update({f"{base}.{k}": v for k, v in parts.items()})
@@ -113,10 +123,17 @@ def _tensors(source: _Source, scheme: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def quantize_any(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) -> Path:
+    """``scheme``'s quantization of ``src`` into ``dst``: a ``gptq-*`` scheme here, the INT8 ones by
+    ``tpcheck.inputs.quantize.quantize_checkpoint``."""
+    if scheme in GPTQ_SCHEMES:
+        return quantize_gptq_checkpoint(src, dst, scheme)
+    return quantize_checkpoint(src, dst, scheme)
+
+
 def quantize_gptq_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) -> Path:
     """Write the GPTQ ``scheme`` quantization of float checkpoint ``src`` into the new (or empty) ``dst``, through a
     temporary directory renamed into place (``tpcheck.inputs.quantize.quantize_checkpoint``'s contract)."""
-    import json
     gptq_params(scheme)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
@@ -139,8 +156,10 @@ def quantize_gptq_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, sch
             os.chmod(f, 0o644)
         try:
             os.replace(tmp, dst)
-        except OSError:
-            raise ValueError(f"destination {dst} was filled by someone else meanwhile") from None
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise ValueError(f"destination {dst} was filled by someone else meanwhile") from None
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -70,7 +70,7 @@ def gptq_row_scales_sharded_by_output(runner, i, layer):
     for m, _ in _row_layers(layer):
         if not mark(m, "gptq_row_scales_sharded_by_output"):
             continue
-        for leaf, unit in (("scales", 1), ("qzeros", 8)):  # qzeros: 8 output columns per packed column
+        for leaf in ("scales", "qzeros"):  # qzeros: rank r's block of packed columns (8 outputs each)
             s = getattr(m, leaf).data
             cols = s.shape[1] // m.tp_size
             s.copy_(s[:, m.tp_rank * cols:(m.tp_rank + 1) * cols].clone().repeat(1, m.tp_size))
