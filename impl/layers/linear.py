@@ -49,8 +49,8 @@ def divide(a: int, b: int, what: str) -> int:
 class LinearBase(nn.Module):
     quant_row_parallel = False  # GPTQ: the input dim is sharded (RowParallelLinear)
 
-    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype, quant: Int8Scheme | None = None,
-                 partitions: list[int] | None = None, in_total: int | None = None):
+    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype,
+                 quant: Int8Scheme | GptqScheme | None = None, partitions: list[int] | None = None, in_total: int | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         if isinstance(quant, GptqScheme):
@@ -122,7 +122,7 @@ class ReplicatedLinear(LinearBase):
     """``[out, in]`` held whole by every rank; output ``Replicate`` (vLLM's ``ReplicatedLinear``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 quant: Int8Scheme | None = None):
+                 quant: Int8Scheme | GptqScheme | None = None):
         super().__init__(input_size, output_size, bias, dtype, quant)
         self.input_size, self.output_size = input_size, output_size
         self.output_placement = Replicate()
@@ -143,7 +143,7 @@ class ColumnParallelLinear(LinearBase):
     """``[out, in]`` split along out: rank r holds rows ``[r*out/tp, (r+1)*out/tp)``; output ``Shard(-1)``."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 quant: Int8Scheme | None = None, partitions: list[int] | None = None):
+                 quant: Int8Scheme | GptqScheme | None = None, partitions: list[int] | None = None):
         tp = get_tp_size()
         super().__init__(input_size, divide(output_size, tp, "output_size"), bias, dtype, quant, partitions)
         self.input_size, self.output_size = input_size, output_size
@@ -166,7 +166,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype = torch.float32, names: tuple[str, ...] = ("gate", "up"),
-                 quant: Int8Scheme | None = None):
+                 quant: Int8Scheme | GptqScheme | None = None):
         local = [divide(s, get_tp_size(), "output_size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, dtype, quant, local)
         self.output_sizes = output_sizes
@@ -195,7 +195,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     Local output width = ``(H/tp + 2*max(K/tp, 1)) * head_dim``; placement ``Fused(q, k, v)``."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = True, dtype: torch.dtype = torch.float32, quant: Int8Scheme | None = None):
+                 bias: bool = True, dtype: torch.dtype = torch.float32, quant: Int8Scheme | GptqScheme | None = None):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
@@ -238,7 +238,7 @@ class RowParallelLinear(LinearBase):
     ``Partial`` with ``reduce_results=False`` (the caller all-reduces ``x_r W_r^T + [r == 0] b``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 reduce_results: bool = True, quant: Int8Scheme | None = None):
+                 reduce_results: bool = True, quant: Int8Scheme | GptqScheme | None = None):
         tp = get_tp_size()
         self.quant_row_parallel = tp > 1
         super().__init__(divide(input_size, tp, "input_size"), output_size, bias, dtype, quant, in_total=input_size)

@@ -11,7 +11,8 @@ from fake_tp import build_ranks, combine, fake_rank
 from impl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from impl.placements import Partial
 from impl.quant import QuantConfigError
-from impl.quant_gptq import GptqScheme, layer_name, parse_quantization_config, pack_cols, pack_rows, unpack_cols, unpack_rows
+from impl.quant_gptq import (GptqScheme, layer_name, pack_cols, pack_rows, parse_quantization_config, unpack_cols,
+                             unpack_rows)
 from tpcheck.inputs.quantize_gptq import gptq_quantization_config, group_index, quantize_gptq_weight
 
 TPS = (1, 2, 4)
