@@ -23,8 +23,9 @@ columns and ``qzeros`` packed columns (so a rank's slot must be a multiple of 8 
 each partition's columns into its slot (``column_slot``). Row-parallel layers (o_proj, down_proj) split the input:
 ``qweight`` rows ``[r K/8/tp, ...)``, ``g_idx`` rows ``[r K/tp, ...)``; without act-order ``scales`` / ``qzeros``
 rows by group, ``[r G/tp, ...)``, so a shard must be a whole number of groups (else refused, vLLM's rule); with
-act-order a rank's rows may use any group, so ``scales`` / ``qzeros`` are held whole (vLLM kept them whole for
-``desc_act`` on row-parallel ranks; vLLM 0.32 refuses ``desc_act`` with groups outright)."""
+act-order a rank's rows may use any group, so ``scales`` / ``qzeros`` are held whole (as earlier vLLM releases'
+``gptq.py`` did for ``desc_act`` on row-parallel ranks, recalled, not re-read here: vLLM 0.32 has no such path, it
+refuses ``desc_act`` with groups outright)."""
 from __future__ import annotations
 
 import contextlib
