@@ -48,7 +48,8 @@ def test_quantizer_writes_the_gptq_layout(ckpt):
     assert torch.equal(g_q, g_k)  # one input, one permutation
 
 
-@pytest.mark.parametrize("preset,tp,dtype", [("small-gptq", 2, "bfloat16"), ("small-gptq-act", 4, "float16")])
+@pytest.mark.parametrize("preset,tp,dtype", [("small-gptq", 2, "bfloat16"), ("small-gptq-act", 4, "float16"),
+                                             ("small-gptq", 2, "float32")])  # W4A16: float32 allowed
 def test_clean_gptq_run_passes(preset, tp, dtype, ckpt, engines):
     r = tpcheck.diff(model=str(ckpt(preset)), tp=tp, dtype=dtype, decode_steps=2, pool=engines)
     assert r.passed, r.summary()
