@@ -16,7 +16,8 @@ import transformers
 from impl.errors import ConfigError
 from impl.layers.rotary import Llama3RopeScaling
 from impl.moe_config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoeConfig, MoeSpelling, read_moe
-from impl.quant import Int8Scheme, QuantConfigError, parse_quant_config
+from impl.quant import Int8Scheme, QuantConfigError
+from impl.quant_gptq import GptqScheme, parse_quantization_config
 
 if TYPE_CHECKING:
     from torch import nn
@@ -229,7 +230,7 @@ class ModelConfig:
     rope_scaling: Llama3RopeScaling | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer attends to all its past
     moe: MoeConfig | None = None  # mixture of experts: the experts and which layers are sparse
-    quant: Int8Scheme | None = None  # quantized linears (impl.quant); None: float weights
+    quant: Int8Scheme | GptqScheme | None = None  # quantized linears (impl.quant, impl.quant_gptq); None: float
 
     @property
     def family(self) -> Family:
@@ -339,10 +340,10 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     )
 
 
-def _quant(raw: dict, path: Path, moe: MoeConfig | None) -> Int8Scheme | None:
+def _quant(raw: dict, path: Path, moe: MoeConfig | None) -> Int8Scheme | GptqScheme | None:
     """The checkpoint's quantization scheme (``impl.quant``), refused with the field at fault and the path."""
     try:
-        quant = parse_quant_config(raw.get("quantization_config"))
+        quant = parse_quantization_config(raw.get("quantization_config"))
     except QuantConfigError as e:
         raise QuantConfigError(f"{path}: {e}") from None
     if quant is not None and moe is not None:

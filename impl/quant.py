@@ -47,6 +47,7 @@ class Int8Scheme:
     weight_strategy: str
     dynamic_input: bool
     ignore: tuple[str, ...] = ("lm_head",)
+    quantizes_activations = True  # W8A8 (a GPTQ scheme: False)
 
     @property
     def name(self) -> str:
@@ -74,12 +75,13 @@ def _int8_args(args: dict, where: str, strategies: tuple[str, ...]) -> dict:
 
 
 def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
-    """The scheme of a checkpoint's ``quantization_config`` (None: not quantized); QuantConfigError otherwise."""
+    """The scheme of a checkpoint's ``quantization_config`` (None: not quantized); QuantConfigError otherwise.
+    (``impl.quant_gptq.parse_quantization_config`` reads ``quant_method: gptq`` first.)"""
     if raw is None:
         return None
     method = _field(raw, "quant_method", "the config")
     if method != "compressed-tensors":
-        raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}")
+        raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}; or gptq")
     fmt = _field(raw, "format", "the config")
     if fmt != "int-quantized":
         raise QuantConfigError(f"quantization_config.format = {fmt!r} is not supported: impl runs {SUPPORTED}")

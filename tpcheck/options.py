@@ -137,14 +137,16 @@ class DiffOptions:
         quant = getattr(cfg, "quant", None)
         if quant is None:
             return
-        if self.dtype == "float32":
+        # W4A16 (GPTQ) quantizes no activation: no rounding boundary to land near, and its dequantized weights are
+        # exact in float32 (a float16 scale times a small integer), so float32 is judged as a float model is
+        if self.dtype == "float32" and getattr(quant, "quantizes_activations", True):
             raise ValueError(f"--dtype float32 on a quantized checkpoint ({quant.name}): in float32 an activation "
                              "within float noise of a rounding boundary lands one quantization step apart in the "
                              "engine and the golden (a near tie) and tpcheck does not follow those yet; run "
                              "--dtype bfloat16 or float16")
         if self.engine == "hf-tp":
             raise ValueError(f"--engine hf-tp on a quantized checkpoint ({quant.name}): transformers' TP runs "
-                             "compressed-tensors through its own package; check impl or vllm")
+                             "compressed-tensors / GPTQ through their own packages; check impl or vllm")
         if self.streamed:
             raise ValueError("--golden-streamed on a quantized checkpoint: the streamed golden reads float weights; "
                              "a quantized golden is built in memory")

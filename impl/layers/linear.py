@@ -20,6 +20,11 @@ by the same ``weight_loader``) and a ``weight_scale`` loaded by ``scale_loader``
 follows the output rows (``channel_scale_loader``: the weight's own row rule on column-parallel layers, whole on
 row-parallel and replicated ones); a per-tensor scale fills its fused partition's slot (``partition_index``).
 ``forward`` then calls the method's ``apply`` instead of ``F.linear``.
+
+GPTQ W4A16 (``quant``: an ``impl.quant_gptq.GptqScheme``): ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``, all
+loaded by ``gptq_loader``: on column-parallel and replicated layers along the output columns of the layer's
+``column_slot(shard_id)`` (a fused partition's slot), on row-parallel ones along the input rows
+(``impl.quant_gptq``'s module docstring has the math and the rules).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from impl.distributed import all_reduce, get_tp_rank, get_tp_size
 from impl.errors import ShapeMismatch, check_shape  # noqa: F401 (re-exported: the loader and layers import them here)
 from impl.placements import Fused, Partial, Replicate, Shard
 from impl.quant import Int8LinearMethod, Int8Scheme, per_tensor_slot
+from impl.quant_gptq import GptqLinearMethod, GptqScheme, load_columns, load_rows
 from impl.shard_plan import kv_split
 
 
@@ -41,14 +47,20 @@ def divide(a: int, b: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype, quant: Int8Scheme | None = None,
-                 partitions: list[int] | None = None):
+    quant_row_parallel = False  # GPTQ: the input dim is sharded (RowParallelLinear)
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype,
+                 quant: Int8Scheme | GptqScheme | None = None, partitions: list[int] | None = None, in_total: int | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.quant_method = Int8LinearMethod(quant) if quant is not None else None
-        if self.quant_method is not None:
+        if isinstance(quant, GptqScheme):
+            self.quant_method = GptqLinearMethod(quant)
+            self.quant_method.create_weights(self, out_local, in_local, in_total or in_local, self.quant_row_parallel)
+        elif quant is not None:
+            self.quant_method = Int8LinearMethod(quant)
             self.quant_method.create_weights(self, out_local, in_local, partitions or [out_local])
         else:
+            self.quant_method = None
             self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
             self.weight.weight_loader = self.weight_loader
         if bias:
@@ -67,6 +79,33 @@ class LinearBase(nn.Module):
         """Which fused partition ``shard_id`` names (a per-tensor weight scale's slot); 0 on an unfused layer."""
         return 0
 
+    def column_slot(self, shard_id) -> tuple[int, int, int, int]:
+        """GPTQ: ``(local offset, width, source start, source width)`` in output columns of ``shard_id``'s
+        partition (the float weight's row rule, on the output dim)."""
+        n = self.qweight.shape[1]
+        return 0, n, self.tp_rank * n, n * self.tp_size
+
+    def gptq_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """One GPTQ tensor (``qweight``, ``qzeros``, ``scales``, ``g_idx``) into this rank's slot; a ``g_idx``
+        without act-order must be ``k // group_size`` (what the kernels assume)."""
+        name = next(n for n in ("qweight", "qzeros", "scales", "g_idx") if getattr(self, n) is param)
+        before = param.data.clone() if name == "g_idx" and getattr(self, "gptq_g_idx_loaded", False) else None
+        if self.quant_row_parallel:
+            load_rows(self, name, param, loaded)
+        else:
+            load_columns(self, name, param, loaded, self.column_slot(shard_id))
+        if before is not None and not torch.equal(before, param.data):
+            raise ShapeMismatch(f"g_idx of partition {shard_id!r} differs from the fused layer's other partitions' "
+                                "(they share one input: one act-order permutation)")
+        if name == "g_idx":
+            self.gptq_g_idx_loaded = True
+        if name == "g_idx" and not self.quant_method.scheme.desc_act:
+            n = param.shape[0]
+            start = self.tp_rank * n if self.quant_row_parallel else 0
+            want = torch.arange(start, start + n, dtype=torch.int32) // self.quant_method.scheme.group_size
+            if not torch.equal(param.data, want):
+                raise ShapeMismatch("g_idx is not k // group_size while quantization_config.desc_act is false")
+
     def channel_scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """A per-channel weight scale ``[out, 1]`` follows the weight's output rows."""
         self.weight_loader(param, loaded, shard_id)
@@ -83,10 +122,14 @@ class ReplicatedLinear(LinearBase):
     """``[out, in]`` held whole by every rank; output ``Replicate`` (vLLM's ``ReplicatedLinear``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 quant: Int8Scheme | None = None):
+                 quant: Int8Scheme | GptqScheme | None = None):
         super().__init__(input_size, output_size, bias, dtype, quant)
         self.input_size, self.output_size = input_size, output_size
         self.output_placement = Replicate()
+
+    def column_slot(self, shard_id) -> tuple[int, int, int, int]:
+        n = self.qweight.shape[1]
+        return 0, n, 0, n
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         check_shape(loaded, param.shape)
@@ -100,7 +143,7 @@ class ColumnParallelLinear(LinearBase):
     """``[out, in]`` split along out: rank r holds rows ``[r*out/tp, (r+1)*out/tp)``; output ``Shard(-1)``."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 quant: Int8Scheme | None = None, partitions: list[int] | None = None):
+                 quant: Int8Scheme | GptqScheme | None = None, partitions: list[int] | None = None):
         tp = get_tp_size()
         super().__init__(input_size, divide(output_size, tp, "output_size"), bias, dtype, quant, partitions)
         self.input_size, self.output_size = input_size, output_size
@@ -123,7 +166,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype = torch.float32, names: tuple[str, ...] = ("gate", "up"),
-                 quant: Int8Scheme | None = None):
+                 quant: Int8Scheme | GptqScheme | None = None):
         local = [divide(s, get_tp_size(), "output_size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, dtype, quant, local)
         self.output_sizes = output_sizes
@@ -131,6 +174,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def partition_index(self, shard_id) -> int:
         return shard_id
+
+    def column_slot(self, shard_id) -> tuple[int, int, int, int]:
+        size = self.output_sizes[shard_id] // self.tp_size
+        return sum(self.output_sizes[:shard_id]) // self.tp_size, size, self.tp_rank * size, self.output_sizes[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int = None) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
@@ -148,7 +195,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     Local output width = ``(H/tp + 2*max(K/tp, 1)) * head_dim``; placement ``Fused(q, k, v)``."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = True, dtype: torch.dtype = torch.float32, quant: Int8Scheme | None = None):
+                 bias: bool = True, dtype: torch.dtype = torch.float32, quant: Int8Scheme | GptqScheme | None = None):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
@@ -178,6 +225,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     def partition_index(self, shard_id) -> int:
         return "qkv".index(shard_id)
 
+    def column_slot(self, shard_id) -> tuple[int, int, int, int]:
+        if shard_id == "q":
+            return 0, self.q_size, self.tp_rank * self.q_size, self.totals["q"]
+        offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+        return offset, self.kv_size, self.tp_rank // self.kv_replicas * self.kv_size, self.totals[shard_id]
+
 
 class RowParallelLinear(LinearBase):
     """``[out, in]`` split along in: rank r holds columns ``[r*in/tp, (r+1)*in/tp)`` and consumes the matching
@@ -185,9 +238,10 @@ class RowParallelLinear(LinearBase):
     ``Partial`` with ``reduce_results=False`` (the caller all-reduces ``x_r W_r^T + [r == 0] b``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 reduce_results: bool = True, quant: Int8Scheme | None = None):
+                 reduce_results: bool = True, quant: Int8Scheme | GptqScheme | None = None):
         tp = get_tp_size()
-        super().__init__(divide(input_size, tp, "input_size"), output_size, bias, dtype, quant)
+        self.quant_row_parallel = tp > 1
+        super().__init__(divide(input_size, tp, "input_size"), output_size, bias, dtype, quant, in_total=input_size)
         self.input_size, self.output_size, self.reduce_results = input_size, output_size, reduce_results
         self.output_placement = Replicate() if reduce_results else Partial()
 

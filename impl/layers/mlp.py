@@ -10,19 +10,22 @@ from torch import nn
 from impl.layers.activation import SiluAndMul
 from impl.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from impl.quant import Int8Scheme
+from impl.quant_gptq import GptqScheme, layer_name
 
 
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` of width ``intermediate_size``; biases on all three when ``bias``."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, reduce_results: bool = True, quant: Int8Scheme | None = None):
+                 dtype: torch.dtype = torch.float32, reduce_results: bool = True,
+                 quant: Int8Scheme | GptqScheme | None = None):
         super().__init__()
         n = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [n, n], bias=bias, dtype=dtype, quant=quant)
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(n, hidden_size, bias=bias, dtype=dtype, reduce_results=reduce_results,
-                                           quant=quant)
+        with layer_name("down_proj"):
+            self.down_proj = RowParallelLinear(n, hidden_size, bias=bias, dtype=dtype, reduce_results=reduce_results,
+                                               quant=quant)
         self.output_placement = self.down_proj.output_placement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

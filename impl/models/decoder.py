@@ -27,6 +27,7 @@ from impl.layers.mlp import GatedMLP
 from impl.layers.moe import SparseMoeBlock
 from impl.layers.norm import RMSNorm
 from impl.layers.rotary import RotaryEmbedding
+from impl.quant_gptq import layer_name
 
 
 class DecoderAttention(nn.Module):
@@ -40,8 +41,9 @@ class DecoderAttention(nn.Module):
                                           dtype=dtype, quant=cfg.quant)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size, self.head_dim = self.qkv_proj.q_size, self.qkv_proj.kv_size, d
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype,
-                                        quant=cfg.quant)
+        with layer_name(f"model.layers.{layer_idx}.self_attn.o_proj"):
+            self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype,
+                                            quant=cfg.quant)
         self.rotary_emb = RotaryEmbedding(d, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, cfg.sliding_window(layer_idx))
 
@@ -72,7 +74,8 @@ class DecoderLayer(nn.Module):
         if cfg.is_sparse(layer_idx):
             self.mlp = SparseMoeBlock(cfg, dtype, ep_size)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, quant=cfg.quant)
+            with layer_name(f"model.layers.{layer_idx}.mlp"):
+                self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, quant=cfg.quant)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # same op order and dtype as HF: residual adds in the activation dtype

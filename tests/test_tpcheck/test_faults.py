@@ -25,8 +25,9 @@ FAMILY = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.
 MOE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.moe"]
 # quantization faults need a quantized preset: tests/test_tpcheck/test_quantized.py
 QUANT = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
+GPTQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_gptq"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
-           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT)]
+           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT, *GPTQ)]
 
 
 def smallest_tp(fault, cfg) -> int:
@@ -55,7 +56,9 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 35
+    assert len(names) == len(set(names)) == len(FAULTS) == 38
+    assert GPTQ == ["gptq_row_group_scales_misaligned", "gptq_every_rank_rank0_qweight",
+                    "gptq_row_scales_sharded_by_output"]
     assert FAMILY == ["qk_norm_after_rope", "llama3_scaling_ignored", "bias_where_none", "sliding_window_ignored"]
     assert MOE == ["moe_router_low_precision", "moe_topk_not_renormalized", "moe_shared_gate_skipped",
                    "moe_expert_offset_wrong", "moe_experts_reduced_twice", "moe_wrong_combine_weights",
@@ -112,14 +115,16 @@ def test_applies(ckpt):
                                           ("qkv_shard_dim1", "row_bias_every_rank", "skip_o_proj_allreduce",
                                            "kv_replica_index", "full_state_dict_every_rank", "vocab_ids_not_masked",
                                            "every_rank_loads_rank0_shard", "rmsnorm_weight_before_cast",
-                                           "rope_theta_default", "allreduce_low_precision", *FAMILY, *MOE, *QUANT)]
+                                           "rope_theta_default", "allreduce_low_precision", *FAMILY, *MOE, *QUANT,
+                                           *GPTQ)]
 
 
 
 def test_each_fault_declared_once_with_its_patch():
     """One registry: every fault carries its patch and predicate (module-level: a Fault pickles), catalogue
     numbers give the listing order, and a second declaration of a name or number is refused."""
-    assert [f.number for f in FAULTS.values()] == list(range(1, len(FAULTS) + 1))
+    numbers = [f.number for f in FAULTS.values()]  # 1-35, then GPTQ's 40-42 (36-39 kept for other quant faults)
+    assert numbers == list(range(1, 36)) + [40, 41, 42]
     for f in FAULTS.values():
         assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.inputs.faults."), f.name
         assert pickle.loads(pickle.dumps(f)) == f
@@ -128,7 +133,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 35  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 38  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

@@ -17,6 +17,8 @@ from tpcheck.cli.app import main
 from tpcheck.inputs.faults import FAULTS, get_fault
 
 QUANT_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
+#: GPTQ's (tests/test_tpcheck/test_quantized_gptq.py checks them); the README's table lists both
+GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_gptq"]
 
 
 @pytest.mark.parametrize("preset,tp,dtype", [("small-w8a8", 2, "bfloat16"), ("small-w8a8-tensor", 4, "float16")])
@@ -38,7 +40,7 @@ def readme_quant_excess() -> dict[str, float]:
 
 
 def test_readme_table_lists_every_quantization_fault():
-    assert set(readme_quant_excess()) == set(QUANT_FAULTS) and len(QUANT_FAULTS) >= 4
+    assert set(readme_quant_excess()) == set(QUANT_FAULTS + GPTQ_FAULTS) and len(QUANT_FAULTS) >= 4
 
 
 @pytest.mark.parametrize("name", QUANT_FAULTS)
@@ -56,14 +58,14 @@ def test_float32_quantized_run_refused_with_the_reason(ckpt, capsys):
 
 
 def test_unsupported_quantization_refused_naming_the_field(ckpt, tmp_path, capsys):
-    d = tmp_path / "gptq"
+    d = tmp_path / "awq"
     shutil.copytree(ckpt("small-w8a8"), d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"]["quant_method"] = "gptq"
+    cfg["quantization_config"]["quant_method"] = "awq"
     (d / "config.json").write_text(json.dumps(cfg))
     assert main(["diff", "--model", str(d), "--tp", "1", "--dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
-    assert "quant_method = 'gptq'" in err and "compressed-tensors" in err
+    assert "quant_method = 'awq'" in err and "compressed-tensors" in err
 
 
 def test_float_config_with_quantized_tensors_names_the_reason(ckpt, tmp_path, capsys):

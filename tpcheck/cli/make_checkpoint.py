@@ -1,7 +1,8 @@
 """``tpcheck make-checkpoint``: a synthetic Hugging Face checkpoint of a preset (``--preset``), optionally quantized
 (``--quantize SCHEME``); or the quantization of an existing float checkpoint (``--model SRC_DIR --quantize SCHEME``).
 
-The quantized format (compressed-tensors INT8 W8A8, as vLLM reads it) is ``tpcheck.inputs.quantize``'s."""
+The quantized formats, as vLLM reads them: compressed-tensors INT8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ
+(``gptq-w4g32`` ..., ``tpcheck.inputs.quantize_gptq``)."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,12 @@ from tpcheck.cli.lazy import Lazy
 
 checkpoints = Lazy("tpcheck.inputs.checkpoints")  # these import torch: only the command's run needs them
 quantize = Lazy("tpcheck.inputs.quantize")
+quantize_gptq = Lazy("tpcheck.inputs.quantize_gptq")
+
+
+def _schemes() -> dict[str, str]:
+    """Every ``--quantize`` scheme: INT8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ (``quantize_gptq``)."""
+    return {**quantize.SCHEMES, **quantize_gptq.GPTQ_SCHEMES}
 
 
 def register(subparsers) -> None:
@@ -23,9 +30,8 @@ def register(subparsers) -> None:
     src.add_argument("--model", type=Path, metavar="SRC_DIR",
                      help="a float Hugging Face checkpoint directory to quantize (needs --quantize)")
     mk.add_argument("--out", required=True, type=Path)
-    mk.add_argument("--quantize", choices=list(quantize.SCHEMES), metavar="SCHEME",
-                    help="write the checkpoint quantized: " + "; ".join(f"{k}: {v}" for k, v in
-                                                                        quantize.SCHEMES.items()))
+    mk.add_argument("--quantize", choices=list(_schemes()), metavar="SCHEME",
+                    help="write the checkpoint quantized: " + "; ".join(f"{k}: {v}" for k, v in _schemes().items()))
     # None: not given (they describe a preset's float weights, so --model refuses them)
     mk.add_argument("--seed", type=int, default=None, help="the preset's random seed (default 0)")
     mk.add_argument("--dtype", default=None, choices=sorted(checkpoints.DTYPES),
@@ -51,15 +57,15 @@ def run(a) -> int:
     if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):  # before the preset is written
         raise ValueError(f"destination {a.out} exists and is not an empty directory")
     if a.model is not None:
-        out = quantize.quantize_checkpoint(a.model, a.out, a.quantize)
+        out = quantize_gptq.quantize_any(a.model, a.out, a.quantize)
         source = str(a.model)
     else:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{a.out.name}.float-", dir=a.out.parent) as tmp:
             float_dir = checkpoints.make_checkpoint(a.preset, Path(tmp) / "float", seed=seed, dtype=dtype)
-            out = quantize.quantize_checkpoint(float_dir, a.out, a.quantize)
+            out = quantize_gptq.quantize_any(float_dir, a.out, a.quantize)
         source = f"preset {a.preset} (seed {seed}, {dtype})"
     n = len(quantize.quantized_names(out))
-    print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights int8 "
-          f"({quantize.SCHEMES[a.quantize]})")
+    print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights quantized "
+          f"({_schemes()[a.quantize]})")
     return 0

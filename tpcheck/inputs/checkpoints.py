@@ -37,7 +37,7 @@ from tpcheck.inputs.sink_recipe import _add_sink, check_sink_config, sink_channe
 from tpcheck.inputs.weight_recipe import (  # noqa: F401
     _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
-from tpcheck.inputs.quantize import quantize_checkpoint
+from tpcheck.inputs.quantize_gptq import quantize_any
 from impl.config import load_config
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
@@ -80,7 +80,7 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
         with tempfile.TemporaryDirectory(prefix=f".{out.name}.float-", dir=out.parent) as tmp:
             src = make_checkpoint(base, pathlib.Path(tmp) / "float", seed=seed, dtype=dtype, shards=shards)
             try:
-                return quantize_checkpoint(src, out, scheme)
+                return quantize_any(src, out, scheme)
             except ValueError:
                 if (out / "config.json").is_file():  # another process finished first
                     raise FileExistsError(f"checkpoint destination exists and is not empty: {out}") from None

@@ -274,7 +274,8 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
     (the module docstring: the format and the math). Returns ``dst`` as a Path.
 
     Refused with a ValueError naming the fault: an unknown scheme, a source with a ``quantization_config``, a
-    mixture-of-experts model, a linear weight that is not float, ``dst`` existing and not an empty directory."""
+    mixture-of-experts model, a linear weight that is not float, ``dst`` existing and not an empty directory.
+    (``tpcheck.inputs.quantize_gptq.quantize_any`` also writes 4-bit GPTQ.)"""
     _check_scheme(scheme)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
@@ -308,7 +309,9 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
 
 
 def quantized_names(model_dir: str | os.PathLike) -> list[str]:
-    """The quantized weights of a checkpoint written here: each int8 weight that has a ``weight_scale``."""
+    """The quantized weights of a checkpoint written here: each int8 weight that has a ``weight_scale``, each GPTQ
+    layer's ``qweight``."""
     with safe_open(Path(model_dir) / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
-    return sorted(k.removesuffix("_scale") for k in keys if k.endswith(".weight_scale"))
+    return sorted(k.removesuffix("_scale") for k in keys if k.endswith((".weight_scale"))) + \
+        sorted(k for k in keys if k.endswith(".qweight"))

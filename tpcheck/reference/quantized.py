@@ -1,5 +1,6 @@
-"""The reference models of a quantized checkpoint (``impl.quant``: INT8 W8A8, compressed-tensors): a golden that
-means what the checkpoint means.
+"""The reference models of a quantized checkpoint (``impl.quant``: INT8 W8A8, compressed-tensors; 4-bit GPTQ
+W4A16, ``impl.quant_gptq``: dequantized weights only, ``tpcheck.reference.gptq``): a golden that means what the
+checkpoint means.
 
 A W8A8 linear computes ``y = s_x s_w (q_x W_q^T)`` with ``q_x = clamp(round(x / s_x), -128, 127)`` per token. The
 golden is Hugging Face's own model with every quantized linear's weight **dequantized** (``W_q * s_w``, exact in
@@ -29,6 +30,7 @@ from impl.config import load_config, parse_dtype
 from impl.loader import checkpoint_files
 from impl.quant import Int8Scheme, quantize_per_token, quantize_static
 from tpcheck.reference.build import meta_model
+from tpcheck.reference.gptq import dequantized_state, is_gptq
 
 #: the projections a compressed-tensors ``Linear`` target quantizes in a decoder layer (HF's names)
 QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -56,6 +58,8 @@ def _state_dict(model_dir: str | Path, dtype: torch.dtype) -> tuple[dict[str, to
         with safe_open(fname, framework="pt") as f:
             for name in names:
                 raw[name] = f.get_tensor(name)
+    if is_gptq(raw):  # W4A16: dequantized weights only (tpcheck.reference.gptq)
+        return dequantized_state(raw, dtype, str(model_dir)), {}
     state, input_scales = {}, {}
     for name, t in raw.items():
         if name.endswith(".weight_scale"):
@@ -90,7 +94,8 @@ def load_quantized_hf(model_dir: str | Path, dtype: str | torch.dtype, config_cl
                          f"{missing[:8]}, unexpected {unexpected[:8]}")
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _fake_quant_inputs(model, scheme, input_scales)
+    if scheme.quantizes_activations:  # not W4A16 (GPTQ)
+        _fake_quant_inputs(model, scheme, input_scales)
     return model.eval()
 
 
