@@ -60,6 +60,6 @@ def run(a) -> int:
             out = quantize.quantize_checkpoint(float_dir, a.out, a.quantize)
         source = f"preset {a.preset} (seed {seed}, {dtype})"
     n = len(quantize.quantized_names(out))
-    print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights int8 "
+    print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights quantized "
           f"({quantize.SCHEMES[a.quantize]})")
     return 0

@@ -182,7 +182,9 @@ SINKS: tuple[str, ...] = ("deep-sink", "deep-sink-3")
 # quantized presets: the float preset's checkpoint (same seed) quantized by ``tpcheck.inputs.quantize`` with this
 # scheme. small-hd32's shape: head_dim 32 and K, N per rank multiples of 32 at tp 1/2/4, as vLLM's CPU kernels want
 QUANTIZED: dict[str, tuple[str, str]] = {"small-w8a8": ("small-hd32", "w8a8-int8"),
-                                         "small-w8a8-tensor": ("small-hd32", "w8a8-int8-tensor")}
+                                         "small-w8a8-tensor": ("small-hd32", "w8a8-int8-tensor"),
+                                         "small-fp8": ("small-hd32", "w8a8-fp8"),
+                                         "small-fp8-tensor": ("small-hd32", "w8a8-fp8-tensor")}
 PRESETS.update({name: PRESETS[base] for name, (base, _) in QUANTIZED.items()})
 
 
