@@ -84,11 +84,17 @@ SCHEMES: dict[str, str] = {
                 "dynamic per token (compressed-tensors' FP8_DYNAMIC)",
     "w8a8-fp8-tensor": "float8_e4m3fn weights with one float32 scale per tensor [1]; activations float8_e4m3fn, "
                        "dynamic per token",
+    "w8a8-fp8-static": "float8_e4m3fn weights with one float32 scale per tensor [1]; activations float8_e4m3fn "
+                       "with one static input_scale [1] per linear, calibrated on the float model "
+                       "(tpcheck.inputs.calibrate; compressed-tensors' FP8 preset)",
 }
-_STRATEGY = {"w8a8-int8": "channel", "w8a8-int8-tensor": "tensor", "w8a8-fp8": "channel", "w8a8-fp8-tensor": "tensor"}
+#: schemes whose activations have a static ``input_scale`` (calibrated: ``tpcheck.inputs.calibrate``)
+STATIC = ("w8a8-fp8-static",)
+_STRATEGY = {"w8a8-int8": "channel", "w8a8-int8-tensor": "tensor", "w8a8-fp8": "channel", "w8a8-fp8-tensor": "tensor",
+             "w8a8-fp8-static": "tensor"}
 #: scheme -> (compressed-tensors ``type``, ``format``, the largest quantized value, safetensors dtype)
 _TYPE = {k: ("int", "int-quantized", 127.0, "I8") for k in ("w8a8-int8", "w8a8-int8-tensor")}
-_TYPE.update({k: ("float", "float-quantized", 448.0, "F8_E4M3") for k in ("w8a8-fp8", "w8a8-fp8-tensor")})
+_TYPE.update({k: ("float", "float-quantized", 448.0, "F8_E4M3") for k in ("w8a8-fp8", "w8a8-fp8-tensor", "w8a8-fp8-static")})
 
 #: the decoder-layer linear weights that are quantized (lm_head is not: it is in ``ignore``)
 LINEAR_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -101,12 +107,12 @@ _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpac
 _MOE_KEYS = ("num_experts", "num_local_experts")
 
 
-def _qargs(strategy: str, dynamic: bool, num_type: str = "int") -> dict:
+def _qargs(strategy: str, dynamic: bool, num_type: str = "int", observer: str = "memoryless_minmax") -> dict:
     """One ``QuantizationArgs`` (8-bit ``num_type``, symmetric) as compressed-tensors dumps it."""
     return {"num_bits": 8, "type": num_type, "symmetric": True, "group_size": None, "strategy": strategy,
             "block_structure": None, "dynamic": dynamic, "actorder": None, "scale_dtype": None, "zp_dtype": None,
             # the validator's default observer: memoryless min-max for static weights, none for dynamic inputs
-            "observer": None if dynamic else "memoryless_minmax", "observer_kwargs": {}}
+            "observer": None if dynamic else observer, "observer_kwargs": {}}
 
 
 def quantization_config(scheme: str) -> dict:
@@ -114,7 +120,8 @@ def quantization_config(scheme: str) -> dict:
     _check_scheme(scheme)
     num_type, fmt = _TYPE[scheme][:2]
     group = {"targets": ["Linear"], "weights": _qargs(_STRATEGY[scheme], False, num_type),
-             "input_activations": _qargs("token", True, num_type), "output_activations": None, "format": None}
+             "input_activations": _qargs("tensor", False, num_type, "static_minmax") if scheme in STATIC else
+             _qargs("token", True, num_type), "output_activations": None, "format": None}
     return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
             "format": fmt, "quantization_status": "compressed", "global_compression_ratio": None,
             "ignore": ["lm_head"]}
@@ -216,6 +223,8 @@ def _plan(source: _Source, scheme: str) -> Plan:
                 raise ValueError(f"tensor {name}_scale is already in the source")
             scale_shape = [shape[0], 1] if _STRATEGY[scheme] == "channel" else [1]
             out[name], out[name + "_scale"] = (_TYPE[scheme][3], shape, "weight"), ("F32", scale_shape, "scale")
+            if scheme in STATIC:
+                out[name.removesuffix("weight") + "input_scale"] = ("F32", [1], "given")
         elif _OTHER_PROJ.fullmatch(name):  # vLLM's "Linear" target would expect it int8 as well
             raise ValueError(f"tensor {name}: a projection weight this quantizer does not know (a fused or other "
                              "layout); supported: q/k/v/o_proj and gate/up/down_proj")
@@ -232,7 +241,8 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _write_safetensors(path: Path, source: _Source, plan: Plan, scheme: str) -> None:
+def _write_safetensors(path: Path, source: _Source, plan: Plan, scheme: str,
+                       given: dict[str, torch.Tensor]) -> None:
     """Stream the planned tensors into ``path``: the header first (every shape is known), then each tensor's
     bytes, reading one source tensor at a time (a weight twice: for its scale, then for its int8 values)."""
     order = sorted(plan, key=lambda n: (-_ITEMSIZE[plan[n][0]], n))  # safetensors' order: aligned, deterministic
@@ -248,7 +258,8 @@ def _write_safetensors(path: Path, source: _Source, plan: Plan, scheme: str) -> 
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for name in order:
-            f.write(_tensor_bytes(_output_tensor(source, name, plan, scheme)))
+            t = given[name] if plan[name][2] == "given" else _output_tensor(source, name, plan, scheme)
+            f.write(_tensor_bytes(t))
         written = f.tell()
     if written != 8 + len(head) + offset:
         raise AssertionError(f"{path}: wrote {written} bytes, the header describes {8 + len(head) + offset}")
@@ -307,8 +318,12 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
     try:
         with contextlib.ExitStack() as stack:
             source = _Source(src, stack)
+            given = {}
+            if scheme in STATIC:  # the float model's activations on calibration prompts
+                from tpcheck.inputs.calibrate import input_scales
+                given = input_scales(src, [n for n in source.meta if LINEAR_WEIGHT.fullmatch(n)])
             plan = _plan(source, scheme)
-            _write_safetensors(tmp / "model.safetensors", source, plan, scheme)
+            _write_safetensors(tmp / "model.safetensors", source, plan, scheme, given)
         (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config(scheme)},
                                                     indent=2) + "\n")
         _copy_other_files(src, tmp)

@@ -101,6 +101,13 @@ def _state_dict(model_dir: str | Path, dtype: torch.dtype,
                 raise ValueError(f"{model_dir}: {t.dtype} tensor {name!r} has no {name}_scale")
             t = t.double() * scale.double().reshape(-1, 1) if scale.numel() > 1 else t.double() * scale.double()
         state[name] = t.to(dtype)
+    if scheme.num_type == "float":  # a fused layer quantizes its one input with its parts' largest static scale
+        for pre in sorted({n.rsplit(".", 2)[0] for n in input_scales}):  # model.layers.{i}
+            for group in FUSED:
+                names = [f"{pre}.{g}" for g in group if f"{pre}.{g}" in input_scales]
+                top = max((input_scales[n] for n in names), key=float, default=None)
+                for n in names:
+                    input_scales[n] = top
     return state, input_scales
 
 
