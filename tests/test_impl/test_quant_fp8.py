@@ -125,10 +125,13 @@ def test_unloaded_scale_refused():
 @pytest.mark.parametrize("preset", ("small-fp8", "small-fp8-tensor"))
 @pytest.mark.parametrize("tp", (1, 2))
 def test_logits_match_float64_golden(preset, tp, ckpt, engines):
-    """impl in float32 against the golden in float64 (dequantized weights, fake-quantized inputs): the same e4m3
-    grid, so they differ only where an activation sits within float32 noise of a rounding boundary (one e4m3 step
-    in one element) and by float32's own rounding: 1e-3 of the logits' norm, far below the 3-6% an FP8
-    quantization moves them (checked: the float model's logits)."""
+    """impl in float32 against the golden in float64 (dequantized weights, fake-quantized inputs). At tp 1 the
+    same e4m3 grid: they differ only where an activation sits within float32 noise of a rounding boundary (one
+    e4m3 step in one element) and by float32's own rounding, under 1e-3 of the logits' norm, far below the 6-7%
+    the FP8 quantization itself moves them (``quant_err``: the float model's logits against the golden's). At tp 2
+    each rank quantizes its own half of o_proj's / down_proj's input with its own per-token scale (as vLLM's
+    kernels do) where the golden quantizes the whole row once: another quantization of the same size, so the
+    bound is the FP8 noise itself (measured 0.035-0.058 against quant_err 0.061-0.072)."""
     d = ckpt(preset)
     llm = engines.get(d, tp)
     golden = load_hf_model(d, "float64")
@@ -139,7 +142,8 @@ def test_logits_match_float64_golden(preset, tp, ckpt, engines):
     got = llm.logits(ids).double()
     err = ((got - ref).norm() / ref.norm()).item()
     quant_err = ((flt - ref).norm() / ref.norm()).item()
-    assert err < 1e-3 and quant_err > 30 * err, (err, quant_err)
+    assert quant_err > 0.03, quant_err  # the quantization is there
+    assert (err < 1e-3 and quant_err > 30 * err) if tp == 1 else err < quant_err, (err, quant_err)
 
 
 FP8_CT = quantization_config("w8a8-fp8")

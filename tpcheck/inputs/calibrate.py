@@ -5,7 +5,7 @@ prompts, each quantized linear's input observed.
 ``static_minmax`` observer: the running min / max of the whole calibration set, symmetric), one number per linear
 (``...q_proj.input_scale`` ``[1]``). q/k/v share one input and so one scale, as gate/up do. The prompts are fixed:
 4 of 32 token ids drawn from ``random.Random(0)`` over the vocabulary, so the same source gives the same scales.
-The float model is Hugging Face's, in float32, built in memory (a calibration needs the whole model; this is for
+The float model is Hugging Face's (``AutoModelForCausalLM``, no remote code), in float32, built in memory (a calibration needs the whole model; this is for
 checkpoints that fit)."""
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ PROMPTS, TOKENS = 4, 32
 def input_scales(src: str | os.PathLike, weights: list[str]) -> dict[str, torch.Tensor]:
     """``{"<linear>.input_scale": float32 [1]}`` for each quantized linear weight name in ``weights``
     (``model.layers.{i}.self_attn.q_proj.weight`` ...), from the float checkpoint ``src``."""
-    from tpcheck.reference.hf import load_hf_model
-    model = load_hf_model(Path(src), "float32")
+    # lazy: transformers (seconds to import) is needed by a static scheme's calibration only
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(Path(src))).float().eval()
     absmax: dict[str, torch.Tensor] = {}
     hooks = []
     for w in weights:

@@ -320,7 +320,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
             source = _Source(src, stack)
             given = {}
             if scheme in STATIC:  # the float model's activations on calibration prompts
-                from tpcheck.inputs.calibrate import input_scales
+                from tpcheck.inputs.calibrate import input_scales  # lazy: it imports transformers
                 given = input_scales(src, [n for n in source.meta if LINEAR_WEIGHT.fullmatch(n)])
             plan = _plan(source, scheme)
             _write_safetensors(tmp / "model.safetensors", source, plan, scheme, given)
