@@ -1,7 +1,8 @@
 """Quantized linear layers in vLLM's pattern: a per-layer quant method whose ``create_weights`` registers the
 quantized parameters (each with its own ``weight_loader``) and whose ``apply`` the parallel linear calls.
 
-Supported: **INT8 W8A8** in the compressed-tensors format (``quantization_config.quant_method ==
+Supported: **FP8 W8A8** (``format == "float-quantized"``: ``impl.quant_fp8``, the same scheme object with
+``num_type == "float"``, parsed here) and **INT8 W8A8** in the compressed-tensors format (``quantization_config.quant_method ==
 "compressed-tensors"``, ``format == "int-quantized"``): int8 weights ``W_q`` ``[out, in]`` with a float32 scale per
 output channel (``weight_scale [out, 1]``) or per tensor (``[1]``), symmetric; int8 activations quantized per token
 at run time (dynamic: ``s_x = max|x_t| / 127`` per row) or with one static ``input_scale`` ``[1]``. The layer computes
