@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from impl.errors import ShapeMismatch
+from impl.quant import Int8Scheme
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -78,7 +79,7 @@ class Fp8LinearMethod:
     scales with the layer's loaders, ``process_weights_after_loading`` re-quantizes fused per-tensor scales to their
     maximum, ``apply`` runs the layer (the module docstring: the math)."""
 
-    def __init__(self, scheme):
+    def __init__(self, scheme: Int8Scheme):
         self.scheme = scheme
 
     def create_weights(self, layer: nn.Module, out_local: int, in_local: int, partitions: list[int]) -> None:
