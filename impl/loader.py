@@ -129,7 +129,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
                             "check attention_bias / mlp_bias)")
                 elif name.endswith((".weight_scale", ".input_scale", ".qweight", ".qzeros", ".scales", ".g_idx")):
                     hint = (" (a quantized checkpoint's tensor: config.json has no quantization_config impl reads; "
-                            "impl runs compressed-tensors INT8 W8A8)")
+                            "impl runs compressed-tensors INT8 and FP8 W8A8)")
                 elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                     hint = (" (experts fused in one 3-D tensor, transformers 5's in-memory layout: impl reads one "
                             "tensor per expert, as save_pretrained writes them)")
@@ -156,4 +156,11 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
             hint = (f" (the {cfg.model_type!r} config asks for biases: q/k/v {cfg.qkv_bias}, o_proj {cfg.o_proj_bias}, "
                     f"mlp {cfg.mlp_bias})")
         raise LoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {missing[:8]}{more}{hint}")
+    for mname, module in model.named_modules():  # vLLM's hook: e.g. FP8 fused per-tensor scales re-quantized
+        process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+        if process is not None:
+            try:
+                process(module)
+            except ShapeMismatch as e:
+                raise LoadError(f"{model_dir}: {mname}: {e}") from None
     return seen

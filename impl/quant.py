@@ -1,7 +1,8 @@
 """Quantized linear layers in vLLM's pattern: a per-layer quant method whose ``create_weights`` registers the
 quantized parameters (each with its own ``weight_loader``) and whose ``apply`` the parallel linear calls.
 
-Supported: **INT8 W8A8** in the compressed-tensors format (``quantization_config.quant_method ==
+Supported: **FP8 W8A8** (``format == "float-quantized"``: ``impl.quant_fp8``, the same scheme object with
+``num_type == "float"``, parsed here) and **INT8 W8A8** in the compressed-tensors format (``quantization_config.quant_method ==
 "compressed-tensors"``, ``format == "int-quantized"``): int8 weights ``W_q`` ``[out, in]`` with a float32 scale per
 output channel (``weight_scale [out, 1]``) or per tensor (``[1]``), symmetric; int8 activations quantized per token
 at run time (dynamic: ``s_x = max|x_t| / 127`` per row) or with one static ``input_scale`` ``[1]``. The layer computes
@@ -30,8 +31,11 @@ from torch import nn
 from impl.errors import ConfigError, ShapeMismatch
 
 QMAX = 127
-SUPPORTED = "compressed-tensors int-quantized W8A8: 8-bit int symmetric weights (channel or tensor strategy), " \
-            "8-bit int symmetric activations (dynamic per token, or static per tensor)"
+SUPPORTED = "compressed-tensors int-quantized W8A8 (8-bit int) or float-quantized W8A8 (8-bit float, e4m3): " \
+            "symmetric weights (channel or tensor strategy), symmetric activations of the same type (dynamic per " \
+            "token, or static per tensor)"
+#: ``format`` -> the ``type`` of its weights and activations (``impl.quant_fp8``: the float8_e4m3fn math)
+FORMATS = {"int-quantized": "int", "float-quantized": "float"}
 
 
 class QuantConfigError(ConfigError):
@@ -40,18 +44,21 @@ class QuantConfigError(ConfigError):
 
 @dataclass(frozen=True)
 class Int8Scheme:
-    """What a compressed-tensors INT8 W8A8 ``quantization_config`` asks for. ``weight_strategy``: "channel" or
+    """What a compressed-tensors W8A8 ``quantization_config`` asks for. ``weight_strategy``: "channel" or
     "tensor"; ``dynamic_input``: per-token scales at run time (else one static ``input_scale`` per layer);
-    ``ignore``: modules left in float (vLLM's ``ignore`` list; impl requires ``lm_head`` in it)."""
+    ``ignore``: modules left in float (vLLM's ``ignore`` list; impl requires ``lm_head`` in it); ``num_type``:
+    "int" (INT8, ``format: int-quantized``) or "float" (FP8 e4m3, ``format: float-quantized``)."""
 
     weight_strategy: str
     dynamic_input: bool
     ignore: tuple[str, ...] = ("lm_head",)
     quantizes_activations = True  # W8A8 (a GPTQ scheme: False)
+    num_type: str = "int"
 
     @property
     def name(self) -> str:
-        return f"w8a8-int8 ({self.weight_strategy} weights, {'dynamic per-token' if self.dynamic_input else 'static'} activations)"
+        kind = "w8a8-int8" if self.num_type == "int" else "w8a8-fp8"
+        return f"{kind} ({self.weight_strategy} weights, {'dynamic per-token' if self.dynamic_input else 'static'} activations)"
 
 
 def _field(d: dict, key: str, where: str):
@@ -60,9 +67,10 @@ def _field(d: dict, key: str, where: str):
     return d[key]
 
 
-def _int8_args(args: dict, where: str, strategies: tuple[str, ...]) -> dict:
-    """One ``weights`` / ``input_activations`` entry: 8-bit int, symmetric, a strategy in ``strategies``."""
-    for key, want in (("num_bits", 8), ("type", "int"), ("symmetric", True)):
+def _int8_args(args: dict, where: str, strategies: tuple[str, ...], num_type: str = "int") -> dict:
+    """One ``weights`` / ``input_activations`` entry: 8 bits of ``num_type``, symmetric, a strategy in
+    ``strategies``."""
+    for key, want in (("num_bits", 8), ("type", num_type), ("symmetric", True)):
         got = _field(args, key, where)
         if got != want:
             raise QuantConfigError(f"quantization_config: {where}.{key} = {got!r}, impl supports {want!r} "
@@ -83,7 +91,7 @@ def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
     if method != "compressed-tensors":
         raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}; or gptq")
     fmt = _field(raw, "format", "the config")
-    if fmt != "int-quantized":
+    if fmt not in FORMATS:
         raise QuantConfigError(f"quantization_config.format = {fmt!r} is not supported: impl runs {SUPPORTED}")
     groups = _field(raw, "config_groups", "the config")
     if not isinstance(groups, dict) or len(groups) != 1:
@@ -94,7 +102,11 @@ def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
     targets = _field(group, "targets", where)
     if list(targets) != ["Linear"]:
         raise QuantConfigError(f"quantization_config: {where}.targets = {targets!r}, impl supports ['Linear']")
-    w = _int8_args(_field(group, "weights", where), f"{where}.weights", ("channel", "tensor"))
+    num_type = FORMATS[fmt]
+    w = _int8_args(_field(group, "weights", where), f"{where}.weights", ("channel", "tensor"), num_type)
+    if w.get("block_structure") is not None or w.get("group_size") is not None:
+        raise QuantConfigError(f"quantization_config: {where}.weights.block_structure / group_size is set: block "
+                               f"and group scales are not supported ({SUPPORTED})")
     if w.get("dynamic"):
         raise QuantConfigError(f"quantization_config: {where}.weights.dynamic = true: weights must be static")
     a = group.get("input_activations")
@@ -102,7 +114,7 @@ def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
         raise QuantConfigError(f"quantization_config: {where} has no input_activations (weight-only int8 is not "
                                f"supported: {SUPPORTED})")
     dynamic = bool(a.get("dynamic"))
-    _int8_args(a, f"{where}.input_activations", ("token",) if dynamic else ("tensor",))
+    _int8_args(a, f"{where}.input_activations", ("token",) if dynamic else ("tensor",), num_type)
     if group.get("output_activations") is not None:
         raise QuantConfigError(f"quantization_config: {where}.output_activations is set; impl does not quantize outputs")
     ignore = tuple(raw.get("ignore") or ())
@@ -111,7 +123,7 @@ def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
                                "supported (impl keeps the vocab-parallel head in float)")
     if raw.get("kv_cache_scheme") is not None:
         raise QuantConfigError("quantization_config.kv_cache_scheme is set: a quantized KV cache is not supported yet")
-    return Int8Scheme(w["strategy"], dynamic, ignore)
+    return Int8Scheme(w["strategy"], dynamic, ignore, num_type)
 
 
 def quantize_per_token(x: torch.Tensor, work: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ Each parameter carries ``weight_loader(param, loaded, shard_id=None)``. ``loaded
 tensor, or any object with ``.shape`` and ``.narrow(dim, start, length)`` (the loader passes lazy safetensors
 slices, so a rank reads only its own rows or columns).
 
-Quantized (``quant``: an ``impl.quant.Int8Scheme``): the layer's quant method creates an int8 ``weight`` (sharded
+Quantized (``quant``: an ``impl.quant.Int8Scheme``): the layer's quant method (``impl.quant`` INT8,
+``impl.quant_fp8`` FP8) creates an int8 / float8_e4m3fn ``weight`` (sharded
 by the same ``weight_loader``) and a ``weight_scale`` loaded by ``scale_loader``: a channel scale ``[out, 1]``
 follows the output rows (``channel_scale_loader``: the weight's own row rule on column-parallel layers, whole on
 row-parallel and replicated ones); a per-tensor scale fills its fused partition's slot (``partition_index``).
@@ -36,6 +37,7 @@ from impl.distributed import all_reduce, get_tp_rank, get_tp_size
 from impl.errors import ShapeMismatch, check_shape  # noqa: F401 (re-exported: the loader and layers import them here)
 from impl.placements import Fused, Partial, Replicate, Shard
 from impl.quant import Int8LinearMethod, Int8Scheme, per_tensor_slot
+from impl.quant_fp8 import Fp8LinearMethod
 from impl.quant_gptq import GptqLinearMethod, GptqScheme, load_columns, load_rows
 from impl.shard_plan import kv_split
 
@@ -57,7 +59,7 @@ class LinearBase(nn.Module):
             self.quant_method = GptqLinearMethod(quant)
             self.quant_method.create_weights(self, out_local, in_local, in_total or in_local, self.quant_row_parallel)
         elif quant is not None:
-            self.quant_method = Int8LinearMethod(quant)
+            self.quant_method = Fp8LinearMethod(quant) if quant.num_type == "float" else Int8LinearMethod(quant)
             self.quant_method.create_weights(self, out_local, in_local, partitions or [out_local])
         else:
             self.quant_method = None
@@ -109,6 +111,10 @@ class LinearBase(nn.Module):
     def channel_scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """A per-channel weight scale ``[out, 1]`` follows the weight's output rows."""
         self.weight_loader(param, loaded, shard_id)
+
+    def input_scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """A static FP8 ``input_scale`` ``[1]``: into its fused partition's slot (every rank holds them all)."""
+        per_tensor_slot(param, loaded, self.partition_index(shard_id))
 
     def scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """``weight_scale``: per channel (2-D) by the row rule, per tensor (1-D) into its partition's slot."""

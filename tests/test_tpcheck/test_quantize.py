@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tpcheck.cli.app import main
 from tpcheck.inputs.quantize import (
-    LINEAR_WEIGHT, SCHEMES, quantization_config, quantize_checkpoint, quantize_weight, quantized_names, weight_scale,
+    LINEAR_WEIGHT, SCHEMES, STATIC, quantization_config, quantize_checkpoint, quantize_weight, quantized_names, weight_scale,
 )
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -42,22 +42,30 @@ def test_every_linear_is_quantized_and_round_trips(quantized):
     assert [p.name for p in sorted(dst.glob("*.safetensors"))] == ["model.safetensors"]
     for name in want:
         w, q, scale = a[name], b[name], b[name + "_scale"]
-        assert q.dtype == torch.int8 and q.shape == w.shape
+        fp8 = "fp8" in scheme
+        assert q.dtype == (torch.float8_e4m3fn if fp8 else torch.int8) and q.shape == w.shape
         assert scale.dtype == torch.float32
-        assert scale.shape == ((w.shape[0], 1) if scheme == "w8a8-int8" else (1,))
+        assert scale.shape == ((w.shape[0], 1) if scheme in ("w8a8-int8", "w8a8-fp8") else (1,))
         assert (scale > 0).all()
         err = (q.double() * scale.double() - w.double()).abs()
-        assert (err <= scale.double() / 2).all(), name  # dequantized with the stored scale: within half a step
-        assert int(q.abs().max()) == 127  # the absmax maps to 127 exactly (per row, or once per tensor)
-        if scheme == "w8a8-int8":
-            assert (q.abs().amax(dim=1) == 127).all()
+        # dequantized with the stored scale: within half a step (e4m3: 2^-4 of |q|, 2^-10 among subnormals)
+        step = torch.clamp(q.double().abs() / 16, min=2 ** -10) if fp8 else torch.full_like(err, 0.5)
+        assert (err <= step * scale.double() * (1 + 1e-6)).all(), name
+        top = 448 if fp8 else 127
+        assert float(q.double().abs().max()) == top  # the absmax maps to the top exactly (per row, or per tensor)
+        if scheme in ("w8a8-int8", "w8a8-fp8"):
+            assert (q.double().abs().amax(dim=1) == top).all()
+        if scheme in STATIC:
+            s_x = b[name.removesuffix("weight") + "input_scale"]
+            assert s_x.dtype == torch.float32 and s_x.shape == (1,) and s_x.item() > 0
 
 
 def test_other_tensors_unchanged_bit_for_bit(quantized):
-    _, src, dst = quantized
+    scheme, src, dst = quantized
     a, b = _tensors(src), _tensors(dst)
     quant = set(quantized_names(dst))
-    assert set(b) == set(a) | {n + "_scale" for n in quant}
+    static = {n.removesuffix("weight") + "input_scale" for n in quant} if scheme in STATIC else set()
+    assert set(b) == set(a) | {n + "_scale" for n in quant} | static
     kept = [n for n in a if n not in quant]
     assert "lm_head.weight" in kept and "model.embed_tokens.weight" in kept and "model.norm.weight" in kept
     assert any(n.endswith("q_proj.bias") for n in kept)
@@ -71,14 +79,18 @@ def test_config_has_the_compressed_tensors_entry(quantized):
     qc = cfg.pop("quantization_config")
     assert cfg == orig
     assert qc == quantization_config(scheme)
-    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "int-quantized"
+    fp8 = "fp8" in scheme
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == ("float-quantized" if fp8 else "int-quantized")
     assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"] and qc["kv_cache_scheme"] is None
     group = qc["config_groups"]["group_0"]
     assert group["targets"] == ["Linear"] and group["output_activations"] is None
     w, x = group["weights"], group["input_activations"]
-    assert (w["num_bits"], w["type"], w["symmetric"], w["dynamic"]) == (8, "int", True, False)
-    assert w["strategy"] == {"w8a8-int8": "channel", "w8a8-int8-tensor": "tensor"}[scheme]
-    assert (x["num_bits"], x["type"], x["symmetric"], x["strategy"], x["dynamic"]) == (8, "int", True, "token", True)
+    kind = "float" if fp8 else "int"
+    assert (w["num_bits"], w["type"], w["symmetric"], w["dynamic"]) == (8, kind, True, False)
+    assert w["strategy"] == ("channel" if scheme in ("w8a8-int8", "w8a8-fp8") else "tensor")
+    static = scheme in STATIC
+    assert (x["num_bits"], x["type"], x["symmetric"], x["strategy"], x["dynamic"]) == \
+        (8, kind, True, "tensor" if static else "token", not static)
 
 
 def test_safetensors_layout_is_aligned_with_pt_metadata(quantized):

@@ -1,4 +1,4 @@
-"""tpcheck on quantized checkpoints (INT8 W8A8, compressed-tensors; ``impl.quant``, ``tpcheck.reference.quantized``):
+"""tpcheck on quantized checkpoints (INT8 and FP8 W8A8, compressed-tensors; ``impl.quant``, ``tpcheck.reference.quantized``):
 clean runs pass, each quantization fault is found at its origin (with the README's figure), and what is not
 supported yet is refused with the reason (exit 2)."""
 from __future__ import annotations
@@ -21,7 +21,9 @@ QUANT_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.i
 GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_gptq"]
 
 
-@pytest.mark.parametrize("preset,tp,dtype", [("small-w8a8", 2, "bfloat16"), ("small-w8a8-tensor", 4, "float16")])
+@pytest.mark.parametrize("preset,tp,dtype", [("small-w8a8", 2, "bfloat16"), ("small-w8a8-tensor", 4, "float16"),
+                                              ("small-fp8", 2, "bfloat16"), ("small-fp8-tensor", 2, "bfloat16"),
+                                              ("small-fp8-static", 2, "bfloat16")])
 def test_clean_quantized_run_passes(preset, tp, dtype, ckpt, engines):
     r = tpcheck.diff(model=str(ckpt(preset)), tp=tp, dtype=dtype, decode_steps=2, pool=engines)
     assert r.passed, r.summary()

@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on st
 # that has the option (tpcheck.inputs.checkpoints: tiny-llama, tiny-mistral, tiny-qwen3)
 PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small",
                 "tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe",
-                "tiny-mixtral", "small-w8a8", "small-w8a8-tensor", "small-gptq", "small-gptq-act")
+                "tiny-mixtral", "small-w8a8", "small-w8a8-tensor", "small-gptq", "small-gptq-act",
+
+                "small-fp8", "small-fp8-tensor", "small-fp8-static")
 TP_ORDER = (1, 2, 4)
 DTYPE_ORDER = ("float32", "bfloat16")
 CLEAN_DTYPES = ("float32", "bfloat16")
@@ -218,14 +220,17 @@ def clean_row(config: dict, pool, ckpt=None) -> dict:
 
 def clean_configs(configs: list[dict], dtypes=CLEAN_DTYPES) -> list[dict]:
     """Each distinct layout of ``configs`` (preset, tp, prompts, decode steps, block size) once per dtype; a
-    quantized preset's float32 run is float16's (float32 quantized runs are refused: near ties)."""
+    quantized preset's float32 run is float16's (float32 quantized runs are refused: near ties), an FP8 preset's
+    is bfloat16's alone (on the e4m3 grid float16 has near ties too: README "FP8 W8A8")."""
     seen, out = set(), []
     for c in configs:
         key = _layout_key(c)
         if key not in seen:
             seen.add(key)
             quantized = c["preset"] in QUANTIZED
-            out += [dict(c, dtype="float16" if quantized and d == "float32" else d) for d in dtypes]
+            alt = "bfloat16" if quantized and "fp8" in QUANTIZED[c["preset"]][1] else "float16"
+            want = [alt if quantized and d == "float32" else d for d in dtypes]
+            out += [dict(c, dtype=d) for d in dict.fromkeys(want)]
     return out
 
 

@@ -184,7 +184,10 @@ SINKS: tuple[str, ...] = ("deep-sink", "deep-sink-3")
 QUANTIZED: dict[str, tuple[str, str]] = {"small-w8a8": ("small-hd32", "w8a8-int8"),
                                          "small-w8a8-tensor": ("small-hd32", "w8a8-int8-tensor"),
                                          "small-gptq": ("small-hd32", "gptq-w4g32"),
-                                         "small-gptq-act": ("small-hd32", "gptq-w4g32-actorder")}
+                                         "small-gptq-act": ("small-hd32", "gptq-w4g32-actorder"),
+                                         "small-fp8": ("small-hd32", "w8a8-fp8"),
+                                         "small-fp8-tensor": ("small-hd32", "w8a8-fp8-tensor"),
+                                         "small-fp8-static": ("small-hd32", "w8a8-fp8-static")}
 PRESETS.update({name: PRESETS[base] for name, (base, _) in QUANTIZED.items()})
 
 

@@ -1,4 +1,9 @@
-"""Quantized checkpoints in the compressed-tensors INT8 W8A8 format, as vLLM reads it.
+"""Quantized checkpoints in the compressed-tensors INT8 and FP8 W8A8 formats, as vLLM reads them.
+
+FP8 (``w8a8-fp8``, ``w8a8-fp8-tensor``; ``format: float-quantized``, compressed-tensors' ``FP8_DYNAMIC`` preset
+scheme with the ``tensor`` strategy for the second): as INT8 below with float8_e4m3fn weights,
+``scale = float32(absmax / 448)`` and ``q = e4m3(clamp(W / scale, -448, 448))`` (``quantize_weight``), ``type:
+float`` in ``weights`` and ``input_activations``; vLLM 0.32 selects ``CompressedTensorsW8A8Fp8`` for it.
 
 ``quantize_checkpoint(src, dst, scheme)`` reads a float Hugging Face checkpoint (``config.json`` and
 ``model.safetensors``, or shards named by ``model.safetensors.index.json``) one tensor at a time and writes ``dst``:
@@ -69,12 +74,27 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from impl.quant_fp8 import to_fp8
+
 #: scheme name -> what it writes
 SCHEMES: dict[str, str] = {
     "w8a8-int8": "int8 weights with a per-output-channel float32 scale [out, 1]; activations int8, dynamic per token",
     "w8a8-int8-tensor": "int8 weights with one float32 scale per tensor [1]; activations int8, dynamic per token",
+    "w8a8-fp8": "float8_e4m3fn weights with a per-output-channel float32 scale [out, 1]; activations float8_e4m3fn, "
+                "dynamic per token (compressed-tensors' FP8_DYNAMIC)",
+    "w8a8-fp8-tensor": "float8_e4m3fn weights with one float32 scale per tensor [1]; activations float8_e4m3fn, "
+                       "dynamic per token",
+    "w8a8-fp8-static": "float8_e4m3fn weights with one float32 scale per tensor [1]; activations float8_e4m3fn "
+                       "with one static input_scale [1] per linear, calibrated on the float model "
+                       "(tpcheck.inputs.calibrate; compressed-tensors' FP8 preset)",
 }
-_STRATEGY = {"w8a8-int8": "channel", "w8a8-int8-tensor": "tensor"}
+#: schemes whose activations have a static ``input_scale`` (calibrated: ``tpcheck.inputs.calibrate``)
+STATIC = ("w8a8-fp8-static",)
+_STRATEGY = {"w8a8-int8": "channel", "w8a8-int8-tensor": "tensor", "w8a8-fp8": "channel", "w8a8-fp8-tensor": "tensor",
+             "w8a8-fp8-static": "tensor"}
+#: scheme -> (compressed-tensors ``type``, ``format``, the largest quantized value, safetensors dtype)
+_TYPE = {k: ("int", "int-quantized", 127.0, "I8") for k in ("w8a8-int8", "w8a8-int8-tensor")}
+_TYPE.update({k: ("float", "float-quantized", 448.0, "F8_E4M3") for k in ("w8a8-fp8", "w8a8-fp8-tensor", "w8a8-fp8-static")})
 
 #: the decoder-layer linear weights that are quantized (lm_head is not: it is in ``ignore``)
 LINEAR_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -87,21 +107,23 @@ _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpac
 _MOE_KEYS = ("num_experts", "num_local_experts")
 
 
-def _qargs(strategy: str, dynamic: bool) -> dict:
-    """One ``QuantizationArgs`` (int8, symmetric) as compressed-tensors dumps it."""
-    return {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": strategy,
+def _qargs(strategy: str, dynamic: bool, num_type: str = "int", observer: str = "memoryless_minmax") -> dict:
+    """One ``QuantizationArgs`` (8-bit ``num_type``, symmetric) as compressed-tensors dumps it."""
+    return {"num_bits": 8, "type": num_type, "symmetric": True, "group_size": None, "strategy": strategy,
             "block_structure": None, "dynamic": dynamic, "actorder": None, "scale_dtype": None, "zp_dtype": None,
             # the validator's default observer: memoryless min-max for static weights, none for dynamic inputs
-            "observer": None if dynamic else "memoryless_minmax", "observer_kwargs": {}}
+            "observer": None if dynamic else observer, "observer_kwargs": {}}
 
 
 def quantization_config(scheme: str) -> dict:
     """The ``quantization_config`` entry of ``config.json`` for ``scheme`` (the module docstring: what vLLM reads)."""
     _check_scheme(scheme)
-    group = {"targets": ["Linear"], "weights": _qargs(_STRATEGY[scheme], False),
-             "input_activations": _qargs("token", True), "output_activations": None, "format": None}
+    num_type, fmt = _TYPE[scheme][:2]
+    group = {"targets": ["Linear"], "weights": _qargs(_STRATEGY[scheme], False, num_type),
+             "input_activations": _qargs("tensor", False, num_type, "static_minmax") if scheme in STATIC else
+             _qargs("token", True, num_type), "output_activations": None, "format": None}
     return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
-            "format": "int-quantized", "quantization_status": "compressed", "global_compression_ratio": None,
+            "format": fmt, "quantization_status": "compressed", "global_compression_ratio": None,
             "ignore": ["lm_head"]}
 
 
@@ -111,11 +133,12 @@ def _check_scheme(scheme: str) -> None:
 
 
 def weight_scale(w: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The float32 scale of a 2-D float weight: ``[out, 1]`` (``w8a8-int8``) or ``[1]`` (``w8a8-int8-tensor``)."""
+    """The float32 scale of a 2-D float weight: ``[out, 1]`` (``w8a8-int8``, ``w8a8-fp8``) or ``[1]`` (the
+    ``-tensor`` schemes): ``absmax / 127`` (int8) or ``absmax / 448`` (e4m3)."""
     _check_scheme(scheme)
     a = w.detach().to(torch.float64).abs()
     absmax = a.amax(dim=1, keepdim=True) if _STRATEGY[scheme] == "channel" else a.amax().reshape(1)
-    scale = (absmax / 127).to(torch.float32)
+    scale = (absmax / _TYPE[scheme][2]).to(torch.float32)
     # all zero: any positive scale dequantizes q = 0 exactly; 1.0 keeps every division by the scale finite
     scale = torch.where(absmax == 0, torch.ones_like(scale), scale)
     if bool((scale < torch.finfo(torch.float32).tiny).any()):  # a subnormal scale loses the round trip's bound
@@ -123,8 +146,12 @@ def weight_scale(w: torch.Tensor, scheme: str) -> torch.Tensor:
     return scale
 
 
-def quantize_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``clamp(round(w / scale), -128, 127)`` as int8, in float64 with the stored float32 ``scale`` (half to even)."""
+def quantize_weight(w: torch.Tensor, scale: torch.Tensor, scheme: str = "w8a8-int8") -> torch.Tensor:
+    """int8: ``clamp(round(w / scale), -128, 127)``, in float64 with the stored float32 ``scale`` (half to even).
+    fp8: ``e4m3(clamp(w / scale, -448, 448))``, the division in float64, the cast by ``impl.quant_fp8.to_fp8``
+    (nearest, ties to even, through float32: the rule the engine quantizes activations by)."""
+    if _TYPE[scheme][0] == "float":
+        return to_fp8(w.detach().to(torch.float64) / scale.to(torch.float64))
     q = torch.round(w.detach().to(torch.float64) / scale.to(torch.float64))
     return q.clamp_(-128, 127).to(torch.int8)
 
@@ -195,7 +222,9 @@ def _plan(source: _Source, scheme: str) -> Plan:
             if name + "_scale" in source.meta:
                 raise ValueError(f"tensor {name}_scale is already in the source")
             scale_shape = [shape[0], 1] if _STRATEGY[scheme] == "channel" else [1]
-            out[name], out[name + "_scale"] = ("I8", shape, "weight"), ("F32", scale_shape, "scale")
+            out[name], out[name + "_scale"] = (_TYPE[scheme][3], shape, "weight"), ("F32", scale_shape, "scale")
+            if scheme in STATIC:
+                out[name.removesuffix("weight") + "input_scale"] = ("F32", [1], "given")
         elif _OTHER_PROJ.fullmatch(name):  # vLLM's "Linear" target would expect it int8 as well
             raise ValueError(f"tensor {name}: a projection weight this quantizer does not know (a fused or other "
                              "layout); supported: q/k/v/o_proj and gate/up/down_proj")
@@ -212,7 +241,8 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _write_safetensors(path: Path, source: _Source, plan: Plan, scheme: str) -> None:
+def _write_safetensors(path: Path, source: _Source, plan: Plan, scheme: str,
+                       given: dict[str, torch.Tensor]) -> None:
     """Stream the planned tensors into ``path``: the header first (every shape is known), then each tensor's
     bytes, reading one source tensor at a time (a weight twice: for its scale, then for its int8 values)."""
     order = sorted(plan, key=lambda n: (-_ITEMSIZE[plan[n][0]], n))  # safetensors' order: aligned, deterministic
@@ -228,7 +258,8 @@ def _write_safetensors(path: Path, source: _Source, plan: Plan, scheme: str) -> 
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for name in order:
-            f.write(_tensor_bytes(_output_tensor(source, name, plan, scheme)))
+            t = given[name] if plan[name][2] == "given" else _output_tensor(source, name, plan, scheme)
+            f.write(_tensor_bytes(t))
         written = f.tell()
     if written != 8 + len(head) + offset:
         raise AssertionError(f"{path}: wrote {written} bytes, the header describes {8 + len(head) + offset}")
@@ -242,7 +273,7 @@ def _output_tensor(source: _Source, name: str, plan: Plan, scheme: str) -> torch
         t = _checked_scale(source.get(base), base, scheme)
     elif role == "weight":
         w = source.get(name)
-        t = quantize_weight(w, _checked_scale(w, name, scheme))
+        t = quantize_weight(w, _checked_scale(w, name, scheme), scheme)
     else:
         t = source.get(name)
     if list(t.shape) != plan[name][1]:
@@ -288,8 +319,12 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
     try:
         with contextlib.ExitStack() as stack:
             source = _Source(src, stack)
+            given = {}
+            if scheme in STATIC:  # the float model's activations on calibration prompts
+                from tpcheck.inputs.calibrate import input_scales  # lazy: it imports transformers
+                given = input_scales(src, [n for n in source.meta if LINEAR_WEIGHT.fullmatch(n)])
             plan = _plan(source, scheme)
-            _write_safetensors(tmp / "model.safetensors", source, plan, scheme)
+            _write_safetensors(tmp / "model.safetensors", source, plan, scheme, given)
         (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config(scheme)},
                                                     indent=2) + "\n")
         _copy_other_files(src, tmp)

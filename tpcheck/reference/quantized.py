@@ -1,6 +1,10 @@
-"""The reference models of a quantized checkpoint (``impl.quant``: INT8 W8A8, compressed-tensors; 4-bit GPTQ
-W4A16, ``impl.quant_gptq``: dequantized weights only, ``tpcheck.reference.gptq``): a golden that means what the
-checkpoint means.
+"""The reference models of a quantized checkpoint (``impl.quant``: INT8 W8A8, ``impl.quant_fp8``: FP8 W8A8,
+compressed-tensors; 4-bit GPTQ W4A16, ``impl.quant_gptq``: dequantized weights only, ``tpcheck.reference.gptq``):
+a golden that means what the checkpoint means.
+
+FP8 reads the same way with ``q_x = e4m3(clamp(x / s_x, -448, 448))``, ``s_x = max|x_t| / 448`` (the rule of
+``impl.quant_fp8``, called here in float64) and e4m3 weights; with per-tensor scales, each fused group (q/k/v,
+gate/up) is first re-quantized to its maximum scale, as the engine fuses and re-quantizes it at load.
 
 A W8A8 linear computes ``y = s_x s_w (q_x W_q^T)`` with ``q_x = clamp(round(x / s_x), -128, 127)`` per token. The
 golden is Hugging Face's own model with every quantized linear's weight **dequantized** (``W_q * s_w``, exact in
@@ -29,6 +33,7 @@ from torch import nn
 from impl.config import load_config, parse_dtype
 from impl.loader import checkpoint_files
 from impl.quant import Int8Scheme, quantize_per_token, quantize_static
+from impl.quant_fp8 import FP8, quantize_fp8_per_token, quantize_fp8_static, requantize_to_max
 from tpcheck.reference.build import meta_model
 from tpcheck.reference.gptq import dequantized_state, is_gptq
 
@@ -42,17 +47,43 @@ def fake_quant(x: torch.Tensor, scheme: Int8Scheme, input_scale: torch.Tensor | 
     ``input_scale``; float64 end to end for the golden, else the scale and rounding in float32 (as an engine
     quantizes its bf16 / fp16 / fp32 activations) and the product cast back."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    per_token, static = (quantize_fp8_per_token, quantize_fp8_static) if scheme.num_type == "float" else \
+        (quantize_per_token, quantize_static)
     if scheme.dynamic_input:
-        q, s = quantize_per_token(x, work)
+        q, s = per_token(x, work)
     else:
         s = input_scale.to(work)
-        q = quantize_static(x, s, work)
+        q = static(x, s, work)
     return (q * s).to(x.dtype)
 
 
-def _state_dict(model_dir: str | Path, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Every tensor of the checkpoint in ``dtype`` with each int8 ``weight`` dequantized by its ``weight_scale``
-    (in float64, then cast); and the static ``input_scale`` of each layer that has one."""
+#: the projections an engine fuses into one layer (FP8 per-tensor scales: re-quantized to their maximum)
+FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def _requantize_fused(raw: dict[str, torch.Tensor], scheme: Int8Scheme) -> None:
+    """FP8 per-tensor scales: each fused group's e4m3 weights re-quantized to the group's maximum scale in float64
+    (``impl.quant_fp8.requantize_to_max``, what vLLM and impl do at load), in ``raw``, in place. What a checkpoint
+    with one scale per projection means to the engine that fuses them."""
+    if scheme.num_type != "float" or scheme.weight_strategy != "tensor":
+        return
+    prefixes = sorted({n.rsplit(".", 3)[0] for n in raw if n.endswith("_proj.weight_scale")})
+    for pre in prefixes:  # model.layers.{i}
+        for group in FUSED:
+            names = [f"{pre}.{g}.weight" for g in group]
+            if not all(n in raw for n in names):
+                continue
+            scales = torch.cat([raw[n + "_scale"].reshape(1) for n in names])
+            parts, s_max = requantize_to_max([raw[n] for n in names], scales, torch.float64)
+            for n, w in zip(names, parts):
+                raw[n], raw[n + "_scale"] = w, s_max.clone()
+
+
+def _state_dict(model_dir: str | Path, dtype: torch.dtype,
+                scheme: Int8Scheme) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every tensor of the checkpoint in ``dtype`` with each int8 / e4m3 ``weight`` dequantized by its
+    ``weight_scale`` (in float64, then cast; FP8 fused per-tensor groups re-quantized to their maximum scale
+    first); and the static ``input_scale`` of each layer that has one."""
     raw: dict[str, torch.Tensor] = {}
     for fname, names in checkpoint_files(model_dir).items():
         with safe_open(fname, framework="pt") as f:
@@ -60,6 +91,7 @@ def _state_dict(model_dir: str | Path, dtype: torch.dtype) -> tuple[dict[str, to
                 raw[name] = f.get_tensor(name)
     if is_gptq(raw):  # W4A16: dequantized weights only (tpcheck.reference.gptq)
         return dequantized_state(raw, dtype, str(model_dir)), {}
+    _requantize_fused(raw, scheme)
     state, input_scales = {}, {}
     for name, t in raw.items():
         if name.endswith(".weight_scale"):
@@ -67,12 +99,19 @@ def _state_dict(model_dir: str | Path, dtype: torch.dtype) -> tuple[dict[str, to
         if name.endswith(".input_scale"):
             input_scales[name.removesuffix(".input_scale")] = t.float().reshape(1)
             continue
-        if t.dtype == torch.int8:
+        if t.dtype in (torch.int8, FP8):
             scale = raw.get(name + "_scale")
             if scale is None:
-                raise ValueError(f"{model_dir}: int8 tensor {name!r} has no {name}_scale")
+                raise ValueError(f"{model_dir}: {t.dtype} tensor {name!r} has no {name}_scale")
             t = t.double() * scale.double().reshape(-1, 1) if scale.numel() > 1 else t.double() * scale.double()
         state[name] = t.to(dtype)
+    if scheme.num_type == "float":  # a fused layer quantizes its one input with its parts' largest static scale
+        for pre in sorted({n.rsplit(".", 2)[0] for n in input_scales}):  # model.layers.{i}
+            for group in FUSED:
+                names = [f"{pre}.{g}" for g in group if f"{pre}.{g}" in input_scales]
+                top = max((input_scales[n] for n in names), key=float, default=None)
+                for n in names:
+                    input_scales[n] = top
     return state, input_scales
 
 
@@ -83,7 +122,7 @@ def load_quantized_hf(model_dir: str | Path, dtype: str | torch.dtype, config_cl
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # transformers would look for its own compressed-tensors quantizer
     model = meta_model(model_dir, td, config, model_cls)
-    state, input_scales = _state_dict(model_dir, td)
+    state, input_scales = _state_dict(model_dir, td, scheme)
     tied = bool(config.tie_word_embeddings)
     if tied:
         state.pop("lm_head.weight", None)

@@ -1,5 +1,5 @@
 """Faults of quantized linears under TP (``impl.quant``: INT8 W8A8): the weights load right, a scale does not. These
-are the bugs engines have shipped (the scales, not the matmuls): a row-parallel scale sharded like a column-parallel
+are the bugs engines have shipped (the scales, not the matmuls; FP8 too: 36-37): a row-parallel scale sharded like a column-parallel
 one, fused partitions' scales in the wrong slots, every rank reading rank 0's scale rows.
 
 Each patch rewrites the rank's ``weight_scale`` after loading (from the checkpoint's own scale tensors, read as
@@ -103,3 +103,48 @@ def fused_scale_into_first_slot(runner, i, layer):
     s = gu.weight_scale.data
     s[0] = s[1].clone()
     s[1] = 1.0
+
+
+def _fp8_tensor(cfg, plan, dtype) -> bool:
+    return _tensor(cfg, plan, dtype) and cfg.quant.num_type == "float"
+
+
+@fault(36, "fp8_fused_scale_not_max",
+       "FP8 fused q/k/v and gate/up with per-tensor scales: the layer takes the maximum of its partitions' scales "
+       "but each partition's e4m3 weights are read as stored, not re-quantized to it (vLLM's "
+       "requantize_with_max_scale skipped): a partition with a smaller scale is scaled up by s_max / s_i",
+       shows_when="FP8 checkpoints with per-tensor scales, bfloat16 / float16",
+       expected_origin="layers.{layer}.attn.k", shows=_fp8_tensor)
+@torch.no_grad()
+def fp8_fused_scale_not_max(runner, i, layer):
+    sa, mlp = layer.self_attn, layer.mlp
+    if not mark(sa.qkv_proj, "fp8_fused_scale_not_max"):
+        return
+    p = f"model.layers.{i}."
+    groups = [(sa.qkv_proj, [(f"self_attn.{s}_proj", s) for s in ("q", "k", "v")]),
+              (mlp.gate_up_proj, [("mlp.gate_proj", 0), ("mlp.up_proj", 1)])]
+    names = [p + hf + suffix for _, parts in groups for hf, _ in parts for suffix in (".weight", ".weight_scale")]
+    full = read_tensors(runner, names, cast=False)
+    for m, parts in groups:
+        for hf, sid in parts:  # the stored e4m3 values, through the layer's own row rule
+            m.weight_loader(m.weight, full[p + hf + ".weight"], sid)
+        m.weight_scale.data.fill_(max(float(full[p + hf + ".weight_scale"].max()) for hf, _ in parts))
+
+
+def _fp8_static_tp(cfg, plan, dtype) -> bool:
+    return _quantized(cfg, plan, dtype) and cfg.quant.num_type == "float" and not cfg.quant.dynamic_input \
+        and plan.tp > 1
+
+
+@fault(37, "fp8_input_scale_rank0_only",
+       "FP8 static activation scales loaded on rank 0 only: the other ranks keep the input_scale's initial value "
+       "(vLLM's create_fp8_input_scale fills it with float32's lowest, -3.4e38), so their quantized inputs are 0 "
+       "and their shards of every linear output 0 (ranks disagree on a tensor each must hold whole)",
+       shows_when="FP8 checkpoints with static input scales, tp > 1, bfloat16 / float16",
+       expected_origin="layers.{layer}.attn.q", shows=_fp8_static_tp)
+@torch.no_grad()
+def fp8_input_scale_rank0_only(runner, i, layer):
+    mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    for m in mods:
+        if mark(m, "fp8_input_scale_rank0_only") and m.tp_rank > 0:
+            m.input_scale.data.fill_(torch.finfo(torch.float32).min)
