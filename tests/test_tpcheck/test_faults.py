@@ -56,7 +56,7 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 38
+    assert len(names) == len(set(names)) == len(FAULTS) == 40
     assert GPTQ == ["gptq_row_group_scales_misaligned", "gptq_every_rank_rank0_qweight",
                     "gptq_row_scales_sharded_by_output"]
     assert FAMILY == ["qk_norm_after_rope", "llama3_scaling_ignored", "bias_where_none", "sliding_window_ignored"]
@@ -123,8 +123,8 @@ def test_applies(ckpt):
 def test_each_fault_declared_once_with_its_patch():
     """One registry: every fault carries its patch and predicate (module-level: a Fault pickles), catalogue
     numbers give the listing order, and a second declaration of a name or number is refused."""
-    numbers = [f.number for f in FAULTS.values()]  # 1-35, then GPTQ's 40-42 (36-39 kept for other quant faults)
-    assert numbers == list(range(1, 36)) + [40, 41, 42]
+    numbers = [f.number for f in FAULTS.values()]  # 1-35, FP8's 36-37, then GPTQ's 40-42
+    assert numbers == list(range(1, 38)) + [40, 41, 42]
     for f in FAULTS.values():
         assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.inputs.faults."), f.name
         assert pickle.loads(pickle.dumps(f)) == f
@@ -133,7 +133,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 38  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 40  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):
