@@ -132,6 +132,9 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     ref = hf_capture(model_dir, dtype, opts.streamed)  # streamed: both references stream their weights
     golden = SavedGolden(opts.golden, model_dir, prompts, steps, steps > 0) if opts.golden else \
         hf_capture(model_dir, "float64", opts.streamed)
+    for cap in (ref, golden):
+        if hasattr(cap, "quant_shards"):  # the engine's ranks quantize their own slices of a row-parallel input
+            cap.quant_shards = reductions.tp
     writer = GoldenWriter(opts.save_golden, model_dir, prompts, steps, steps > 0, cfg.num_layers) \
         if opts.save_golden else None
     stop_when = _step_fails(dtype, tolerances) if opts.fail_fast else None

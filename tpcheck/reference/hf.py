@@ -109,6 +109,9 @@ class HFCapture:
         model.config._attn_implementation = ATTN_NAME
         self.model, self.sink = model, None
         self.reductions: Reductions | None = None  # set for one step by ``step(reductions=...)``
+        # a quantized checkpoint's row-parallel o_proj / down_proj: each of the engine's tp ranks quantizes its own
+        # slice of the input (its own per-token scale), so the golden and the references do too (set per run)
+        self.quant_shards = 1
         self.num_layers = model.config.num_hidden_layers
         m = model.model
         self.teacher = Teacher(m.layers, m.norm, like=model, batch_dim=True)
@@ -132,7 +135,7 @@ class HFCapture:
 
         def forward(x):
             if quant is not None:
-                x = quant(x)
+                x = torch.cat([quant(part) for part in x.chunk(self.quant_shards, dim=-1)], dim=-1)
             if self.reductions is None or not self.reductions.emulated:
                 return nn.Linear.forward(linear, x)
             return row_parallel_linear(x, linear.weight, linear.bias, self.reductions)
