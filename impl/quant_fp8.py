@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from impl.errors import ShapeMismatch
-from impl.quant import Int8Scheme
+from impl.quant import Int8LinearMethod, Int8Scheme
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -108,12 +108,7 @@ class Fp8LinearMethod:
         layer.weight.data.copy_(torch.cat(new, dim=0))
         layer.weight_scale.data.fill_(s_max[0])
 
-    def channel_scale(self, layer: nn.Module) -> torch.Tensor:
-        """``[out_local]`` float32: the per-channel scale (a per-tensor scale repeated over its partition)."""
-        s = layer.weight_scale
-        if self.scheme.weight_strategy == "channel":
-            return s.reshape(-1)
-        return torch.cat([s[i].expand(w) for i, w in enumerate(layer.partitions)])
+    channel_scale = Int8LinearMethod.channel_scale  # the same scale layout as INT8's
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
