@@ -161,6 +161,7 @@ class _Source:
     ``get(name)`` reads one tensor."""
 
     def __init__(self, src: Path, stack: contextlib.ExitStack):
+        self.root = src
         index = src / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
@@ -308,6 +309,22 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
     mixture-of-experts model, a linear weight that is not float, ``dst`` existing and not an empty directory.
     (``tpcheck.inputs.quantize_gptq.quantize_any`` also writes 4-bit GPTQ.)"""
     _check_scheme(scheme)
+
+    def fill(source: "_Source", tmp: Path) -> dict:
+        given = {}
+        if scheme in STATIC:  # the float model's activations on calibration prompts
+            from tpcheck.inputs.calibrate import input_scales  # lazy: it imports transformers
+            given = input_scales(source.root, [n for n in source.meta if LINEAR_WEIGHT.fullmatch(n)])
+        _write_safetensors(tmp / "model.safetensors", source, _plan(source, scheme), scheme, given)
+        return quantization_config(scheme)
+    return write_checkpoint(src, dst, fill)
+
+
+def write_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fill) -> Path:
+    """The checked, atomic write every quantizer shares: ``src`` must be a directory and ``dst`` new or empty;
+    ``fill(source, tmp)`` writes ``tmp/model.safetensors`` from the ``_Source`` and returns the
+    ``quantization_config``; ``config.json`` and the other top-level files follow, then the temporary directory is
+    renamed onto ``dst`` (removed on any failure)."""
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise ValueError(f"source checkpoint {src} is not a directory")
@@ -318,15 +335,8 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         with contextlib.ExitStack() as stack:
-            source = _Source(src, stack)
-            given = {}
-            if scheme in STATIC:  # the float model's activations on calibration prompts
-                from tpcheck.inputs.calibrate import input_scales  # lazy: it imports transformers
-                given = input_scales(src, [n for n in source.meta if LINEAR_WEIGHT.fullmatch(n)])
-            plan = _plan(source, scheme)
-            _write_safetensors(tmp / "model.safetensors", source, plan, scheme, given)
-        (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config(scheme)},
-                                                    indent=2) + "\n")
+            qcfg = fill(_Source(src, stack), tmp)
+        (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg}, indent=2) + "\n")
         _copy_other_files(src, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         for f in tmp.iterdir():

@@ -22,13 +22,8 @@ the order it quantizes them. Without it ``g_idx[k] = k // group_size``. The file
 ``safetensors.torch.save_file`` (the whole output in memory: meant for the synthetic presets)."""
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
 import os
 import re
-import shutil
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -36,8 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from impl.quant_gptq import pack_cols, pack_rows
-from tpcheck.inputs.quantize import (LINEAR_WEIGHT, _FLOAT_DTYPES, _OTHER_PROJ, _copy_other_files, _read_config,
-                                     _Source, quantize_checkpoint)
+from tpcheck.inputs.quantize import (LINEAR_WEIGHT, _FLOAT_DTYPES, _OTHER_PROJ, _Source, quantize_checkpoint,
+                                     write_checkpoint)
 
 #: scheme name -> what it writes
 GPTQ_SCHEMES: dict[str, str] = {
@@ -133,34 +128,12 @@ def quantize_any(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) ->
 
 def quantize_gptq_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) -> Path:
     """Write the GPTQ ``scheme`` quantization of float checkpoint ``src`` into the new (or empty) ``dst``, through a
-    temporary directory renamed into place (``tpcheck.inputs.quantize.quantize_checkpoint``'s contract)."""
+    temporary directory renamed into place (``tpcheck.inputs.quantize.write_checkpoint``)."""
     gptq_params(scheme)
-    src, dst = Path(src), Path(dst)
-    if not src.is_dir():
-        raise ValueError(f"source checkpoint {src} is not a directory")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"destination {dst} exists and is not an empty directory")
-    cfg = _read_config(src)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        with contextlib.ExitStack() as stack:
-            tensors = _tensors(_Source(src, stack), scheme)
+
+    def fill(source, tmp: Path) -> dict:
+        tensors = _tensors(source, scheme)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": gptq_quantization_config(scheme)},
-                                                    indent=2) + "\n")
-        _copy_other_files(src, tmp)
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        try:
-            os.replace(tmp, dst)
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise ValueError(f"destination {dst} was filled by someone else meanwhile") from None
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dst
+        return gptq_quantization_config(scheme)
+    return write_checkpoint(src, dst, fill)
