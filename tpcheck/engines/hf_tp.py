@@ -85,6 +85,8 @@ class HFTPRank:
             raise ImportError("--engine hf-tp needs accelerate (pip install 'tpcheck[hf-tp]' or "
                               "pip install accelerate)")
         self.model = load_hf_model(model_dir, dtype, **_tp_plan_kwargs(self.tp))
+        if device != "cpu":  # transformers' tp_plan load leaves a tp-1 model on the CPU whatever LOCAL_RANK says
+            self.model.to(torch.device(device))
         self.model.config._attn_implementation = ATTN_NAME
         m = self.model.model
         for layer in m.layers:
