@@ -104,6 +104,37 @@ def test_plugin_records_new_requests_prompts_and_warns_once_of_an_unknown_prefix
     assert "step 3, rank 1: request 'c' starts at position 128 (a prefix-cache hit)" in caplog.records[0].message
 
 
+def test_plugin_binds_cpu_threads_where_vllm_auto_binding_fails(monkeypatch, caplog):
+    """Pure (no vLLM): on a dumped run with ``VLLM_CPU_OMP_THREADS_BIND`` unset, vLLM's ``auto`` binding that
+    asserts (fewer NUMA nodes than ranks) is retried with contiguous CPU ranges, as ``--engine vllm`` sets them,
+    and said; where it works, or where the user set the variable, nothing changes."""
+    from tpcheck.capture.vllm_plugin import cpu_bind, patch_omp_bind
+
+    def manager(fail_on_auto: bool):
+        class Manager:  # vLLM's OMPProcessManager, reduced to what the patch touches
+            local_world_size = 2
+
+            def __init__(self):
+                self._parse_omp_threads_bind_env()
+
+            def _parse_omp_threads_bind_env(self):
+                mask = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+                assert not (fail_on_auto and mask == "auto"), "Not enough allowed NUMA nodes"
+                self.mask = mask
+        patch_omp_bind(Manager)
+        patch_omp_bind(Manager)  # plugins load more than once per process: one wrapper
+        return Manager()
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert manager(fail_on_auto=False).mask == "auto" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    with caplog.at_level("WARNING", logger="tpcheck.capture.vllm_plugin"):
+        assert manager(fail_on_auto=True).mask == cpu_bind(2) == os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    assert "'auto' failed here (Not enough allowed NUMA nodes" in caplog.text
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # the user's own choice stands, and fails as vLLM's
+    with pytest.raises(AssertionError, match="NUMA"):
+        manager(fail_on_auto=True)
+
+
 # ------------------------------------------------------------------ real vLLM
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,49 @@ def register() -> None:
 
     WorkerBase.__init__ = __init__
     setattr(WorkerBase, _PATCHED, True)
+    try:  # vLLM's CPU build only
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+    except ImportError:
+        return
+    patch_omp_bind(OMPProcessManager)
+
+
+def cpu_bind(tp: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks: the CPUs this process may use split into ``tp``
+    contiguous ranges (``"0-7|8-15"``), ``nobind`` with fewer CPUs than ranks. vLLM's own default, ``auto``,
+    binds a rank per NUMA node and asserts on a machine with fewer nodes than ranks."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < tp:
+        return "nobind"
+    per = len(cpus) // tp
+    ranges = [cpus[r * per:(r + 1) * per] for r in range(tp)]
+    return "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in ranges)
+
+
+def patch_omp_bind(manager_cls) -> None:
+    """Where ``VLLM_CPU_OMP_THREADS_BIND`` is unset and vLLM's default (``auto``: a rank per NUMA node) fails on
+    this machine (it asserts with fewer NUMA nodes than ranks), bind the ranks to contiguous CPU ranges instead,
+    as ``--engine vllm`` does (``cpu_bind``), and say so: the dumped script runs where it
+    would otherwise have stopped before its first step. A value the user set is never changed."""
+    if getattr(manager_cls, _PATCHED, False):
+        return
+    parse = manager_cls._parse_omp_threads_bind_env
+
+    def _parse_omp_threads_bind_env(self):
+        try:
+            return parse(self)
+        except (AssertionError, RuntimeError) as e:
+            if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+                raise
+            bind = cpu_bind(self.local_world_size)
+            logger.warning(f"tpcheck: vLLM's CPU thread binding 'auto' failed here ({e or type(e).__name__}); "
+                           f"VLLM_CPU_OMP_THREADS_BIND={bind!r} set for {self.local_world_size} rank(s), as "
+                           "tpcheck diff --engine vllm sets it (set it yourself to choose)")
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            return parse(self)
+
+    manager_cls._parse_omp_threads_bind_env = _parse_omp_threads_bind_env
+    setattr(manager_cls, _PATCHED, True)
 
 
 class StepDump:

@@ -45,6 +45,7 @@ import torch
 from impl.config import ConfigError, ModelConfig
 from tpcheck.reference.reductions import Reductions
 from tpcheck.engines.adapter import by_point
+from tpcheck.capture.vllm_plugin import cpu_bind
 
 logger = logging.getLogger("tpcheck.engines.vllm")
 
@@ -63,14 +64,8 @@ def vllm_env(tp: int) -> dict[str, str]:
     """Set, where unset, the environment vLLM (its CPU build) needs to run inside this process; returns what
     was set. ``VLLM_ENABLE_V1_MULTIPROCESSING`` set to anything but 0 is a RuntimeError (one
     ``LLMEngine.step()`` must be one schedule + forward)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cpus) >= tp:
-        per = len(cpus) // tp
-        ranges = [cpus[r * per:(r + 1) * per] for r in range(tp)]
-        bind = "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in ranges)
-    else:
-        bind = "nobind"
-    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind}
+    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(tp)}
     set_here = {k: v for k, v in want.items() if k not in os.environ}
     os.environ.update(set_here)
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
