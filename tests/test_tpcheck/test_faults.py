@@ -118,7 +118,7 @@ def test_applies(ckpt):
                                            "kv_replica_index", "full_state_dict_every_rank", "vocab_ids_not_masked",
                                            "every_rank_loads_rank0_shard", "rmsnorm_weight_before_cast",
                                            "rope_theta_default", "allreduce_low_precision", *FAMILY, *MOE, *QUANT,
-                                           *GPTQ)]
+                                           *GPTQ, *AWQ)]
 
 
 
