@@ -14,10 +14,9 @@ from impl.placements import Partial
 from impl.quant import QuantConfigError
 from impl.quant_awq import AwqScheme, pack_awq, parse_quantization_config, unpack_awq
 from impl.quant_gptq import layer_name
+from test_quant_gptq import DT, TPS, rand_w, run, x_input  # the GPTQ tests' inputs and rank runner
 from tpcheck.inputs.quantize_awq import awq_quantization_config, quantize_awq_weight
 
-TPS = (1, 2, 4)
-DT = torch.float32
 REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # vLLM's _REVERSE_AWQ_PACK_ORDER: output column j of 8 is nibble REVERSE[j]
 
 
@@ -48,29 +47,12 @@ def ref_weight(hf_w: torch.Tensor, gs: int) -> tuple[dict, torch.Tensor]:
     return t, w
 
 
-def rand_w(out: int, k: int, seed: int) -> torch.Tensor:
-    return torch.randn(out, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
 def test_quantizer_rounds_to_nearest_with_zero_points():
     hf_w = rand_w(48, 128, 5) + 0.3  # off-centre groups: the zero points are not all 8
     t, w = ref_weight(hf_w, 32)
     step = t["scales"].double()[torch.arange(128) // 32]
     assert ((w - hf_w.t()).abs() <= step * 0.51).all()  # half a step (the float16 scale's rounding aside)
     assert unpack_awq(t["qzeros"]).unique().numel() > 1
-
-
-def x_input(k: int) -> torch.Tensor:
-    return torch.randn(5, k, generator=torch.Generator().manual_seed(7), dtype=DT)
-
-
-def run(mods, x, tp, shard_input=False):
-    outs = []
-    for r, m in enumerate(mods):
-        xr = x[:, r * x.shape[1] // tp:(r + 1) * x.shape[1] // tp] if shard_input else x
-        with fake_rank(r, tp), torch.no_grad():
-            outs.append(m(xr))
-    return outs
 
 
 def load(m, tensors: dict, sid=None):

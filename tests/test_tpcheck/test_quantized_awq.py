@@ -4,7 +4,6 @@ figure, bad checkpoints are refused naming the tensor or field (exit 2)."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -13,11 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import tpcheck
-from tpcheck.cli import fault_matrix as M
 from tpcheck.cli.app import main
-from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.inputs.faults import FAULTS
 from tpcheck.inputs.quantize_awq import quantize_any
-from test_quantized_gptq import readme_quant_excess
+from test_quantized_gptq import found_at_its_origin
 
 AWQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_awq"]
 P = "model.layers.0.mlp.down_proj."  # [out 128, in 256]
@@ -45,10 +43,7 @@ def test_clean_awq_run_passes(tp, dtype, ckpt, engines):
 
 @pytest.mark.parametrize("name", AWQ_FAULTS)
 def test_awq_fault_found_at_its_origin(name, ckpt, engines):
-    row = M.fault_row(name, engines, ckpt)
-    assert row["detected"] and row["ok"], row
-    assert (row["origin_point"], row["origin_step"]) == (get_fault(name).origin(0), 0), row
-    assert math.isclose(row["excess"], readme_quant_excess()[name], rel_tol=0.03), row["excess"]
+    found_at_its_origin(name, ckpt, engines)
 
 
 def test_row_shard_straddling_a_group_refused_naming_the_layer(ckpt, tmp_path, capsys):
