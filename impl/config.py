@@ -17,7 +17,8 @@ from impl.errors import ConfigError
 from impl.layers.rotary import Llama3RopeScaling
 from impl.moe_config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoeConfig, MoeSpelling, read_moe
 from impl.quant import Int8Scheme, QuantConfigError
-from impl.quant_gptq import GptqScheme, parse_quantization_config
+from impl.quant_awq import AwqScheme, parse_quantization_config
+from impl.quant_gptq import GptqScheme
 
 if TYPE_CHECKING:
     from torch import nn
@@ -230,7 +231,7 @@ class ModelConfig:
     rope_scaling: Llama3RopeScaling | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer attends to all its past
     moe: MoeConfig | None = None  # mixture of experts: the experts and which layers are sparse
-    quant: Int8Scheme | GptqScheme | None = None  # quantized linears (impl.quant, impl.quant_gptq); None: float
+    quant: Int8Scheme | GptqScheme | AwqScheme | None = None  # quantized linears (impl.quant*); None: float
 
     @property
     def family(self) -> Family:
@@ -340,7 +341,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     )
 
 
-def _quant(raw: dict, path: Path, moe: MoeConfig | None) -> Int8Scheme | GptqScheme | None:
+def _quant(raw: dict, path: Path, moe: MoeConfig | None) -> Int8Scheme | GptqScheme | AwqScheme | None:
     """The checkpoint's quantization scheme (``impl.quant``), refused with the field at fault and the path."""
     try:
         quant = parse_quantization_config(raw.get("quantization_config"))

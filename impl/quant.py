@@ -84,12 +84,12 @@ def _int8_args(args: dict, where: str, strategies: tuple[str, ...], num_type: st
 
 def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
     """The scheme of a checkpoint's ``quantization_config`` (None: not quantized); QuantConfigError otherwise.
-    (``impl.quant_gptq.parse_quantization_config`` reads ``quant_method: gptq`` first.)"""
+    (``impl.quant_awq.parse_quantization_config`` reads ``quant_method: awq`` and ``gptq`` first.)"""
     if raw is None:
         return None
     method = _field(raw, "quant_method", "the config")
     if method != "compressed-tensors":
-        raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}; or gptq")
+        raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}; or gptq, awq")
     fmt = _field(raw, "format", "the config")
     if fmt not in FORMATS:
         raise QuantConfigError(f"quantization_config.format = {fmt!r} is not supported: impl runs {SUPPORTED}")

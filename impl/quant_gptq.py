@@ -168,24 +168,31 @@ class GptqLinearMethod:
         g = layer.g_idx.long()
         if layer.quant_row_parallel and not layer.gptq_scales_whole:  # local scales: groups from this rank's first
             g = g - layer.tp_rank * layer.scales.shape[0]
-        w = dequantize(layer.qweight, layer.qzeros, layer.scales, g)
-        y = x.reshape(-1, x.shape[-1]).float() @ w
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return matmul_w4a16(x, dequantize(layer.qweight, layer.qzeros, layer.scales, g), bias)
 
 
-def load_columns(layer: nn.Module, name: str, param: nn.Parameter, loaded, slot: tuple[int, int, int, int]) -> None:
-    """A column-parallel (or replicated) layer's GPTQ tensor: ``slot = (local offset, width, source start, total
-    width)`` in output columns; ``qzeros`` in packed columns (all divided by 8), ``g_idx`` whole."""
+def matmul_w4a16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w`` (+ bias) with ``w`` the float32 dequantized ``[K, N]``: the activation upcast, float32 sums (as
+    vLLM's CPU WNA16 kernel accumulates), cast back to ``x``'s dtype."""
+    y = x.reshape(-1, x.shape[-1]).float() @ w
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def load_columns(layer: nn.Module, name: str, param: nn.Parameter, loaded, slot: tuple[int, int, int, int],
+                 packed: tuple[str, ...] = ("qzeros",)) -> None:
+    """A column-parallel (or replicated) layer's GPTQ / AWQ tensor: ``slot = (local offset, width, source start,
+    total width)`` in output columns; the ``packed`` tensors (GPTQ: ``qzeros``; AWQ: ``qweight`` and ``qzeros``)
+    in packed columns (all divided by 8), ``g_idx`` whole."""
     offset, size, start, total = slot
     if name == "g_idx":
         check_shape(loaded, param.shape)
         param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
         return
-    if name == "qzeros":
+    if name in packed:
         if offset % PACK or size % PACK or start % PACK:
-            raise ShapeMismatch(f"qzeros packs {PACK} output columns per int32: a shard of {size} columns at "
+            raise ShapeMismatch(f"{name} packs {PACK} output columns per int32: a shard of {size} columns at "
                                 f"{start} is not a whole number of packed columns")
         offset, size, start, total = offset // PACK, size // PACK, start // PACK, total // PACK
     check_shape(loaded, (param.shape[0], total))
@@ -193,8 +200,9 @@ def load_columns(layer: nn.Module, name: str, param: nn.Parameter, loaded, slot:
 
 
 def load_rows(layer: nn.Module, name: str, param: nn.Parameter, loaded) -> None:
-    """A row-parallel layer's GPTQ tensor: ``qweight`` rows ``[r K/8/tp ...)``, ``g_idx`` ``[r K/tp ...)``,
-    ``scales`` / ``qzeros`` rows ``[r G/tp ...)``, or whole with act-order (module docstring)."""
+    """A row-parallel layer's GPTQ / AWQ tensor: rank r's block of rows: GPTQ ``qweight`` ``[r K/8/tp ...)``,
+    ``g_idx`` ``[r K/tp ...)``, ``scales`` / ``qzeros`` ``[r G/tp ...)`` (or whole with act-order, module docstring);
+    AWQ ``qweight`` ``[r K/tp ...)``, ``scales`` / ``qzeros`` ``[r G/tp ...)``."""
     rows = param.shape[0]
     if name in ("scales", "qzeros") and layer.gptq_scales_whole:
         check_shape(loaded, param.shape)

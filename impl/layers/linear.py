@@ -26,6 +26,10 @@ GPTQ W4A16 (``quant``: an ``impl.quant_gptq.GptqScheme``): ``qweight`` / ``qzero
 loaded by ``gptq_loader``: on column-parallel and replicated layers along the output columns of the layer's
 ``column_slot(shard_id)`` (a fused partition's slot), on row-parallel ones along the input rows
 (``impl.quant_gptq``'s module docstring has the math and the rules).
+
+AWQ W4A16 (``quant``: an ``impl.quant_awq.AwqScheme``): ``qweight`` / ``qzeros`` / ``scales`` loaded by
+``awq_loader``, by the same column slots and row blocks as GPTQ's, ``qweight`` packed along the output
+(``impl.quant_awq``).
 """
 from __future__ import annotations
 
@@ -37,9 +41,12 @@ from impl.distributed import all_reduce, get_tp_rank, get_tp_size
 from impl.errors import ShapeMismatch, check_shape  # noqa: F401 (re-exported: the loader and layers import them here)
 from impl.placements import Fused, Partial, Replicate, Shard
 from impl.quant import Int8LinearMethod, Int8Scheme, per_tensor_slot
+from impl.quant_awq import AwqLinearMethod, AwqScheme
 from impl.quant_fp8 import Fp8LinearMethod
 from impl.quant_gptq import GptqLinearMethod, GptqScheme, load_columns, load_rows
 from impl.shard_plan import kv_split
+
+QuantScheme = Int8Scheme | GptqScheme | AwqScheme  # a quantized checkpoint's scheme (impl.quant*, config.quant)
 
 
 def divide(a: int, b: int, what: str) -> int:
@@ -49,14 +56,14 @@ def divide(a: int, b: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    quant_row_parallel = False  # GPTQ: the input dim is sharded (RowParallelLinear)
+    quant_row_parallel = False  # GPTQ / AWQ: the input dim is sharded (RowParallelLinear)
 
     def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype,
-                 quant: Int8Scheme | GptqScheme | None = None, partitions: list[int] | None = None, in_total: int | None = None):
+                 quant: QuantScheme | None = None, partitions: list[int] | None = None, in_total: int | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        if isinstance(quant, GptqScheme):
-            self.quant_method = GptqLinearMethod(quant)
+        if isinstance(quant, (GptqScheme, AwqScheme)):
+            self.quant_method = (GptqLinearMethod if isinstance(quant, GptqScheme) else AwqLinearMethod)(quant)
             self.quant_method.create_weights(self, out_local, in_local, in_total or in_local, self.quant_row_parallel)
         elif quant is not None:
             self.quant_method = Fp8LinearMethod(quant) if quant.num_type == "float" else Int8LinearMethod(quant)
@@ -82,9 +89,9 @@ class LinearBase(nn.Module):
         return 0
 
     def column_slot(self, shard_id) -> tuple[int, int, int, int]:
-        """GPTQ: ``(local offset, width, source start, source width)`` in output columns of ``shard_id``'s
+        """GPTQ / AWQ: ``(local offset, width, source start, source width)`` in output columns of ``shard_id``'s
         partition (the float weight's row rule, on the output dim)."""
-        n = self.qweight.shape[1]
+        n = self.scales.shape[1]
         return 0, n, self.tp_rank * n, n * self.tp_size
 
     def gptq_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -108,6 +115,15 @@ class LinearBase(nn.Module):
             if not torch.equal(param.data, want):
                 raise ShapeMismatch("g_idx is not k // group_size while quantization_config.desc_act is false")
 
+    def awq_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """One AWQ tensor (``qweight``, ``qzeros``, ``scales``) into this rank's slot: GPTQ's rules, with
+        ``qweight`` packed along the output like ``qzeros``."""
+        name = next(n for n in ("qweight", "qzeros", "scales") if getattr(self, n) is param)
+        if self.quant_row_parallel:
+            load_rows(self, name, param, loaded)
+        else:
+            load_columns(self, name, param, loaded, self.column_slot(shard_id), packed=("qweight", "qzeros"))
+
     def channel_scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """A per-channel weight scale ``[out, 1]`` follows the weight's output rows."""
         self.weight_loader(param, loaded, shard_id)
@@ -128,13 +144,13 @@ class ReplicatedLinear(LinearBase):
     """``[out, in]`` held whole by every rank; output ``Replicate`` (vLLM's ``ReplicatedLinear``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 quant: Int8Scheme | GptqScheme | None = None):
+                 quant: QuantScheme | None = None):
         super().__init__(input_size, output_size, bias, dtype, quant)
         self.input_size, self.output_size = input_size, output_size
         self.output_placement = Replicate()
 
     def column_slot(self, shard_id) -> tuple[int, int, int, int]:
-        n = self.qweight.shape[1]
+        n = self.scales.shape[1]
         return 0, n, 0, n
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -149,7 +165,7 @@ class ColumnParallelLinear(LinearBase):
     """``[out, in]`` split along out: rank r holds rows ``[r*out/tp, (r+1)*out/tp)``; output ``Shard(-1)``."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 quant: Int8Scheme | GptqScheme | None = None, partitions: list[int] | None = None):
+                 quant: QuantScheme | None = None, partitions: list[int] | None = None):
         tp = get_tp_size()
         super().__init__(input_size, divide(output_size, tp, "output_size"), bias, dtype, quant, partitions)
         self.input_size, self.output_size = input_size, output_size
@@ -172,7 +188,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype = torch.float32, names: tuple[str, ...] = ("gate", "up"),
-                 quant: Int8Scheme | GptqScheme | None = None):
+                 quant: QuantScheme | None = None):
         local = [divide(s, get_tp_size(), "output_size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, dtype, quant, local)
         self.output_sizes = output_sizes
@@ -201,7 +217,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     Local output width = ``(H/tp + 2*max(K/tp, 1)) * head_dim``; placement ``Fused(q, k, v)``."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = True, dtype: torch.dtype = torch.float32, quant: Int8Scheme | GptqScheme | None = None):
+                 bias: bool = True, dtype: torch.dtype = torch.float32, quant: QuantScheme | None = None):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
@@ -244,7 +260,7 @@ class RowParallelLinear(LinearBase):
     ``Partial`` with ``reduce_results=False`` (the caller all-reduces ``x_r W_r^T + [r == 0] b``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 reduce_results: bool = True, quant: Int8Scheme | GptqScheme | None = None):
+                 reduce_results: bool = True, quant: QuantScheme | None = None):
         tp = get_tp_size()
         self.quant_row_parallel = tp > 1
         super().__init__(divide(input_size, tp, "input_size"), output_size, bias, dtype, quant, in_total=input_size)

@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from impl.layers.activation import SiluAndMul
-from impl.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from impl.quant import Int8Scheme
-from impl.quant_gptq import GptqScheme, layer_name
+from impl.layers.linear import MergedColumnParallelLinear, QuantScheme, RowParallelLinear
+from impl.quant_gptq import layer_name
 
 
 class GatedMLP(nn.Module):
@@ -18,7 +17,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32, reduce_results: bool = True,
-                 quant: Int8Scheme | GptqScheme | None = None):
+                 quant: QuantScheme | None = None):
         super().__init__()
         n = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [n, n], bias=bias, dtype=dtype, quant=quant)

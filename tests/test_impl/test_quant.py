@@ -147,7 +147,7 @@ def test_parse_supported():
 
 
 @pytest.mark.parametrize("path,value,match", [
-    ("quant_method", "awq", "quant_method = 'awq'"),
+    ("quant_method", "bitsandbytes", "quant_method = 'bitsandbytes'"),
     ("format", "nvfp4-pack-quantized", "format = 'nvfp4-pack-quantized'"),
     ("config_groups.group_0.weights.num_bits", 4, "num_bits = 4"),
     ("config_groups.group_0.weights.symmetric", False, "symmetric = False"),

@@ -26,8 +26,9 @@ MOE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.fau
 # quantization faults need a quantized preset: tests/test_tpcheck/test_quantized.py
 QUANT = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
 GPTQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_gptq"]
+AWQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_awq"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
-           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT, *GPTQ)]
+           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT, *GPTQ, *AWQ)]
 
 
 def smallest_tp(fault, cfg) -> int:
@@ -56,9 +57,10 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 40
+    assert len(names) == len(set(names)) == len(FAULTS) == 43
     assert GPTQ == ["gptq_row_group_scales_misaligned", "gptq_every_rank_rank0_qweight",
                     "gptq_row_scales_sharded_by_output"]
+    assert AWQ == ["awq_nibble_order_sequential", "awq_row_scales_sharded_by_output", "awq_every_rank_rank0_qzeros"]
     assert FAMILY == ["qk_norm_after_rope", "llama3_scaling_ignored", "bias_where_none", "sliding_window_ignored"]
     assert MOE == ["moe_router_low_precision", "moe_topk_not_renormalized", "moe_shared_gate_skipped",
                    "moe_expert_offset_wrong", "moe_experts_reduced_twice", "moe_wrong_combine_weights",
@@ -116,15 +118,15 @@ def test_applies(ckpt):
                                            "kv_replica_index", "full_state_dict_every_rank", "vocab_ids_not_masked",
                                            "every_rank_loads_rank0_shard", "rmsnorm_weight_before_cast",
                                            "rope_theta_default", "allreduce_low_precision", *FAMILY, *MOE, *QUANT,
-                                           *GPTQ)]
+                                           *GPTQ, *AWQ)]
 
 
 
 def test_each_fault_declared_once_with_its_patch():
     """One registry: every fault carries its patch and predicate (module-level: a Fault pickles), catalogue
     numbers give the listing order, and a second declaration of a name or number is refused."""
-    numbers = [f.number for f in FAULTS.values()]  # 1-35, FP8's 36-37, then GPTQ's 40-42
-    assert numbers == list(range(1, 38)) + [40, 41, 42]
+    numbers = [f.number for f in FAULTS.values()]  # 1-35, FP8's 36-37, GPTQ's 40-42, then AWQ's 43-45
+    assert numbers == list(range(1, 38)) + [40, 41, 42, 43, 44, 45]
     for f in FAULTS.values():
         assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.inputs.faults."), f.name
         assert pickle.loads(pickle.dumps(f)) == f
@@ -133,7 +135,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 40  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 43  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

@@ -17,8 +17,10 @@ from tpcheck.cli.app import main
 from tpcheck.inputs.faults import FAULTS, get_fault
 
 QUANT_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
-#: GPTQ's (tests/test_tpcheck/test_quantized_gptq.py checks them); the README's table lists both
-GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_gptq"]
+#: GPTQ's and AWQ's (tests/test_tpcheck/test_quantized_gptq.py, test_quantized_awq.py check them); the README's
+#: table lists them all
+GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ in ("tpcheck.inputs.faults.quant_gptq",
+                                                                      "tpcheck.inputs.faults.quant_awq")]
 
 
 @pytest.mark.parametrize("preset,tp,dtype", [("small-w8a8", 2, "bfloat16"), ("small-w8a8-tensor", 4, "float16"),
@@ -60,14 +62,14 @@ def test_float32_quantized_run_refused_with_the_reason(ckpt, capsys):
 
 
 def test_unsupported_quantization_refused_naming_the_field(ckpt, tmp_path, capsys):
-    d = tmp_path / "awq"
+    d = tmp_path / "bnb"
     shutil.copytree(ckpt("small-w8a8"), d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"]["quant_method"] = "awq"
+    cfg["quantization_config"]["quant_method"] = "bitsandbytes"
     (d / "config.json").write_text(json.dumps(cfg))
     assert main(["diff", "--model", str(d), "--tp", "1", "--dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
-    assert "quant_method = 'awq'" in err and "compressed-tensors" in err
+    assert "quant_method = 'bitsandbytes'" in err and "compressed-tensors" in err
 
 
 def test_float_config_with_quantized_tensors_names_the_reason(ckpt, tmp_path, capsys):

@@ -56,12 +56,17 @@ def test_clean_gptq_run_passes(preset, tp, dtype, ckpt, engines):
     assert r.table["point"].str.endswith("attn.out").any()
 
 
-@pytest.mark.parametrize("name", GPTQ_FAULTS)
-def test_gptq_fault_found_at_its_origin(name, ckpt, engines):
+def found_at_its_origin(name: str, ckpt, engines) -> None:
+    """The fault matrix's row of a 4-bit fault: found at its origin in layer 0, the README's excess within 3%."""
     row = M.fault_row(name, engines, ckpt)
     assert row["detected"] and row["ok"], row
     assert (row["origin_point"], row["origin_step"]) == (get_fault(name).origin(0), 0), row
     assert math.isclose(row["excess"], readme_quant_excess()[name], rel_tol=0.03), row["excess"]
+
+
+@pytest.mark.parametrize("name", GPTQ_FAULTS)
+def test_gptq_fault_found_at_its_origin(name, ckpt, engines):
+    found_at_its_origin(name, ckpt, engines)
 
 
 def test_row_shard_not_whole_groups_refused_naming_the_layer(ckpt, tmp_path, capsys):

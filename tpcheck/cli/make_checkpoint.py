@@ -2,7 +2,7 @@
 (``--quantize SCHEME``); or the quantization of an existing float checkpoint (``--model SRC_DIR --quantize SCHEME``).
 
 The quantized formats, as vLLM reads them: compressed-tensors INT8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ
-(``gptq-w4g32`` ..., ``tpcheck.inputs.quantize_gptq``)."""
+(``gptq-w4g32`` ..., ``tpcheck.inputs.quantize_gptq``), 4-bit AWQ (``awq-w4g32`` ..., ``tpcheck.inputs.quantize_awq``)."""
 from __future__ import annotations
 
 import argparse
@@ -14,11 +14,13 @@ from tpcheck.cli.lazy import Lazy
 checkpoints = Lazy("tpcheck.inputs.checkpoints")  # these import torch: only the command's run needs them
 quantize = Lazy("tpcheck.inputs.quantize")
 quantize_gptq = Lazy("tpcheck.inputs.quantize_gptq")
+quantize_awq = Lazy("tpcheck.inputs.quantize_awq")
 
 
 def _schemes() -> dict[str, str]:
-    """Every ``--quantize`` scheme: INT8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ (``quantize_gptq``)."""
-    return {**quantize.SCHEMES, **quantize_gptq.GPTQ_SCHEMES}
+    """Every ``--quantize`` scheme: INT8 / FP8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ (``quantize_gptq``)
+    and AWQ (``quantize_awq``)."""
+    return {**quantize.SCHEMES, **quantize_gptq.GPTQ_SCHEMES, **quantize_awq.AWQ_SCHEMES}
 
 
 def register(subparsers) -> None:
@@ -57,13 +59,13 @@ def run(a) -> int:
     if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):  # before the preset is written
         raise ValueError(f"destination {a.out} exists and is not an empty directory")
     if a.model is not None:
-        out = quantize_gptq.quantize_any(a.model, a.out, a.quantize)
+        out = quantize_awq.quantize_any(a.model, a.out, a.quantize)
         source = str(a.model)
     else:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{a.out.name}.float-", dir=a.out.parent) as tmp:
             float_dir = checkpoints.make_checkpoint(a.preset, Path(tmp) / "float", seed=seed, dtype=dtype)
-            out = quantize_gptq.quantize_any(float_dir, a.out, a.quantize)
+            out = quantize_awq.quantize_any(float_dir, a.out, a.quantize)
         source = f"preset {a.preset} (seed {seed}, {dtype})"
     n = len(quantize.quantized_names(out))
     print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights quantized "

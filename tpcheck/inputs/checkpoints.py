@@ -37,7 +37,7 @@ from tpcheck.inputs.sink_recipe import _add_sink, check_sink_config, sink_channe
 from tpcheck.inputs.weight_recipe import (  # noqa: F401
     _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
-from tpcheck.inputs.quantize_gptq import quantize_any
+from tpcheck.inputs.quantize_awq import quantize_any
 from impl.config import load_config
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),

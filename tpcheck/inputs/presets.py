@@ -185,6 +185,7 @@ QUANTIZED: dict[str, tuple[str, str]] = {"small-w8a8": ("small-hd32", "w8a8-int8
                                          "small-w8a8-tensor": ("small-hd32", "w8a8-int8-tensor"),
                                          "small-gptq": ("small-hd32", "gptq-w4g32"),
                                          "small-gptq-act": ("small-hd32", "gptq-w4g32-actorder"),
+                                         "small-awq": ("small-hd32", "awq-w4g32"),
                                          "small-fp8": ("small-hd32", "w8a8-fp8"),
                                          "small-fp8-tensor": ("small-hd32", "w8a8-fp8-tensor"),
                                          "small-fp8-static": ("small-hd32", "w8a8-fp8-static")}

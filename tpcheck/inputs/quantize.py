@@ -307,7 +307,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
 
     Refused with a ValueError naming the fault: an unknown scheme, a source with a ``quantization_config``, a
     mixture-of-experts model, a linear weight that is not float, ``dst`` existing and not an empty directory.
-    (``tpcheck.inputs.quantize_gptq.quantize_any`` also writes 4-bit GPTQ.)"""
+    (``tpcheck.inputs.quantize_awq.quantize_any`` also writes 4-bit GPTQ and AWQ.)"""
     _check_scheme(scheme)
 
     def fill(source: "_Source", tmp: Path) -> dict:
@@ -354,8 +354,8 @@ def write_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, fill) -> Pa
 
 
 def quantized_names(model_dir: str | os.PathLike) -> list[str]:
-    """The quantized weights of a checkpoint written here: each int8 weight that has a ``weight_scale``, each GPTQ
-    layer's ``qweight``."""
+    """The quantized weights of a checkpoint written here: each int8 weight that has a ``weight_scale``, each GPTQ /
+    AWQ layer's ``qweight``."""
     with safe_open(Path(model_dir) / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
     return sorted(k.removesuffix("_scale") for k in keys if k.endswith((".weight_scale"))) + \

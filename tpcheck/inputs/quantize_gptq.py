@@ -93,8 +93,10 @@ def quantize_gptq_weight(weight: torch.Tensor, group_size: int, g_idx: torch.Ten
             "scales": scales, "g_idx": g_idx}
 
 
-def _tensors(source: _Source, scheme: str) -> dict[str, torch.Tensor]:
-    gs, act = gptq_params(scheme)
+def quantized_tensors(source: _Source, quantize_one) -> dict[str, torch.Tensor]:
+    """Every tensor of ``source``, each decoder-layer linear weight ``{base}.weight`` replaced by the tensors
+    ``quantize_one(base, weight)`` returns (``{base}.{leaf}``); the 4-bit formats' shared walk (GPTQ, AWQ:
+    ``tpcheck.inputs.quantize_awq``)."""
     out: dict[str, torch.Tensor] = {}
     for name, (dtype, shape) in sorted(source.meta.items()):
         if LINEAR_WEIGHT.fullmatch(name):
@@ -105,7 +107,7 @@ def _tensors(source: _Source, scheme: str) -> dict[str, torch.Tensor]:
                 raise ValueError(f"tensor {name}: has inf or nan values")
             base = name.removesuffix(".weight")
             try:
-                parts = quantize_gptq_weight(w, gs, group_index(shape[1], gs, act, _input_key(base)))
+                parts = quantize_one(base, w)
             except ValueError as e:
                 raise ValueError(f"tensor {name}: {e}") from None
             out.update({f"{base}.{k}": v for k, v in parts.items()})
@@ -118,9 +120,15 @@ def _tensors(source: _Source, scheme: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _tensors(source: _Source, scheme: str) -> dict[str, torch.Tensor]:
+    gs, act = gptq_params(scheme)
+    return quantized_tensors(source, lambda base, w: quantize_gptq_weight(
+        w, gs, group_index(w.shape[1], gs, act, _input_key(base))))
+
+
 def quantize_any(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) -> Path:
-    """``scheme``'s quantization of ``src`` into ``dst``: a ``gptq-*`` scheme here, the INT8 ones by
-    ``tpcheck.inputs.quantize.quantize_checkpoint``."""
+    """``scheme``'s quantization of ``src`` into ``dst``: a ``gptq-*`` scheme here, the INT8 / FP8 ones by
+    ``tpcheck.inputs.quantize.quantize_checkpoint`` (``tpcheck.inputs.quantize_awq.quantize_any`` adds AWQ)."""
     if scheme in GPTQ_SCHEMES:
         return quantize_gptq_checkpoint(src, dst, scheme)
     return quantize_checkpoint(src, dst, scheme)
@@ -130,10 +138,14 @@ def quantize_gptq_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, sch
     """Write the GPTQ ``scheme`` quantization of float checkpoint ``src`` into the new (or empty) ``dst``, through a
     temporary directory renamed into place (``tpcheck.inputs.quantize.write_checkpoint``)."""
     gptq_params(scheme)
+    return write_4bit(src, dst, lambda source: _tensors(source, scheme), gptq_quantization_config(scheme))
 
+
+def write_4bit(src: str | os.PathLike, dst: str | os.PathLike, tensors, quantization_config: dict) -> Path:
+    """``dst`` with one ``model.safetensors`` of ``tensors(source)`` and ``quantization_config`` in its
+    ``config.json`` (``tpcheck.inputs.quantize.write_checkpoint``: checked, atomic)."""
     def fill(source, tmp: Path) -> dict:
-        tensors = _tensors(source, scheme)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+        save_file({k: v.contiguous() for k, v in tensors(source).items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        return gptq_quantization_config(scheme)
+        return quantization_config
     return write_checkpoint(src, dst, fill)

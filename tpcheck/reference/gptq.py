@@ -1,34 +1,45 @@
-"""The golden's weights of a 4-bit GPTQ checkpoint (``impl.quant_gptq``): each layer's ``qweight``, ``qzeros``,
-``scales`` and ``g_idx`` become the float ``weight`` ``[out, in]`` they mean,
+"""The golden's weights of a 4-bit checkpoint, GPTQ (``impl.quant_gptq``) or AWQ (``impl.quant_awq``): each
+layer's packed tensors become the float ``weight`` ``[out, in]`` they mean,
 
-    weight[n, k] = scales[g_idx[k], n] * (q[k, n] - (stored_zero[g_idx[k], n] + 1))
+    GPTQ: weight[n, k] = scales[g_idx[k], n] * (q[k, n] - (stored_zero[g_idx[k], n] + 1))
+    AWQ:  weight[n, k] = scales[k // group_size, n] * (q[k, n] - zero[k // group_size, n])
 
-dequantized in float64 (exact) and cast to the reference's dtype. W4A16 quantizes no activation: the golden is
-Hugging Face's model on these weights, with nothing else changed."""
+by impl's own ``dequantize`` of the format (the unpacking is what the packing tests pin, against vLLM's order),
+in float64 (exact) and cast to the reference's dtype. W4A16 quantizes no activation: the golden is Hugging Face's
+model on these weights, with nothing else changed."""
 from __future__ import annotations
 
 import torch
 
-from impl.quant_gptq import dequantize
+from impl.quant_awq import AwqScheme
+from impl.quant_awq import dequantize as dequantize_awq
+from impl.quant_gptq import GptqScheme
+from impl.quant_gptq import dequantize as dequantize_gptq
 
-PARTS = ("qweight", "qzeros", "scales", "g_idx")
+PARTS = ("qweight", "qzeros", "scales", "g_idx")  # GPTQ's; AWQ has no g_idx
+AWQ_PARTS = ("qweight", "qzeros", "scales")
 
 
 def is_gptq(raw: dict[str, torch.Tensor]) -> bool:
+    """A 4-bit checkpoint (GPTQ or AWQ): packed ``qweight`` tensors."""
     return any(name.endswith(".qweight") for name in raw)
 
 
-def dequantized_state(raw: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> dict[str, torch.Tensor]:
-    """Every tensor of ``raw`` in ``dtype``, each GPTQ layer's four tensors replaced by its dequantized ``weight``."""
+def dequantized_state(raw: dict[str, torch.Tensor], dtype: torch.dtype, where: str,
+                      scheme: GptqScheme | AwqScheme | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of ``raw`` in ``dtype``, each 4-bit layer's packed tensors replaced by its dequantized
+    ``weight``: AWQ's three when ``scheme`` is an ``AwqScheme``, else GPTQ's four."""
+    parts, dequantize = (AWQ_PARTS, dequantize_awq) if isinstance(scheme, AwqScheme) else (PARTS, dequantize_gptq)
     state: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         base, _, leaf = name.rpartition(".")
-        if leaf in PARTS:
+        if leaf in parts:
             if leaf == "qweight":
-                missing = [p for p in PARTS if f"{base}.{p}" not in raw]
+                missing = [p for p in parts if f"{base}.{p}" not in raw]
                 if missing:
-                    raise ValueError(f"{where}: GPTQ layer {base} has no {', '.join(missing)}")
-                w = dequantize(*(raw[f"{base}.{p}"] for p in PARTS), dtype=torch.float64)
+                    raise ValueError(f"{where}: {'AWQ' if parts is AWQ_PARTS else 'GPTQ'} layer {base} has no "
+                                     f"{', '.join(missing)}")
+                w = dequantize(*(raw[f"{base}.{p}"] for p in parts), dtype=torch.float64)
                 state[f"{base}.weight"] = w.t().contiguous().to(dtype)
             continue
         state[name] = t.to(dtype)

@@ -1,5 +1,6 @@
 """The reference models of a quantized checkpoint (``impl.quant``: INT8 W8A8, ``impl.quant_fp8``: FP8 W8A8,
-compressed-tensors; 4-bit GPTQ W4A16, ``impl.quant_gptq``: dequantized weights only, ``tpcheck.reference.gptq``):
+compressed-tensors; 4-bit GPTQ / AWQ W4A16, ``impl.quant_gptq`` / ``impl.quant_awq``: dequantized weights only,
+``tpcheck.reference.gptq``):
 a golden that means what the checkpoint means.
 
 FP8 reads the same way with ``q_x = e4m3(clamp(x / s_x, -448, 448))``, ``s_x = max|x_t| / 448`` (the rule of
@@ -89,8 +90,8 @@ def _state_dict(model_dir: str | Path, dtype: torch.dtype,
         with safe_open(fname, framework="pt") as f:
             for name in names:
                 raw[name] = f.get_tensor(name)
-    if is_gptq(raw):  # W4A16: dequantized weights only (tpcheck.reference.gptq)
-        return dequantized_state(raw, dtype, str(model_dir)), {}
+    if is_gptq(raw):  # W4A16 (GPTQ, AWQ): dequantized weights only (tpcheck.reference.gptq)
+        return dequantized_state(raw, dtype, str(model_dir), scheme), {}
     _requantize_fused(raw, scheme)
     state, input_scales = {}, {}
     for name, t in raw.items():

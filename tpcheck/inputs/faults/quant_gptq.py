@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from impl.quant_gptq import GptqScheme
 from tpcheck.inputs.faults.patching import mark, read_tensors
 from tpcheck.inputs.faults.registry import fault
 
 
 def _gptq_tp(cfg, plan, dtype) -> bool:
-    return getattr(getattr(cfg, "quant", None), "weight_strategy", None) == "group" and plan.tp > 1
+    return isinstance(getattr(cfg, "quant", None), GptqScheme) and plan.tp > 1
 
 
 def _gptq_grouped_tp(cfg, plan, dtype) -> bool:
@@ -20,6 +21,38 @@ def _gptq_grouped_tp(cfg, plan, dtype) -> bool:
 
 def _row_layers(layer):
     return ((layer.self_attn.o_proj, "self_attn.o_proj"), (layer.mlp.down_proj, "mlp.down_proj"))
+
+
+def column_targets(layer) -> list[tuple]:
+    """``(fused layer, HF projection, shard_id)`` of each column-parallel projection of a decoder layer."""
+    sa, mlp = layer.self_attn, layer.mlp
+    return [(sa.qkv_proj, f"self_attn.{s}_proj", s) for s in ("q", "k", "v")] + \
+        [(mlp.gate_up_proj, "mlp.gate_proj", 0), (mlp.gate_up_proj, "mlp.up_proj", 1)]
+
+
+def load_as_rank0(runner, i: int, layer, leaf: str, loader: str) -> None:
+    """Every column-parallel projection's ``leaf`` reloaded by the layer's own ``loader`` at rank 0's columns."""
+    p = f"model.layers.{i}."
+    targets = column_targets(layer)
+    full = read_tensors(runner, [p + f"{hf}.{leaf}" for _, hf, _ in targets], cast=False)
+    for m, hf, sid in targets:
+        rank = m.tp_rank
+        m.tp_rank = 0
+        try:
+            getattr(m, loader)(getattr(m, leaf), full[p + f"{hf}.{leaf}"], sid)
+        finally:
+            m.tp_rank = rank
+
+
+def scales_by_output(layer, tag: str) -> None:
+    """Row-parallel layers' ``scales`` / ``qzeros``: rank r's block of output columns, tiled across the output."""
+    for m, _ in _row_layers(layer):
+        if not mark(m, tag):
+            continue
+        for leaf in ("scales", "qzeros"):  # qzeros: rank r's block of packed columns (8 outputs each)
+            s = getattr(m, leaf).data
+            cols = s.shape[1] // m.tp_size
+            s.copy_(s[:, m.tp_rank * cols:(m.tp_rank + 1) * cols].clone().repeat(1, m.tp_size))
 
 
 @fault(40, "gptq_row_group_scales_misaligned",
@@ -45,20 +78,8 @@ def gptq_row_group_scales_misaligned(runner, i, layer):
        shows_when="GPTQ checkpoints, tp > 1", expected_origin="layers.{layer}.attn.q", shows=_gptq_tp)
 @torch.no_grad()
 def gptq_every_rank_rank0_qweight(runner, i, layer):
-    sa, mlp = layer.self_attn, layer.mlp
-    if not mark(sa.qkv_proj, "gptq_every_rank_rank0_qweight"):
-        return
-    p = f"model.layers.{i}."
-    targets = [(sa.qkv_proj, f"self_attn.{s}_proj", s) for s in ("q", "k", "v")]
-    targets += [(mlp.gate_up_proj, "mlp.gate_proj", 0), (mlp.gate_up_proj, "mlp.up_proj", 1)]
-    full = read_tensors(runner, [p + f"{hf}.qweight" for _, hf, _ in targets], cast=False)
-    for m, hf, sid in targets:
-        rank = m.tp_rank
-        m.tp_rank = 0  # the layer's own loader, at rank 0's columns
-        try:
-            m.gptq_loader(m.qweight, full[p + f"{hf}.qweight"], sid)
-        finally:
-            m.tp_rank = rank
+    if mark(layer.self_attn.qkv_proj, "gptq_every_rank_rank0_qweight"):
+        load_as_rank0(runner, i, layer, "qweight", "gptq_loader")
 
 
 @fault(42, "gptq_row_scales_sharded_by_output",
@@ -67,10 +88,4 @@ def gptq_every_rank_rank0_qweight(runner, i, layer):
        shows_when="GPTQ checkpoints, tp > 1", expected_origin="layers.{layer}.attn.out", shows=_gptq_tp)
 @torch.no_grad()
 def gptq_row_scales_sharded_by_output(runner, i, layer):
-    for m, _ in _row_layers(layer):
-        if not mark(m, "gptq_row_scales_sharded_by_output"):
-            continue
-        for leaf in ("scales", "qzeros"):  # qzeros: rank r's block of packed columns (8 outputs each)
-            s = getattr(m, leaf).data
-            cols = s.shape[1] // m.tp_size
-            s.copy_(s[:, m.tp_rank * cols:(m.tp_rank + 1) * cols].clone().repeat(1, m.tp_size))
+    scales_by_output(layer, "gptq_row_scales_sharded_by_output")
