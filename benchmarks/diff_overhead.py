@@ -5,7 +5,7 @@ noise floor's second reference, at tp > 1) + impl forward (``LLM.logits``) on th
 ``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64 statistics), by default
 (the propagated pass and the local pass, which reuses the golden's points) and with ``--no-isolate`` (the
 propagated pass alone: the default before the local pass). Models are loaded and warmed before timing, so every
-side times forward work only. The sides alternate (bare, diff, no-isolate, bare, ...) so that a slow spell of
+side times forward work only. The sides alternate (bare, diff, no-isolate, exact-ops, bare, ...) so that a slow spell of
 a shared machine hits all; the ratio is of the
 medians, and the min ratio is printed beside it. Peak memory is the largest summed RSS of this process and
 its TP workers while each side runs.
@@ -33,7 +33,8 @@ PARTS = {
     "engine step (ranks' forward + hooks + transfer)": [("engines/impl.py", "step")],
     "unsharding": [("unshard.py", "unshard")],
     # the engine's points (compare) and the noise floor's references (row_rel_errs), which pipeline.steps calls
-    "statistics (float64 errors, worst rows)": [("metrics.py", "compare"), ("metrics.py", "row_rel_errs")],
+    "statistics (float64 errors, worst rows)": [("metrics.py", "compare"), ("metrics.py", "row_errors")],
+    "gain (the local pass: engine and references)": [("measure/gain.py", "gain_of")],
     "judging": [("judge/verdict.py", "judge")],
 }
 
@@ -107,7 +108,13 @@ def main() -> int:
         print("warm-up...", file=log, flush=True)
         bare()
         diff()
+        def exact():  # --exact-ops on top of the default (both passes)
+            return run(DiffOptions(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], exact_ops=True),
+                       pool=pool)
+
         sides = {"bare forwards": bare, "tpcheck diff": diff, "--no-isolate": propagated}
+        if not a.exact_ops:  # the third verdict mode, timed beside the others
+            sides["--exact-ops"] = exact
         times: dict[str, list[float]] = {name: [] for name in sides}
         peak: dict[str, int] = {name: 0 for name in sides}
         for i in range(a.repeats):
@@ -139,7 +146,10 @@ def report(a, figures: dict, parts: dict) -> None:
     for name, f in figures.items():
         print(f"{name:16s}{f['seconds']:10.2f}{f['min_seconds']:8.2f}{f['peak_rss_gib']:14.2f}")
     n = figures["--no-isolate"]
-    for name, x, y in (("diff / bare", d, b), ("no-iso / bare", n, b), ("diff / no-iso", d, n)):
+    pairs = [("diff / bare", d, b), ("no-iso / bare", n, b), ("diff / no-iso", d, n)]
+    if "--exact-ops" in figures:
+        pairs.append(("exact / bare", figures["--exact-ops"], b))
+    for name, x, y in pairs:
         print(f"{name:16s}{x['seconds'] / y['seconds']:9.2f}x{x['min_seconds'] / y['min_seconds']:7.2f}x"
               f"{x['peak_rss_gib'] / y['peak_rss_gib']:13.2f}x")
     total = parts["total"]

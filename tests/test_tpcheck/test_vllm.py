@@ -284,14 +284,14 @@ def test_engine_vllm_points_are_selected_inside_the_ranks(pool, ckpt, monkeypatc
         sent.append(set(points))
         return points
     monkeypatch.setattr(VLLMAdapter, "step", spy)
-    sel = r"layers\.1\.(?:mlp\.down|kv\.k)"
+    sel = r"layers\.1\.(?:mlp\.out|kv\.k)"
     r = tpcheck.diff(str(ckpt), tp=2, prompts=PROMPTS, decode_steps=1, engine="vllm", pool=pool, points=sel)
     assert r.passed, r.summary()
-    assert set(r.table["point"]) == {"layers.1.mlp.down", "layers.1.kv.k"}
-    assert len(sent) == 2 and all(s == {"layers.1.mlp.down", "layers.1.kv.k"} for s in sent), sent
+    assert set(r.table["point"]) == {"layers.1.mlp.out", "layers.1.kv.k"}
+    assert len(sent) == 2 and all(s == {"layers.1.mlp.out", "layers.1.kv.k"} for s in sent), sent
     sent.clear()
     full = tpcheck.diff(str(ckpt), tp=2, prompts=PROMPTS, decode_steps=1, engine="vllm", pool=pool)
-    assert {"layers.0.mlp.down", "layers.1.kv.v", "logits"} <= sent[0]  # no selection: every point again
+    assert {"layers.0.mlp.out", "layers.1.kv.v", "logits"} <= sent[0]  # no selection: every point again
     from diff_runs import verdict_rows
     assert verdict_rows(r) == [row for row in verdict_rows(full) if row[0] in set(r.table["point"])]
 
