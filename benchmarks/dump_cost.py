@@ -52,13 +52,10 @@ def main() -> int:
     a = ap.parse_args()
 
     from impl import SamplingParams
-    from tpcheck.capture.dump import DumpAdapter, read_dump
     from tpcheck.engines.impl import generate_dumped, get_llm
     from tpcheck.engines.pool import EnginePool
     from tpcheck.inputs.checkpoints import cached_checkpoint
     from tpcheck.pipeline.check import random_prompts
-    from tpcheck.pipeline.diff import compare_engine
-    from tpcheck.reference.reductions import Reductions
     model_dir = str(cached_checkpoint(a.preset))
     params = SamplingParams(max_tokens=1)
     tmp = Path(tempfile.mkdtemp(prefix="dump_cost-"))
@@ -104,19 +101,7 @@ def main() -> int:
             figures[kind] = {"bytes_per_token_layer": f["bytes"] / a.seq_len / hooks, "hooks": hooks,
                              "ms_per_hook": 1e3 * statistics.median(extra) / hooks,
                              "ms_per_hook_min": 1e3 * min(extra) / hooks, "ms_per_hook_max": 1e3 * max(extra) / hooks}
-        whole = tmp / "all"
-        generate_dumped(llm, [prompt], params, whole)
-        size = dir_bytes(whole)
-        rates = []
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            r = compare_engine(DumpAdapter(read_dump(whole), Reductions(a.tp)), model_dir, [prompt], a.dtype, 0)
-            secs = time.perf_counter() - t
-            rates.append((len(r.table) / secs, size / 2**20 / secs, secs))
-        compare_fig = {"points": len(r.table), "dump_mib": size / 2**20,
-                       "points_per_s": statistics.median(x[0] for x in rates),
-                       "mib_per_s": statistics.median(x[1] for x in rates),
-                       "seconds": statistics.median(x[2] for x in rates), "passed": bool(r.passed)}
+        compare_fig = compare_rate(llm, model_dir, prompt, a, tmp / "all")
     finally:
         pool.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,6 +110,25 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "bare_seconds": b, "kinds": figures, "compare": compare_fig}, f, indent=1)
     return 0
+
+
+def compare_rate(llm, model_dir: str, prompt: list[int], a, root: Path) -> dict:
+    """A dump of every point, compared ``a.repeats`` times as ``tpcheck compare`` does: rows/s and MiB/s."""
+    from impl import SamplingParams
+    from tpcheck.capture.dump import DumpAdapter, read_dump
+    from tpcheck.engines.impl import generate_dumped
+    from tpcheck.pipeline.diff import compare_engine
+    from tpcheck.reference.reductions import Reductions
+    generate_dumped(llm, [prompt], SamplingParams(max_tokens=1), root)
+    size = dir_bytes(root)
+    secs = []
+    for _ in range(a.repeats):
+        t = time.perf_counter()
+        r = compare_engine(DumpAdapter(read_dump(root), Reductions(a.tp)), model_dir, [prompt], a.dtype, 0)
+        secs.append(time.perf_counter() - t)
+    s = statistics.median(secs)
+    return {"points": len(r.table), "dump_mib": size / 2**20, "points_per_s": len(r.table) / s,
+            "mib_per_s": size / 2**20 / s, "seconds": s, "passed": bool(r.passed)}
 
 
 def report(a, bare: float, figures: dict, cmp: dict) -> None:
