@@ -84,6 +84,21 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (utime + stime) of ``pid`` plus all its live descendants (TP workers): on a shared machine a
+    side's CPU time moves far less than its wall time when other jobs take the cores."""
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            total += proc_cpu_s(p)
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                stack += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
 def proc_cpu_s(pid: int) -> float:
     """utime + stime of a process (all its threads) from /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat") as f:

@@ -5,10 +5,11 @@ noise floor's second reference, at tp > 1) + impl forward (``LLM.logits``) on th
 ``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64 statistics), by default
 (the propagated pass and the local pass, which reuses the golden's points) and with ``--no-isolate`` (the
 propagated pass alone: the default before the local pass). Models are loaded and warmed before timing, so every
-side times forward work only. The sides alternate (bare, diff, no-isolate, bare, ...) so that a slow spell of
+side times forward work only. The sides alternate (bare, diff, no-isolate, exact-ops, bare, ...) so that a slow spell of
 a shared machine hits all; the ratio is of the
 medians, and the min ratio is printed beside it. Peak memory is the largest summed RSS of this process and
-its TP workers while each side runs.
+its TP workers while each side runs; CPU seconds are those of this process and its TP workers (on a shared
+machine they move less than wall time).
 
     python benchmarks/diff_overhead.py [--preset qwen2.5-0.5b] [--tp 2] [--seq-len 128] [--dtype float32] [--exact-ops]
 """
@@ -24,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
-from common import PeakRSS  # noqa: E402
+from common import PeakRSS, tree_cpu_s  # noqa: E402
 
 
 # (file suffix, function) -> part of a diff; cumulative times from one profiled run
@@ -33,7 +34,8 @@ PARTS = {
     "engine step (ranks' forward + hooks + transfer)": [("engines/impl.py", "step")],
     "unsharding": [("unshard.py", "unshard")],
     # the engine's points (compare) and the noise floor's references (row_rel_errs), which pipeline.steps calls
-    "statistics (float64 errors, worst rows)": [("metrics.py", "compare"), ("metrics.py", "row_rel_errs")],
+    "statistics (float64 errors, worst rows)": [("metrics.py", "compare"), ("metrics.py", "row_errors")],
+    "gain (the local pass: engine and references)": [("measure/gain.py", "gain_of")],
     "judging": [("judge/verdict.py", "judge")],
 }
 
@@ -96,30 +98,31 @@ def main() -> int:
                         ref.reductions = None
             llm.logits(prompt)
 
-        def diff():  # the default: the propagated and the local pass
-            return run(DiffOptions(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], exact_ops=a.exact_ops),
-                       pool=pool)
+        def mode(**kw):  # one verdict mode of tpcheck diff on the same engine and prompt
+            kw.setdefault("exact_ops", a.exact_ops)
+            return lambda: run(DiffOptions(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], **kw), pool=pool)
+        # the default: the propagated and the local pass; --no-isolate: the propagated pass alone (the default
+        # before the local pass); --exact-ops: the default and the op checks
+        diff, propagated, exact = mode(), mode(isolate=False), mode(exact_ops=True)
 
-        def propagated():  # --no-isolate: the propagated pass alone (the default before the local pass)
-            return run(DiffOptions(model=model_dir, tp=a.tp, dtype=a.dtype, prompts=[prompt], exact_ops=a.exact_ops,
-                                   isolate=False), pool=pool)
-
-        print("warm-up...", file=log, flush=True)
-        bare()
-        diff()
         sides = {"bare forwards": bare, "tpcheck diff": diff, "--no-isolate": propagated}
+        if not a.exact_ops:  # the third verdict mode, timed beside the others
+            sides["--exact-ops"] = exact
         times: dict[str, list[float]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
         peak: dict[str, int] = {name: 0 for name in sides}
         for i in range(a.repeats):
             for name, fn in sides.items():
                 with PeakRSS() as mem:
-                    t = time.perf_counter()
+                    c, t = tree_cpu_s(os.getpid()), time.perf_counter()
                     out = fn()
                     times[name].append(time.perf_counter() - t)
+                    cpu[name].append(tree_cpu_s(os.getpid()) - c)
                 peak[name] = max(peak[name], mem.peak)
             print(f"run {i + 1}/{a.repeats}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()), file=log)
         assert out.passed, out.summary()
         figures = {name: {"seconds": statistics.median(t), "min_seconds": min(t), "all_seconds": t,
+                          "cpu_seconds": statistics.median(cpu[name]), "all_cpu_seconds": cpu[name],
                           "peak_rss_gib": peak[name] / 2**30} for name, t in times.items()}
         parts = breakdown(diff)
     finally:
@@ -135,13 +138,17 @@ def report(a, figures: dict, parts: dict) -> None:
     """Print the sides' medians and ratios, and where one diff's time goes."""
     b, d = figures["bare forwards"], figures["tpcheck diff"]
     print(f"\n{a.preset}, tp {a.tp}, {a.dtype}, 1 prompt x {a.seq_len} tokens, {os.cpu_count()} CPU cores")
-    print(f"{'':16s}{'median s':>10s}{'min s':>8s}{'peak RSS GiB':>14s}")
+    print(f"{'':16s}{'median s':>10s}{'min s':>8s}{'peak RSS GiB':>14s}{'median CPU s':>14s}")
     for name, f in figures.items():
-        print(f"{name:16s}{f['seconds']:10.2f}{f['min_seconds']:8.2f}{f['peak_rss_gib']:14.2f}")
+        print(f"{name:16s}{f['seconds']:10.2f}{f['min_seconds']:8.2f}{f['peak_rss_gib']:14.2f}"
+              f"{f['cpu_seconds']:14.2f}")
     n = figures["--no-isolate"]
-    for name, x, y in (("diff / bare", d, b), ("no-iso / bare", n, b), ("diff / no-iso", d, n)):
+    pairs = [("diff / bare", d, b), ("no-iso / bare", n, b), ("diff / no-iso", d, n)]
+    if "--exact-ops" in figures:
+        pairs.append(("exact / bare", figures["--exact-ops"], b))
+    for name, x, y in pairs:
         print(f"{name:16s}{x['seconds'] / y['seconds']:9.2f}x{x['min_seconds'] / y['min_seconds']:7.2f}x"
-              f"{x['peak_rss_gib'] / y['peak_rss_gib']:13.2f}x")
+              f"{x['peak_rss_gib'] / y['peak_rss_gib']:13.2f}x{x['cpu_seconds'] / y['cpu_seconds']:13.2f}x")
     total = parts["total"]
     print(f"\nwhere one diff's {total:.2f}s go (cProfile, cumulative; the parts overlap where they nest):")
     for name, secs in ((n, v) for n, v in parts.items() if n != "total"):

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 import tpcheck
 from diff_runs import verdict_rows
@@ -111,3 +112,38 @@ def test_steps_that_do_not_follow_each_other_are_refused(dumped):
     meta.write_text(json.dumps(m))
     with pytest.raises(DumpError, match="does not follow step 0"):
         read_dump(dumped)
+
+
+def _equal_points(a: dict, b: dict) -> bool:
+    """Two steps' ``{name: (placement, [per rank])}``, bit for bit (None where a rank holds no such point)."""
+    same = lambda x, y: x is y is None or x is not None and y is not None and torch.equal(x, y)  # noqa: E731
+    return a.keys() == b.keys() and all(a[n][0] == b[n][0] and all(map(same, a[n][1], b[n][1])) for n in a)
+
+
+def test_a_dump_never_changes_the_engines_numbers(ckpt, engines, tmp_path):
+    """impl with a dump on computes what it does with the dump off, bit for bit: every point of a prefill and a
+    decode step (logits and the KV cache included), the logits of a plain forward after it, the tokens it
+    generates; and the dump holds those same logits."""
+    from impl import SamplingParams
+    from tpcheck.engines.impl import ImplAdapter, generate_dumped, get_llm
+    d = ckpt("tiny")
+    llm = get_llm(engines, d, 2)
+    prompts = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
+    before = llm.logits(prompts[0])
+
+    def run(dump: dict | None) -> list[dict]:
+        eng = ImplAdapter(llm, dump=dump)
+        eng.begin(prompts, 1)
+        try:
+            return [eng.step(prompts, None, True), eng.step([[7], [11]], None, True)]
+        finally:
+            eng.close()
+    off = run(None)
+    on = run({"root": str(tmp_path / "d"), "dtype": "float32", "points": None, "budget_bytes": None, "model": str(d)})
+    assert all(_equal_points(x, y) for x, y in zip(off, on))
+    dumped = read_dump(tmp_path / "d")
+    assert [_equal_points({"logits": off[s]["logits"]}, {"logits": dumped.points(s)["logits"]}) for s in (0, 1)] \
+        == [True, True]
+    assert torch.equal(llm.logits(prompts[0]), before)  # the hooks a dump leaves installed change nothing
+    params = SamplingParams(max_tokens=5, temperature=0.8, seed=3)
+    assert generate_dumped(llm, prompts, params, tmp_path / "g") == llm.generate(prompts, params)

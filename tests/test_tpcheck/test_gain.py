@@ -236,3 +236,44 @@ def test_a_result_without_gain_columns_is_judged_as_before():
     before = judge(r)
     assert before.table["gain_threshold"].isna().all()
     assert before.first_divergence["point"] == "layers.1.attn.q" and math.isnan(before.first_divergence["gain"])
+
+
+@pytest.mark.parametrize("rows,features,ties", [(2, 32, False), (7, 100, True), (64, 896, False), (3, 4096, True)])
+def test_column_group_se_and_row_medians_are_their_definitions(rows, features, ties):
+    """The column-group standard error (each group's median by selection) and the per-row median cut are the
+    definitions' values, bit for bit: groups of interleaved features through ``np.nanmedian``, and torch's median."""
+    from tpcheck.measure.gain import COL_GROUPS, MIN_COL_GROUPS, MIN_GROUP, _ratios, _row_medians, col_group_se
+    g = golden(rows, features, seed=rows)
+    g[:, ::5] = 0  # columns that never qualify
+    x = g + 1e-3 * golden(rows, features, seed=rows + 1)
+    if ties:
+        x = (x * 64).round() / 64
+    assert torch.equal(_row_medians(g.abs()), g.abs().median(dim=-1, keepdim=True).values)
+    r, q = (t.numpy() for t in _ratios(x, g))
+    groups = min(COL_GROUPS, features // 2)
+    m = features // groups * groups
+    grouped = np.where(q[:, :m], r[:, :m], np.nan).reshape(rows * (m // groups), groups)
+    grouped = grouped[:, np.isfinite(grouped).sum(0) >= MIN_GROUP]
+    want = (math.nan, 0) if grouped.shape[1] < MIN_COL_GROUPS else \
+        (float(np.nanmedian(grouped, axis=0).std(ddof=1) / math.sqrt(grouped.shape[1])), grouped.shape[1])
+    got = col_group_se(r, q)
+    assert got[1] == want[1] and (got[0] == want[0] or math.isnan(got[0]) and math.isnan(want[0])), (got, want)
+
+
+def test_the_tp_reference_takes_the_first_references_statistics_only_for_the_same_bits():
+    """Where the TP reference's tensor is the first reference's, bit for bit, against the same golden, its
+    statistics are reused; the fields are those of computing them again. A tensor that differs is measured."""
+    g = golden(outliers=True)
+    x = g.to(torch.bfloat16)
+    y = x.clone()
+    y[0, 0] += 1  # one element off
+    fields = []
+    for second, second_golden in ((x, g), (x.clone(), g.clone()), (y, g)):
+        floor = NoiseFloor(Reductions(2, "bfloat16"))
+        floor.begin_step(0)
+        floor.observe("hf", "layers.0.out", x, g)
+        floor.observe("hf-tp", "layers.0.out", second, second_golden)
+        floor.end_step()
+        fields.append(floor.row_fields("layers.0.out"))
+    assert fields[0] == fields[1] and fields[0]["ref_rel_err_tp"] == fields[0]["ref_rel_err_hf"]
+    assert fields[2]["ref_rel_err_tp"] != fields[2]["ref_rel_err_hf"]

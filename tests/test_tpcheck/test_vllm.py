@@ -302,6 +302,31 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     assert read_dump(tmp_path / "dump").fingerprint == fingerprint(ckpt)
 
 
+def test_engine_vllm_points_are_selected_inside_the_ranks(pool, ckpt, monkeypatch):
+    """``--points`` reaches vLLM's ranks: they hook, copy and send the selected points and the selected layer's
+    KV cache only, not every point for the harness to filter; the same rows are judged as with every point."""
+    import tpcheck
+    from tpcheck.engines.vllm import VLLMAdapter
+    sent: list[set[str]] = []
+    step = VLLMAdapter.step
+
+    def spy(self, *args):
+        points = step(self, *args)
+        sent.append(set(points))
+        return points
+    monkeypatch.setattr(VLLMAdapter, "step", spy)
+    sel = r"layers\.1\.(?:mlp\.out|kv\.k)"
+    r = tpcheck.diff(str(ckpt), tp=2, prompts=PROMPTS, decode_steps=1, engine="vllm", pool=pool, points=sel)
+    assert r.passed, r.summary()
+    assert set(r.table["point"]) == {"layers.1.mlp.out", "layers.1.kv.k"}
+    assert len(sent) == 2 and all(s == {"layers.1.mlp.out", "layers.1.kv.k"} for s in sent), sent
+    sent.clear()
+    full = tpcheck.diff(str(ckpt), tp=2, prompts=PROMPTS, decode_steps=1, engine="vllm", pool=pool)
+    assert {"layers.0.mlp.out", "layers.1.kv.v", "logits"} <= sent[0]  # no selection: every point again
+    from diff_runs import verdict_rows
+    assert verdict_rows(r) == [row for row in verdict_rows(full) if row[0] in set(r.table["point"])]
+
+
 def test_engine_vllm_refuses_isolate_and_small_heads(pool, ckpt, tmp_path):
     import tpcheck
     from impl.config import ConfigError

@@ -40,12 +40,8 @@ def start(pool, plan) -> "ImplAdapter":
     dump = None if opts.dump is None else {"root": str(opts.dump), "dtype": opts.dtype, "points": opts.dump_points,
                                            "budget_bytes": None if budget is None else budget // opts.tp,
                                            "model": model_dir}
-    # --exact-ops reads the inputs of the checked ops: then every point is captured
-    points = None if opts.exact_ops else plan.select
-    if points:  # the routing check needs every MoE layer's router and top-k ids (tpcheck.pipeline.routes)
-        points = f"(?:{points})|layers\\.\\d+\\.moe\\.(?:router|topk_ids)"
     llm = get_llm(pool, model_dir, opts.tp, opts.dtype, ep=opts.ep)
-    return ImplAdapter(llm, list(opts.inject), opts.inject_layer, opts.block_size, dump, points)
+    return ImplAdapter(llm, list(opts.inject), opts.inject_layer, opts.block_size, dump, plan.capture_points)
 
 
 class ImplAdapter:

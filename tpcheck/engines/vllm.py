@@ -108,13 +108,15 @@ def start(pool, plan):
         logger.info("tpcheck diff: --engine vllm: set " + " ".join(f"{k}={v}" for k, v in set_here.items()))
     max_len, batched = _lengths(opts, plan.cfg)
     key = (str(model_dir), opts.dtype, max_len, batched)
-    return pool.acquire("vllm", opts.tp, key,
+    adapter = pool.acquire("vllm", opts.tp, key,
                         lambda: VLLMAdapter(model_dir, opts.tp, opts.dtype, max_model_len=max_len,
                                             max_num_batched_tokens=batched, max_num_seqs=max(len(opts.prompts), 8)),
                         lambda a: a.restart(model_dir, opts.dtype, max_model_len=max_len,
                                             max_num_batched_tokens=batched,
                                             max_num_seqs=max(len(opts.prompts), 8)),
                         close=VLLMAdapter.shutdown)
+    adapter.points = plan.capture_points  # the ranks hook and send only the selected points
+    return adapter
 
 
 class VLLMAdapter:
@@ -132,6 +134,7 @@ class VLLMAdapter:
         self.ids: list[str] = []
         self.lens: list[int] = []
         self.point_rows: dict[str, list[int]] = {}  # the last step's points that hold only some rows (logits)
+        self.points: str | None = None  # a regex of the points the ranks capture (None: every point)
         self.restart(model_dir, dtype, max_model_len, **llm_kwargs)
 
     def restart(self, model_dir: str, dtype: str, max_model_len: int = 256, **llm_kwargs) -> None:
@@ -158,7 +161,7 @@ class VLLMAdapter:
     def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        self._rpc("tpcheck_setup")
+        self._rpc("tpcheck_setup", self.points)
         for name, layer, rank in self.faults:
             self._rpc("tpcheck_fault", name, layer, rank)
         params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True, detokenize=False)

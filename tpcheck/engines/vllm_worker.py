@@ -3,6 +3,8 @@ through ``worker_extension_cls``, called by name with ``collective_rpc``: no pic
 apply inside one rank (``VLLM_FAULTS``), and the paged KV cache read back (``paged_kv_rows``, pure)."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 from impl.placements import Shard
@@ -141,17 +143,19 @@ class TPCheckWorker:
     """Methods mixed into each vLLM worker (``worker_extension_cls``), called by name through
     ``collective_rpc``; ``self`` is the worker (``self.model_runner``)."""
 
-    def tpcheck_setup(self) -> None:
-        """Install the capture, the input pre-hook and the step wrapper (once per loaded model)."""
+    def tpcheck_setup(self, points: str | None = None) -> None:
+        """Install the capture, the input pre-hook and the step wrapper (once per loaded model). ``points``: a regex
+        of the points to capture (``--points`` / ``--layers``): hooks only where they come from, and only the
+        selected layers' KV cache read back, so a rank neither copies nor sends what the harness would drop."""
         from vllm.distributed import get_tensor_model_parallel_rank
+        from tpcheck.capture import install
+        from tpcheck.capture.maps import VLLM_MAP
         runner = self.model_runner
         st = getattr(self, "_tpcheck", None)
         if st is None:
-            from tpcheck.capture import install
-            from tpcheck.capture.maps import VLLM_MAP
             model = runner.get_model()
-            st = self._tpcheck = {"cap": install(model, VLLM_MAP), "rank": get_tensor_model_parallel_rank(),
-                                  "faults": [], "runner": runner}
+            st = self._tpcheck = {"cap": install(model, VLLM_MAP, points=points), "points": points,
+                                  "rank": get_tensor_model_parallel_rank(), "faults": [], "runner": runner}
             model.register_forward_pre_hook(lambda m, a, k: _force_inputs(st, a, k), with_kwargs=True)
             execute = runner.execute_model
 
@@ -163,6 +167,9 @@ class TPCheckWorker:
                 finally:
                     st["steps"] += 1
             runner.execute_model = execute_model
+        elif st["points"] != points:  # another selection: the hooks of this one
+            st["cap"].remove()
+            st["cap"], st["points"] = install(runner.get_model(), VLLM_MAP, points=points), points
         st.update(order=None, force=None, sched=None, batch=None, inputs=None, steps=0)
 
     def tpcheck_fault(self, name: str, layer: int, rank: int) -> None:
@@ -215,7 +222,11 @@ class TPCheckWorker:
     def _tpcheck_kv(self, req_ids: list[str], lens: list[int]) -> dict:
         runner = self.model_runner
         out = {}
+        keep = None if self._tpcheck["points"] is None else re.compile(self._tpcheck["points"])
         for i, layer in enumerate(runner.get_model().model.layers):
+            names = (f"layers.{i}.kv.k", f"layers.{i}.kv.v")
+            if keep is not None and not any(keep.fullmatch(n) for n in names):
+                continue  # a layer not selected: its cache is neither read back nor sent
             cache = layer.self_attn.attn.kv_cache
             cache = cache[0] if isinstance(cache, (list, tuple)) else cache
             layout = cache_layout(cache)
@@ -228,8 +239,9 @@ class TPCheckWorker:
                 k, v = paged_kv_rows(cache, layout, runner.requests[r].block_ids[0], n, index)
                 ks.append(k)
                 vs.append(v)
-            out[f"layers.{i}.kv.k"] = (kv, torch.cat(ks))
-            out[f"layers.{i}.kv.v"] = (kv, torch.cat(vs))
+            for name, part in zip(names, (ks, vs)):
+                if keep is None or keep.fullmatch(name):
+                    out[name] = (kv, torch.cat(part))
         return out
 
 

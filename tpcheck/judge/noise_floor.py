@@ -57,7 +57,7 @@ import math
 import torch
 
 from tpcheck.measure.gain import gain_of, is_narrow
-from tpcheck.measure.metrics import row_errors
+from tpcheck.measure.metrics import RowErrors, row_errors
 from tpcheck.reference.reductions import Reductions
 
 Level = tuple[float, str, int]  # (error, reference name, step)
@@ -79,16 +79,28 @@ class NoiseFloor:
         self._scale: dict[str, list] = {}        # narrow point -> [sum of squared golden row norms, rows, last step]
         self._gain: dict[str, float] = {}        # point -> largest |gain| of a reference so far
         self.gains = gains                       # measure the references' gains (the local pass: judged there)
+        # point -> this step's first reference's (tensor, golden, errors, gain): the TP reference computes what HF
+        # does up to the first row-parallel linear of a layer it was handed (all of layer 0's attention before
+        # o_proj; in the local pass, every layer's, and the final norm and logits), so its statistics there are
+        # the first reference's, bit for bit, and are taken instead of computed again
+        self._first: dict[str, tuple[torch.Tensor, torch.Tensor, RowErrors, float]] = {}
         self._step = 0
 
     def begin_step(self, step: int) -> None:
-        self._step, self._now, self._level = step, {}, {}
+        self._step, self._now, self._level, self._first = step, {}, {}, {}
 
     def observe(self, reference: str, point: str, tensor: torch.Tensor, golden: torch.Tensor,
                 operand_sq: float | None = None) -> None:
         """One reference's tensor of ``point`` at this step, against the golden's; ``operand_sq``: the sum over
         the rows of a narrow point's squared operand scale (``tpcheck.measure.operands``), None: the golden's."""
-        e = row_errors(tensor, golden)
+        first = self._first.get(point)
+        if first is not None and first[1] is golden and first[0].dtype == tensor.dtype and torch.equal(first[0], tensor):
+            e, g = first[2], first[3]  # the same tensor against the same golden: the same statistics
+        else:
+            e = row_errors(tensor, golden)
+            g = gain_of(tensor, golden).gain if self.gains else math.nan
+            if reference == self.references[0][0] and len(self.references) > 1:
+                self._first[point] = (tensor, golden, e, g)
         narrow = is_narrow(golden)
         if narrow:
             acc = self._scale.setdefault(point, [0.0, 0, -1])
@@ -101,13 +113,13 @@ class NoiseFloor:
             self._level[point] = (whole, reference, self._step)
         if math.isfinite(worst) and worst > self._worst_row.get(point, (-1.0,))[0]:
             self._worst_row[point] = (worst, reference, self._step)
-        g = gain_of(tensor, golden).gain if self.gains else math.nan
         if math.isfinite(g) and abs(g) > self._gain.get(point, -1.0):
             self._gain[point] = abs(g)
 
     def end_step(self) -> None:
         """Every reference observed: a point's floor is the larger of this step's whole-tensor errors and the
         worst row so far; a narrow point's, divided by its scale."""
+        self._first = {}  # the first reference's tensors: not held past the step
         for point, worst in self._worst_row.items():
             if worst[0] > self._level.get(point, (-1.0,))[0]:
                 self._level[point] = worst

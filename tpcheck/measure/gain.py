@@ -105,8 +105,20 @@ def _ratios(x: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.
     if not bool(torch.isfinite(d).all()):
         return None
     a = g.abs()
-    cut = a.median() if is_narrow(golden) else a.median(dim=-1, keepdim=True).values
+    cut = a.median() if is_narrow(golden) else _row_medians(a)
     return d.sub_(g).div_(g), (a >= cut) & (a > 0)
+
+
+def _row_medians(a: torch.Tensor) -> torch.Tensor:
+    """``a.median(dim=-1, keepdim=True).values`` (the lower middle element of each row) of a float64 CPU tensor by
+    numpy's in-place selection, a copy reordered instead of each row sorted (the same values, at a fraction of the
+    time on rows of thousands of features)."""
+    if a.device.type != "cpu" or a.numel() == 0 or bool(torch.isnan(a).any()):
+        return a.median(dim=-1, keepdim=True).values  # torch's NaN ordering, kept where it matters
+    k = (a.shape[-1] - 1) // 2
+    v = a.numpy().copy()
+    v.partition(k, axis=-1)
+    return torch.from_numpy(v[..., k:k + 1].copy())
 
 
 def ratios(x: torch.Tensor, golden: torch.Tensor) -> torch.Tensor | None:
@@ -150,11 +162,17 @@ def col_group_se(r: np.ndarray, q: np.ndarray) -> tuple[float, int]:
     if rows < 2 or groups < MIN_COL_GROUPS:
         return math.nan, 0
     m = feats // groups * groups
-    g = np.where(q[:, :m], r[:, :m], np.nan).reshape(rows * (m // groups), groups)
-    g = g[:, np.isfinite(g).sum(0) >= MIN_GROUP]  # a group of columns that rarely qualify: left out
-    if g.shape[1] < MIN_COL_GROUPS:
+    # group j (features j, j + G, ...) as one contiguous block, so its median is a partition of its own qualifying
+    # ratios: np.nanmedian over a NaN-masked [elements, G] array gave the same medians at 5-20x the time
+    by_group = lambda a: a[:, :m].reshape(rows, m // groups, groups).transpose(2, 0, 1).reshape(groups, -1)  # noqa: E731
+    medians = []
+    for rj, qj in zip(by_group(r), by_group(q)):
+        v = rj[qj]  # a copy: _median reorders it
+        if np.isfinite(v).sum() >= MIN_GROUP:  # a group of columns that rarely qualify: left out
+            medians.append(_median(v))
+    if len(medians) < MIN_COL_GROUPS:
         return math.nan, 0
-    return float(np.nanmedian(g, axis=0).std(ddof=1) / math.sqrt(g.shape[1])), int(g.shape[1])
+    return float(np.array(medians).std(ddof=1) / math.sqrt(len(medians))), len(medians)
 
 
 def gain_of(x: torch.Tensor, golden: torch.Tensor) -> GainStat:

@@ -46,6 +46,15 @@ class RunPlan:
     def keep(self) -> re.Pattern | None:
         return re.compile(self.select) if self.select else None
 
+    @property
+    def capture_points(self) -> str | None:
+        """The regex of the points an engine's ranks capture (hooks only where they come from; None: every
+        point): the selection, plus every MoE layer's router and top-k ids (the routing check reads them
+        whatever is compared). ``--exact-ops`` reads the inputs of the checked ops, so it captures everything."""
+        if self.opts.exact_ops or not self.select:
+            return None
+        return f"(?:{self.select})|layers\\.\\d+\\.moe\\.(?:router|topk_ids)"
+
     def command(self) -> str:
         """The ``tpcheck diff`` command line that repeats this run."""
         return self.opts.command()
