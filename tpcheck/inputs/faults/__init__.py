@@ -15,7 +15,7 @@ from __future__ import annotations
 
 # the fault modules register their faults on import (order: their catalogue numbers)
 from tpcheck.inputs.faults import attention, collectives, families, kv_cache, loading, moe, norm, quant  # noqa: F401
-from tpcheck.inputs.faults import quant_gptq  # noqa: F401
+from tpcheck.inputs.faults import pipeline, quant_gptq  # noqa: F401
 from tpcheck.inputs.faults.attention import DEFAULT_ROPE_THETA
 from tpcheck.inputs.faults.collectives import LOW_PRECISION_REDUCE
 from tpcheck.inputs.faults.engine import apply, describe, inject, injected, restore
