@@ -59,7 +59,7 @@ def test_bad_pp_is_exit_2(argv, match, capsys):
 
 
 CLEAN = [("tiny", 2, 2, "bfloat16", 2, True, None), ("small", 4, 1, "float32", 2, False, None),
-         ("small", 2, 1, "float32", 1, True, "3,1")]
+         ("small", 2, 1, "float32", 1, False, "3,1")]
 
 
 @pytest.mark.parametrize("preset,pp,tp,dtype,steps,isolate,partition", CLEAN,

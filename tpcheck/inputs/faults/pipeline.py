@@ -19,19 +19,23 @@ def _tied(cfg, plan, dtype) -> bool:
     return bool(cfg.tie_word_embeddings)
 
 
+def _wrap_stage(runner, name: str, here: bool, wrap) -> None:
+    """Where ``here`` (and not yet done), replace the stage's model forward with ``wrap(runner, forward)``."""
+    m = runner.model.model
+    if here and mark(m, name):
+        m.forward = wrap(runner, m.forward)
+
+
 def _wrap_stage_input(runner, name: str, edit) -> None:
     """On every stage after the first, pass the received ``IntermediateTensors`` and positions through
     ``edit(intermediate, positions) -> (intermediate, positions)`` before the stage's layers run."""
-    m = runner.model.model
-    if runner.stage.is_first or not mark(m, name):
-        return
-    prev = m.forward
+    def wrap(runner, prev):
+        def forward(input_ids, positions, intermediate=None):
+            intermediate, positions = edit(intermediate, positions)
+            return prev(input_ids, positions, intermediate)
+        return forward
 
-    def forward(input_ids, positions, intermediate=None):
-        intermediate, positions = edit(intermediate, positions)
-        return prev(input_ids, positions, intermediate)
-
-    m.forward = forward
+    _wrap_stage(runner, name, not runner.stage.is_first, wrap)
 
 
 @fault(43, "pp_residual_not_sent",
@@ -46,20 +50,19 @@ def pp_residual_not_sent(runner, i, layer):
        "a stage before the last applies the final norm to what it sends (as if it were the last stage)",
        shows_when="pp >= 2", expected_origin="layers.{stage1}.input_norm", pp=2)
 def pp_final_norm_mid_stage(runner, i, layer):
-    m = runner.model.model
-    if runner.stage.is_last or not mark(m, "pp_final_norm_mid_stage"):
-        return
+    _wrap_stage(runner, "pp_final_norm_mid_stage", not runner.stage.is_last, _normed_output)
+
+
+def _normed_output(runner, prev):
     cfg = runner.cfg
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, runner.dtype).to(runner.device)
     norm.weight.data.copy_(read_tensors(runner, ["model.norm.weight"])["model.norm.weight"])
-    prev = m.forward
 
     def forward(input_ids, positions, intermediate=None):
         out = prev(input_ids, positions, intermediate)
         h = norm(out["residual"] + out["hidden_states"])
         return {"hidden_states": h, "residual": torch.zeros_like(h)}
-
-    m.forward = forward
+    return forward
 
 
 @fault(45, "pp_lm_head_untied",
@@ -110,14 +113,13 @@ def _boundary_layer(runner) -> DecoderLayer:
        "received (that layer applied twice)",
        shows_when="pp >= 2", expected_origin="layers.{stage1}.input_norm", pp=2)
 def pp_boundary_layer_twice(runner, i, layer):
-    m = runner.model.model
-    if runner.stage.is_first or not mark(m, "pp_boundary_layer_twice"):
-        return
+    _wrap_stage(runner, "pp_boundary_layer_twice", not runner.stage.is_first, _boundary_twice)
+
+
+def _boundary_twice(runner, prev):
     copy = _boundary_layer(runner)
-    prev = m.forward
 
     def forward(input_ids, positions, intermediate=None):
         h = copy(positions, intermediate["residual"] + intermediate["hidden_states"])
         return prev(input_ids, positions, {"hidden_states": h, "residual": torch.zeros_like(h)})
-
-    m.forward = forward
+    return forward
