@@ -4,8 +4,7 @@ floor alone (``rel_err <= threshold``) and by the verdict (the inherited rule of
 included).
 
     python benchmarks/engine_floor.py [--engine vllm] [--preset deep-sink] [--tp 1,2] [--dtype float32,bfloat16]
-        [--prompts 20] [--max-len 40] [--pairs 2] [--pair-len 400] [--decode 2] [--seed 0] [--device cuda]
-        [--json reports/engine_floor.json]
+        [--prompts 20] [--max-len 40] [--pairs 2] [--pair-len 400] [--decode 2] [--seed 0] [--json reports/engine_floor.json]
 
 Prompts: ``--prompts`` random token-id prompts (seeded), of lengths 1, 2, 3 and then spread up to ``--max-len``,
 one per run; then ``--pairs`` runs of two prompts each (one batch, different lengths), the longer of the last
@@ -69,8 +68,6 @@ def main(argv=None) -> int:
     ap.add_argument("--pair-len", type=int, default=400)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="prompt seed: another seed draws other tokens at the same lengths")
-    ap.add_argument("--device", default="cpu", help="where the engine runs (cuda: impl and hf-tp on a GPU; the golden "
-                                                   "and the references stay on the CPU)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     check_json_arg(ap, a)
@@ -78,7 +75,7 @@ def main(argv=None) -> int:
     ckpt = cached_checkpoint(a.preset)
     vocab = json.load(open(os.path.join(ckpt, "config.json")))["vocab_size"]
     batches = [[p] for p in prompts(a.prompts, a.max_len, vocab, a.seed)] + pairs(a.pairs, a.pair_len, vocab, a.seed)
-    pool, rows, runs = EnginePool(device=a.device), [], []
+    pool, rows, runs = EnginePool(), [], []
     t0 = time.monotonic()
     try:
         for tp in (int(x) for x in a.tp.split(",")):

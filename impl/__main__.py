@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--ep", type=int, default=1, help="expert-parallel groups of the tp ranks (MoE models; "
                        "tp %% ep == 0)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline stages of --tp ranks each (pp x tp processes)")
+        p.add_argument("--pp-partition", default=None, help="layers per pipeline stage, e.g. 3,3,2 (default: "
+                       "vLLM's split)")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         p.add_argument("--prompt-ids", type=_ids, action="append", default=[], help="token ids, e.g. 1,2,3 (repeatable)")
         p.add_argument("--prompt", action="append", default=[], help="prompt text (needs a tokenizer in --model)")
@@ -45,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         kw = dict(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks) if a.cmd == "generate" else {}
-        with LLM(a.model, tp_size=a.tp, dtype=a.dtype, ep_size=a.ep, **kw) as llm:
+        pp = a.pp
+        if a.pp_partition is not None:
+            pp = a.pp_partition
+            if a.pp != 1 and len(a.pp_partition.split(",")) != a.pp:
+                raise ValueError(f"--pp-partition {a.pp_partition} names {len(a.pp_partition.split(','))} stages, "
+                                 f"--pp is {a.pp}")
+        with LLM(a.model, tp_size=a.tp, dtype=a.dtype, ep_size=a.ep, pp_size=pp, **kw) as llm:
             if a.cmd == "logits":
                 for p in prompts:
                     out = llm.logits(p)

@@ -149,13 +149,13 @@ def runner_class(path: str) -> type:
 
 
 def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pid: int, timeout_s: float,
-                 runner_path: str = RUNNER):
+                 runner_path: str = RUNNER, pp_size: int = 1):
     # Ctrl-C in a terminal reaches the whole process group: the driver reports it once and closes the ranks
     # (or they die with it), so a rank ignores SIGINT rather than printing its own KeyboardInterrupt traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     try:
-        init_tp(rank, world, store, timeout_s=timeout_s, device=device)
+        init_tp(rank, world, store, timeout_s=timeout_s, device=device, pp_size=pp_size)
         conn.send(("ok", None))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send(_error_reply(rank, e))
@@ -215,19 +215,22 @@ def _death(proc) -> str:
 
 class Executor:
     """``runner``: the ``"module:Class"`` each rank builds on ``call("_load", ...)`` (impl's ``ModelRunner``;
-    tpcheck's Hugging Face TP ranks use the same process management with their own class)."""
+    tpcheck's Hugging Face TP ranks use the same process management with their own class).
+    ``pp_size``: pipeline stages of ``tp_size`` ranks each (``impl.pipeline``); ``pp_size * tp_size`` ranks in
+    all, results listed by global rank ``stage * tp_size + tp_rank``."""
 
     def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, init_timeout_s: float = 120.0,
-                 runner: str = RUNNER):
-        self.tp_size, self.timeout_s = tp_size, timeout_s
+                 runner: str = RUNNER, pp_size: int = 1):
+        self.tp_size, self.pp_size, self.timeout_s = tp_size, pp_size, timeout_s
+        self.world_size = world = tp_size * pp_size
         self._tmp = tempfile.mkdtemp(prefix="impl-tp-")
         ctx = start_context()
         self.conns, self.procs = [], []
-        for rank in range(tp_size):
+        for rank in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, daemon=True, name=f"impl-rank{rank}",
-                            args=(rank, tp_size, os.path.join(self._tmp, "store"), child, device,
-                                  os.getpid(), timeout_s, runner))
+                            args=(rank, world, os.path.join(self._tmp, "store"), child, device,
+                                  os.getpid(), timeout_s, runner, pp_size))
             try:
                 with _main_not_reimported():
                     p.start()
@@ -263,7 +266,7 @@ class Executor:
         raise RankError(rank, f"TP rank {rank} died ({how})") from None
 
     def _collect(self, timeout_s: float) -> list:
-        results: list = [None] * self.tp_size
+        results: list = [None] * self.world_size
         pending = dict(enumerate(self.conns))
         failure = None
         deadline = time.monotonic() + timeout_s
@@ -324,12 +327,17 @@ class Executor:
 class LocalExecutor:
     """This process is one rank of a group launched by torchrun (``env://``); calls run in-process."""
 
-    def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, runner: str = RUNNER, **_):
+    def __init__(self, tp_size: int, device: str = "cpu", timeout_s: float = 300.0, runner: str = RUNNER,
+                 pp_size: int = 1, **_):
+        if pp_size != 1:  # the driver here is every rank at once: a stage's ranks would each sample alone
+            raise ValueError(f"pp_size={pp_size}: pipeline parallelism runs in impl's own worker processes, not "
+                             "under torchrun (run without torchrun)")
         world = int(os.environ["WORLD_SIZE"])
         if world != tp_size:
             raise ValueError(f"tp_size={tp_size} but torchrun started WORLD_SIZE={world} processes")
         init_tp(int(os.environ["RANK"]), world, None, timeout_s=timeout_s, device=device)
         self.tp_size, self.closed, self.runner, self.runner_path = tp_size, False, None, runner
+        self.pp_size, self.world_size = 1, tp_size
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         if method == "_load":

@@ -12,6 +12,7 @@ import torch
 from impl.block_manager import BlockManager
 from impl.config import load_config, parse_dtype
 from impl.executor import Executor, LocalExecutor
+from impl.pipeline import layer_partition, pipeline_shape
 from impl.sampler import sample
 from impl.sampling_params import SamplingParams
 from impl.scheduler import Scheduler
@@ -39,19 +40,27 @@ class LLM:
     ``num_kv_blocks`` defaults to what ``cache.kv_cache_bytes`` (per rank) holds, capped at what
     ``cache.max_num_seqs`` sequences of the model's maximum length could use (``CacheConfig``).
     ``ep_size``: a mixture-of-experts model's experts split over ``ep_size`` groups of the ``tp_size`` ranks
-    (``impl.layers.moe``; ``tp_size % ep_size == 0``); 1 shards every expert over all ranks."""
+    (``impl.layers.moe``; ``tp_size % ep_size == 0``); 1 shards every expert over all ranks.
+    ``pp_size``: pipeline stages of ``tp_size`` ranks each (``impl.pipeline``): a stage count, the layers split by
+    vLLM's rule, or the layers per stage (``"3,3,2"``); the driver schedules and samples, the logits come from
+    TP rank 0 of the last stage."""
 
     def __init__(self, model_dir: str | os.PathLike, tp_size: int = 1, dtype: str = "float32", block_size: int = 16,
                  num_kv_blocks: int | None = None, cache: CacheConfig | None = None, device: str = "cpu",
-                 timeout_s: float = 300.0, ep_size: int = 1):
+                 timeout_s: float = 300.0, ep_size: int = 1, pp_size: int | str | tuple[int, ...] = 1):
         cache = cache or CacheConfig()
         self.tp_size, self.ep_size, self.device = tp_size, ep_size, device
+        self.pp_size, self.pp_partition = pipeline_shape(pp_size)
+        self.logits_rank = (self.pp_size - 1) * tp_size  # TP rank 0 of the last stage (global rank)
         self.max_num_seqs, self.kv_cache_bytes = cache.max_num_seqs, cache.kv_cache_bytes
         self.enable_prefix_caching, self._tokenizer = cache.enable_prefix_caching, None
         self._num_kv_blocks, self._max_batched = None, cache.max_num_batched_tokens
-        load_config(model_dir).check_tp(tp_size, ep_size)  # refuse bad configs before any worker starts
+        cfg = load_config(model_dir)  # refuse bad configs before any worker starts
+        cfg.check_tp(tp_size, ep_size)
+        layer_partition(cfg.num_layers, self.pp_size, self.pp_partition)
         under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-        self.executor = (LocalExecutor if under_torchrun else Executor)(tp_size, device=device, timeout_s=timeout_s)
+        self.executor = (LocalExecutor if under_torchrun else Executor)(tp_size, device=device, timeout_s=timeout_s,
+                                                                        pp_size=self.pp_size)
         try:
             self.load(model_dir, dtype, block_size, num_kv_blocks)
         except BaseException:
@@ -65,6 +74,7 @@ class LLM:
         cfg = load_config(model_dir)
         ep_size = self.ep_size if ep_size is None else ep_size
         cfg.check_tp(self.tp_size, ep_size)
+        self.partition = layer_partition(cfg.num_layers, self.pp_size, self.pp_partition)
         self.ep_size = ep_size
         if block_size is not None:
             if block_size < 1:
@@ -78,7 +88,7 @@ class LLM:
         self.num_kv_blocks = self._num_kv_blocks or self._default_num_blocks(self.kv_cache_bytes, self.max_num_seqs)
         self.max_num_batched_tokens = self._max_batched or max(8192, cfg.max_position)
         self.executor.call("_load", self.model_dir, str(self.dtype).removeprefix("torch."), self.device,
-                           ep_size=self.ep_size)
+                           ep_size=self.ep_size, **({"pp_partition": self.partition} if self.pp_size > 1 else {}))
         self.executor.call("allocate_kv_cache", self.num_kv_blocks, self.block_size)
         self.reset_scheduler()
 
@@ -88,7 +98,8 @@ class LLM:
 
     def _default_num_blocks(self, budget: int, max_num_seqs: int) -> int:
         plan = shard_plan(self.cfg, self.tp_size, self.ep_size)
-        per_block = plan.kv_cache_bytes_per_block(self.cfg.num_layers, self.block_size, self.dtype.itemsize)
+        # a rank caches its stage's layers only: the largest stage bounds the budget
+        per_block = plan.kv_cache_bytes_per_block(max(self.partition), self.block_size, self.dtype.itemsize)
         c = self.cfg
         cap = max_num_seqs * -(-c.max_position // self.block_size)
         return max(1, min(budget // per_block, cap))
@@ -123,7 +134,7 @@ class LLM:
         """``[len, vocab]`` logits of one prompt (vocab = the checkpoint's real vocab size)."""
         ids = self._ids([token_ids])[0]
         self._check_prompt(0, ids)
-        return self.executor.call("logits", ids)[0]
+        return self.executor.call("logits", ids)[self.logits_rank]
 
     def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[list[int]]:
@@ -147,7 +158,7 @@ class LLM:
                 batch, is_prefill = self.scheduler.schedule()
                 inputs = [(s.token_ids[s.num_cached_tokens:], s.num_cached_tokens, s.block_table) if is_prefill
                           else ([s.last_token], len(s) - 1, s.block_table) for s in batch]
-                logits = self.executor.call("step", inputs)[0]
+                logits = self.executor.call("step", inputs)[self.logits_rank]
                 tokens = sample(logits, [s.params for s in batch], [gens[s.seq_id] for s in batch])
                 self.scheduler.postprocess(batch, tokens.tolist())
                 if bar is not None:
@@ -165,7 +176,7 @@ class LLM:
         return self.scheduler.num_preemptions
 
     def kv_cache_shapes(self) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-        """Per rank, per layer: the (K, V) cache tensor shapes."""
+        """Per rank (global), per layer of its stage: the (K, V) cache tensor shapes."""
         return self.executor.call("kv_cache_shapes")
 
     def call(self, target: Callable | str, *args, **kwargs) -> list:

@@ -5,7 +5,8 @@ Checkpoint tensors are opened lazily (``safe_open(...).get_slice``) and handed t
 slice is read from disk. Separate HF tensors of a fused parameter (q/k/v -> qkv_proj, gate/up ->
 gate_up_proj) are routed by the model's ``packed_modules_mapping``; a module with its own checkpoint names (a
 MoE block: ``checkpoint_tensors``) lists them itself, the experts of other expert-parallel groups among them,
-which this rank skips without reading. A tensor the model has no place for, a parameter no tensor filled, or a
+which this rank skips without reading; under pipeline parallelism the tensors of other stages are skipped
+unread too (the model's ``holds_tensor``). A tensor the model has no place for, a parameter no tensor filled, or a
 shape mismatch is an error naming the tensor. Pickle files are refused. ``load_weights`` returns how many
 elements it read of each tensor."""
 from __future__ import annotations
@@ -106,6 +107,9 @@ def expected_tensors(model: nn.Module) -> tuple[dict[str, tuple[str, object]], s
             out[pname.replace(fused, hf)] = (pname, sid)
         if not packed:
             out[pname] = (pname, None)
+    if getattr(model.cfg, "tie_word_embeddings", False) and "lm_head.weight" in out \
+            and "model.embed_tokens.weight" not in out:  # a last pipeline stage: its tied head reads the embedding
+        out["model.embed_tokens.weight"] = out.pop("lm_head.weight")
     return out, skipped
 
 
@@ -115,11 +119,12 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
     params = dict(model.named_parameters())
     wanted, skipped = expected_tensors(model)
     tied = getattr(model.cfg, "tie_word_embeddings", False)
+    holds = getattr(model, "holds_tensor", None) or (lambda name: True)
     seen: dict[str, int] = {}
     for fname, names in checkpoint_files(model_dir).items():
         for name in names:
-            if name.endswith(IGNORED_SUFFIXES) or name in skipped:
-                continue
+            if name.endswith(IGNORED_SUFFIXES) or name in skipped or not holds(name):
+                continue  # holds: another pipeline stage's tensor is not read here
             if tied and name == "lm_head.weight":
                 continue  # some tied checkpoints also store the (identical) head; the embedding is used
             if name not in wanted:

@@ -1,7 +1,10 @@
 """What one TP rank runs: builds its shard of the model, owns its KV cache, executes forward passes.
 
 The driver calls the same method on every rank with the same arguments; ranks meet only inside the
-model's collectives. Logits come back from rank 0 (the other ranks return None)."""
+model's collectives. Logits come back from rank 0 (the other ranks return None). Under pipeline parallelism
+(``impl.pipeline``) a rank builds, loads and caches only its stage's layers; a stage after the first receives its
+input from the stage before, one before the last sends on, and the logits come from TP rank 0 of the last
+stage."""
 from __future__ import annotations
 
 import importlib
@@ -11,30 +14,49 @@ import torch
 
 from impl.config import load_config, parse_dtype
 from impl.context import Context, set_context
-from impl.distributed import get_tp_rank, get_tp_size
+from impl.distributed import get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, recv_prev, send_next
 from impl.layers.attention import Attention
 from impl.loader import load_weights
 from impl.models import model_class
+from impl.pipeline import INTERMEDIATE_NAMES, layer_partition, stage_of
 
 # (new token ids, position of the first of them, block table) for one sequence in a step
 SeqInput = tuple[list[int], int, list[int]]
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu", ep_size: int = 1):
+    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu", ep_size: int = 1,
+                 pp_partition: str | tuple[int, ...] | None = None):
         self.rank, self.tp_size, self.ep_size = get_tp_rank(), get_tp_size(), ep_size
+        # per stage, not per world: a batch's stages run one after another (each waits on its predecessor), and
+        # the same thread count as one stage keeps a pipelined run's numbers bit-equal to it
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
         self.cfg = load_config(model_dir)
         self.cfg.check_tp(self.tp_size, ep_size)
+        self.partition = layer_partition(self.cfg.num_layers, get_pp_size(), pp_partition)
+        self.stage = stage_of(self.partition, get_pp_rank())
         self.dtype, self.device = parse_dtype(dtype), torch.device(device)
         # the family's model class from the registry (impl.config.FAMILIES), by the config's model_type
-        self.model = model_class(self.cfg)(self.cfg, self.dtype, ep_size).to(self.device)
+        self.model = model_class(self.cfg)(self.cfg, self.dtype, ep_size, stage=self.stage).to(self.device)
         # {checkpoint tensor: elements this rank read}: other expert groups' experts are not in it
         self.loaded_tensors = load_weights(self.model, model_dir, self.dtype)
         self.block_size = 0
 
     def attention_layers(self) -> list[Attention]:
+        """The attention of each of this stage's layers, by stage-local layer index."""
         return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+        """The model over one batch on this stage: the last stage's final hidden states, None on earlier stages
+        (which send theirs on)."""
+        inter = None
+        if not self.stage.is_first:
+            inter = recv_prev(INTERMEDIATE_NAMES, (len(ids), self.cfg.hidden_size), self.dtype, self.device)
+        out = self.model(ids, pos, inter)
+        if self.stage.is_last:
+            return out
+        send_next(out)
+        return None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Per layer ``k_cache, v_cache: [num_blocks, block_size, local kv heads, head_dim]``."""
@@ -53,15 +75,15 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         set_context(Context([len(token_ids)], [len(token_ids)]))
         try:
-            hidden = self.model(ids, torch.arange(len(token_ids), device=self.device))
-            return self.model.compute_logits(hidden)
+            hidden = self._forward(ids, torch.arange(len(token_ids), device=self.device))
+            return None if hidden is None else self.model.compute_logits(hidden)
         finally:
             set_context(None)
 
     @torch.inference_mode()
     def step(self, batch: list[SeqInput], all_logits: bool = False) -> torch.Tensor | None:
         """One forward over a ragged batch through the paged KV cache; ``[B, vocab]`` logits of each
-        sequence's last token (``[T, vocab]`` of every token with ``all_logits``) on rank 0.
+        sequence's last token (``[T, vocab]`` of every token with ``all_logits``) on TP rank 0 of the last stage.
         Slot of position p: ``table[p // bs] * bs + p % bs``."""
         ids, pos, slots, lens_q, lens_k = [], [], [], [], []
         for tokens, start, table in batch:
@@ -78,7 +100,9 @@ class ModelRunner:
         dev = self.device
         set_context(Context(lens_q, lens_k, torch.tensor(slots, dtype=torch.long, device=dev), tables))
         try:
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, device=dev))
+            hidden = self._forward(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, device=dev))
+            if hidden is None:
+                return None
             if not all_logits:
                 hidden = hidden[torch.tensor(lens_q, device=dev).cumsum(0) - 1]
             return self.model.compute_logits(hidden)

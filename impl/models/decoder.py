@@ -27,6 +27,7 @@ from impl.layers.mlp import GatedMLP
 from impl.layers.moe import SparseMoeBlock
 from impl.layers.norm import RMSNorm
 from impl.layers.rotary import RotaryEmbedding
+from impl.pipeline import PPMissingLayer, Stage, single_stage
 from impl.quant_gptq import layer_name
 
 
@@ -77,26 +78,48 @@ class DecoderLayer(nn.Module):
             with layer_name(f"model.layers.{layer_idx}.mlp"):
                 self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, quant=cfg.quant)
 
+        self.sent: dict[str, torch.Tensor] | None = None  # the last layer of a stage before the last: what it sends
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # same op order and dtype as HF: residual adds in the activation dtype
         h = x + self.self_attn(positions, self.input_layernorm(x))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        m = self.mlp(self.post_attention_layernorm(h))
+        if self.sent is not None:  # a stage boundary: the next stage does the final add (vLLM's residual)
+            self.sent = {"hidden_states": m, "residual": h}
+        return h + m
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_cls: type[DecoderAttention] = DecoderAttention,
-                 ep_size: int = 1):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, attention_cls, ep_size)
-                                     for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    """Embedding, decoder layers, final norm; under pipeline parallelism (``stage``, ``impl.pipeline``) only the
+    stage's layers (the others ``PPMissingLayer``, so module names stay global), the embedding on the first stage
+    only and the final norm on the last only."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_cls: type[DecoderAttention] = DecoderAttention,
+                 ep_size: int = 1, stage: Stage | None = None):
+        super().__init__()
+        self.stage = stage or single_stage(cfg.num_layers)
+        st = self.stage
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype) if st.is_first
+                             else PPMissingLayer())
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, attention_cls, ep_size) if st.holds_layer(i)
+                                     else PPMissingLayer() for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if st.is_last else PPMissingLayer()
+        if not st.is_last:
+            self.layers[st.end - 1].sent = {}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: dict[str, torch.Tensor] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The final-normed hidden states on the last stage; on an earlier stage the ``IntermediateTensors``
+        (``hidden_states``, ``residual``) to send on. A stage after the first starts from the ``intermediate`` it
+        received (``residual + hidden_states``: the boundary layer's own final add)."""
+        st = self.stage
+        h = self.embed_tokens(input_ids) if st.is_first else intermediate["residual"] + intermediate["hidden_states"]
+        for i in range(st.start, st.end):
+            h = self.layers[i](positions, h)
+        if st.is_last:
+            return self.norm(h)
+        out, self.layers[st.end - 1].sent = self.layers[st.end - 1].sent, {}
+        return out
 
 
 class DecoderForCausalLM(nn.Module):
@@ -112,19 +135,37 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, ep_size: int = 1):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, ep_size: int = 1,
+                 stage: Stage | None = None):
         super().__init__()
         if cfg.model_type != self.model_type:
             raise ValueError(f"{type(self).__name__} builds model_type {self.model_type!r}, the config is "
                              f"{cfg.model_type!r} (build the model through impl.models.model_class)")
         self.cfg, self.ep_size = cfg, ep_size
-        self.model = DecoderModel(cfg, dtype, self.attention_cls, ep_size)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
-        if cfg.tie_word_embeddings:
+        self.model = DecoderModel(cfg, dtype, self.attention_cls, ep_size, stage)
+        self.stage = self.model.stage
+        # the LM head on the last stage only; tied, it shares the embedding's parameter when the stage has it,
+        # else (pp > 1) it is its own parameter that the loader fills from model.embed_tokens.weight (as vLLM)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype) if self.stage.is_last else PPMissingLayer()
+        if cfg.tie_word_embeddings and self.stage.is_last and self.stage.is_first:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: dict[str, torch.Tensor] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        return self.model(input_ids, positions, intermediate)
+
+    def holds_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this pipeline stage (the loader reads no other):
+        the stage's layers; the embedding on the first stage (and, tied, the last, for its LM head); the final
+        norm and LM head on the last."""
+        st = self.stage
+        if name.startswith("model.layers."):
+            return st.holds_layer(int(name.split(".")[2]))
+        if name.startswith("model.embed_tokens."):
+            return st.is_first or (st.is_last and self.cfg.tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return st.is_last
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[T, V]`` logits on rank 0 (padding stripped), None on the other ranks."""

@@ -27,8 +27,11 @@ MOE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.fau
 QUANT = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
 GPTQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_gptq"]
 AWQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_awq"]
+# pipeline-stage faults need --pp 2: tests/test_tpcheck/test_pipeline_diff.py
+PIPELINE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.pipeline"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
-           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT, *GPTQ, *AWQ)]
+           and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT, *GPTQ, *AWQ,
+                         *PIPELINE)]
 
 
 def smallest_tp(fault, cfg) -> int:
@@ -57,7 +60,10 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 43
+    assert len(names) == len(set(names)) == len(FAULTS) == 48
+    assert PIPELINE == ["pp_residual_not_sent", "pp_final_norm_mid_stage", "pp_lm_head_untied",
+                        "pp_stage_relative_positions", "pp_boundary_layer_twice"]
+    assert all(FAULTS[n].pp == 2 and not FAULTS[n].per_layer for n in PIPELINE)
     assert GPTQ == ["gptq_row_group_scales_misaligned", "gptq_every_rank_rank0_qweight",
                     "gptq_row_scales_sharded_by_output"]
     assert AWQ == ["awq_nibble_order_sequential", "awq_row_scales_sharded_by_output", "awq_every_rank_rank0_qzeros"]
@@ -70,11 +76,15 @@ def test_registry():
         assert f.name == n
         assert f.description and "\n" not in f.description
         assert f.shows_when and f.expected_origin
-        assert f.origin(3) == f.expected_origin.format(layer=3)
+        assert f.origin(3, stage1=1) == f.expected_origin.format(layer=3, stage1=1)
     assert {n for n, f in FAULTS.items() if f.decode_only} == {"gqa_cache_repeated_heads", "decode_position_off_by_one",
-                                                               "slot_mapping_off_by_one_at_block_boundary"}
+                                                               "slot_mapping_off_by_one_at_block_boundary",
+                                                               "pp_stage_relative_positions"}
     assert {n: f.origin_step for n, f in FAULTS.items() if f.origin_step != "prefill"} == {
-        "decode_position_off_by_one": "decode", "slot_mapping_off_by_one_at_block_boundary": "block_boundary"}
+        "decode_position_off_by_one": "decode", "slot_mapping_off_by_one_at_block_boundary": "block_boundary",
+        "pp_stage_relative_positions": "decode"}
+    with pytest.raises(ValueError, match="first layer of pipeline stage 1; give stage1"):
+        get_fault("pp_residual_not_sent").origin()
     assert [n for n, f in FAULTS.items() if f.check != "diff"] == ["full_state_dict_every_rank"]
     mem = get_fault("full_state_dict_every_rank")
     assert mem.check == "memory" and mem.origin(1) == "memory" and not mem.per_layer
@@ -125,8 +135,8 @@ def test_applies(ckpt):
 def test_each_fault_declared_once_with_its_patch():
     """One registry: every fault carries its patch and predicate (module-level: a Fault pickles), catalogue
     numbers give the listing order, and a second declaration of a name or number is refused."""
-    numbers = [f.number for f in FAULTS.values()]  # 1-35, FP8's 36-37, GPTQ's 40-42, then AWQ's 43-45
-    assert numbers == list(range(1, 38)) + [40, 41, 42, 43, 44, 45]
+    numbers = [f.number for f in FAULTS.values()]  # 1-35, FP8's 36-37, GPTQ's 40-42, AWQ's 43-45, the pipeline's 46-50
+    assert numbers == list(range(1, 38)) + list(range(40, 51))
     for f in FAULTS.values():
         assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.inputs.faults."), f.name
         assert pickle.loads(pickle.dumps(f)) == f
@@ -135,7 +145,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 43  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 48  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

@@ -76,6 +76,8 @@ def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
     """Each layer's cached keys/values of every prompt, read back from the paged blocks."""
     out = {}
     for i, layer in enumerate(runner.model.model.layers):
+        if not runner.stage.holds_layer(i):  # another pipeline stage's layer
+            continue
         attn = layer.self_attn.attn
         kv = Shard(-1, layer.self_attn.qkv_proj.kv_replicas)
         bs = attn.k_cache.shape[1]

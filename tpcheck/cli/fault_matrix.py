@@ -74,7 +74,8 @@ def smallest_config(fault: Fault | str, ckpt=None) -> dict:
             for tp in TP_ORDER:
                 if fault.applies(cfg, tp, dtype):
                     layout = DECODE if fault.decode_only else PREFILL
-                    return dict(preset=preset, tp=tp, dtype=dtype, **layout)
+                    stages = {"pp": fault.pp} if fault.pp > 1 else {}  # a pipeline fault: its stages, vLLM's split
+                    return dict(preset=preset, tp=tp, dtype=dtype, **layout, **stages)
     raise ValueError(f"{fault.name}: shows in none of the candidate configurations")
 
 
@@ -100,7 +101,8 @@ def describe_config(c: dict) -> str:
     lens = "+".join(map(str, c["prompt_lens"]))
     steps = f"decode {c['decode_steps']} bs{c['block_size']}" if c["decode_steps"] else "prefill"
     layer = "" if c.get("inject_layer") is None else f" layer {c['inject_layer']}"
-    return f"{c['preset']} tp={c['tp']} {c['dtype']} {steps} {lens}{layer}"
+    pp = f" pp={c['pp']}" if c.get("pp", 1) > 1 else ""
+    return f"{c['preset']} tp={c['tp']}{pp} {c['dtype']} {steps} {lens}{layer}"
 
 
 def prompts_for(config: dict, vocab_size: int) -> list[list[int]]:
@@ -109,7 +111,7 @@ def prompts_for(config: dict, vocab_size: int) -> list[list[int]]:
 
 
 def _layout_key(c: dict) -> tuple:
-    return (c["preset"], c["tp"], c["decode_steps"], tuple(c["prompt_lens"]), c["block_size"])
+    return (c["preset"], c["tp"], c.get("pp", 1), c["decode_steps"], tuple(c["prompt_lens"]), c["block_size"])
 
 
 # ---- the memory check: tpcheck.cli.fault_memory (rank_memory runs in the ranks by this module's path too) --------
@@ -128,7 +130,14 @@ def _diff(pool, ckpt, config: dict, inject: list[str], inject_layer: int | None 
     prompts = prompts_for(config, load_config(d).vocab_size)
     return run(DiffOptions(model=str(d), tp=config["tp"], dtype=config["dtype"], prompts=prompts,
                            decode_steps=config["decode_steps"], inject=tuple(inject), block_size=config["block_size"],
-                           exact_ops=EXACT_OPS, inject_layer=inject_layer), pool=pool)
+                           exact_ops=EXACT_OPS, inject_layer=inject_layer, pp=config.get("pp", 1)), pool=pool)
+
+
+def _stage1(ckpt, config: dict) -> int | None:
+    """The first layer of pipeline stage 1 in ``config`` (vLLM's split); None without stages."""
+    from impl.pipeline import layer_partition
+    pp = config.get("pp", 1)
+    return None if pp == 1 else layer_partition(load_config(ckpt(config["preset"])).num_layers, pp)[0]
 
 
 def _row(name: str, config: dict, check: str, **kw) -> dict:
@@ -180,7 +189,7 @@ def fault_row(name: str, pool, ckpt=None) -> dict:
                     excess=m["excess"], note=note,
                     origin_point="memory" if m["flagged"] else None, expected_point="memory",
                     seconds=time.monotonic() - t0)
-    exp_point, exp_step = fault.origin(None), expected_step(fault, config)
+    exp_point, exp_step = fault.origin(None, stage1=_stage1(ckpt, config)), expected_step(fault, config)
     detected = not r.passed
     if detected:
         origin_ok = (fd["point"], fd["step"]) == (exp_point, exp_step)
@@ -200,7 +209,7 @@ def clean_row(config: dict, pool, ckpt=None) -> dict:
     ckpt = _resolver(ckpt)
     t0 = time.monotonic()
     r = _diff(pool, ckpt, config, [])
-    m = memory_check(pool.get(ckpt(config["preset"]), config["tp"], config["dtype"]))
+    m = memory_check(pool.get(ckpt(config["preset"]), config["tp"], config["dtype"], pp=config.get("pp", 1)))
     fd = r.first_divergence
     alarms = []
     if not r.passed:

@@ -7,8 +7,12 @@ import os
 import torch
 
 from impl import LLM
+from impl.errors import ConfigError
+from impl.pipeline import parse_partition
 from tpcheck.capture import impl as capture_impl
+from tpcheck.capture.points import split_point
 from tpcheck.engines.adapter import Points, by_point
+from tpcheck.judge.coverage import CoverageError
 from tpcheck.inputs import faults
 from tpcheck.reference.reductions import Reductions
 
@@ -16,19 +20,23 @@ FAULTS = True  # --inject patches impl's modules in its ranks
 
 
 def get_llm(pool, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
-            num_kv_blocks: int | None = None, ep: int = 1) -> LLM:
-    """``pool``'s ``impl.LLM`` of ``tp`` ranks, started once and reloaded when the checkpoint, cache layout or
-    expert-parallel size ``ep`` (MoE models) changes."""
-    key = (str(model_dir), dtype, block_size, num_kv_blocks, ep)
+            num_kv_blocks: int | None = None, ep: int = 1, pp: int = 1, pp_partition: str | None = None) -> LLM:
+    """``pool``'s ``impl.LLM`` of ``tp`` ranks (per pipeline stage, ``pp`` stages), started once and reloaded when
+    the checkpoint, cache layout, expert-parallel size ``ep`` (MoE models) or layer partition changes."""
+    key = (str(model_dir), dtype, block_size, num_kv_blocks, ep, pp_partition)
+    if pp_partition is not None and len(parse_partition(pp_partition)) != pp:
+        raise ConfigError(f"pp_partition {pp_partition} names {len(parse_partition(pp_partition))} stages, pp is {pp}")
 
     def start() -> LLM:
         return LLM(model_dir, tp_size=tp, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                   ep_size=ep, **pool.llm_kwargs)
+                   ep_size=ep, pp_size=pp_partition or pp, **pool.llm_kwargs)
 
     def reload(llm: LLM) -> None:
+        llm.pp_partition = None if pp_partition is None else parse_partition(pp_partition)
         llm.load(model_dir, dtype, block_size, num_kv_blocks, ep)
 
-    return pool.acquire("impl", tp, key, start, reload, close=LLM.close)
+    # a pipelined engine has another world size: a pool slot of its own per pp
+    return pool.acquire("impl" if pp == 1 else f"impl-pp{pp}", tp, key, start, reload, close=LLM.close)
 
 
 def start(pool, plan) -> "ImplAdapter":
@@ -40,8 +48,10 @@ def start(pool, plan) -> "ImplAdapter":
     dump = None if opts.dump is None else {"root": str(opts.dump), "dtype": opts.dtype, "points": opts.dump_points,
                                            "budget_bytes": None if budget is None else budget // opts.tp,
                                            "model": model_dir}
-    llm = get_llm(pool, model_dir, opts.tp, opts.dtype, ep=opts.ep)
-    return ImplAdapter(llm, list(opts.inject), opts.inject_layer, opts.block_size, dump, plan.capture_points)
+    llm = get_llm(pool, model_dir, opts.tp, opts.dtype, ep=opts.ep, pp=opts.pp, pp_partition=opts.pp_partition)
+    adapter = ImplAdapter(llm, list(opts.inject), opts.inject_layer, opts.block_size, dump, plan.capture_points)
+    adapter.expected = plan.expected
+    return adapter
 
 
 class ImplAdapter:
@@ -59,6 +69,10 @@ class ImplAdapter:
         self.tables: list[list[int]] = []
         self.lens: list[int] = []
         self.own_cache = False
+        # pipeline stages' layers [start, end) (None: one stage); the points the run expects, by stage
+        self.stages = None if llm.pp_size == 1 else tuple(
+            (sum(llm.partition[:s]), sum(llm.partition[:s + 1])) for s in range(llm.pp_size))
+        self.expected: tuple[str, ...] = ()
 
     def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
         if self.inject:
@@ -78,7 +92,10 @@ class ImplAdapter:
     def step(self, new_tokens, teacher, capture_kv) -> Points:
         batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]
         self.lens = [n + len(t) for n, t in zip(self.lens, new_tokens)]
-        return by_point(self.llm.call(capture_impl.step, batch, teacher, self.lens if capture_kv else None))
+        per_rank = self.llm.call(capture_impl.step, batch, teacher, self.lens if capture_kv else None)
+        if self.stages is None:
+            return by_point(per_rank)
+        return stage_points(per_rank, self.llm.tp_size, self.stages, self.expected)
 
     def close(self) -> None:
         if self.inject:
@@ -86,6 +103,32 @@ class ImplAdapter:
         elif not self.own_cache:  # give the engine back its own cache layout
             self.llm.executor.call("allocate_kv_cache", self.llm.num_kv_blocks, self.llm.block_size)
         self.llm.reset_scheduler()  # the diff wrote blocks the engine's prefix cache may name
+
+
+def point_stage(name: str, stages: tuple[tuple[int, int], ...]) -> int:
+    """The pipeline stage that computes point ``name``: a layer's point on the stage holding the layer, the
+    embedding on the first, the final norm and the logits on the last."""
+    layer, _ = split_point(name)
+    if layer is None:
+        return 0 if name == "embed" else len(stages) - 1
+    return next(s for s, (start, end) in enumerate(stages) if start <= layer < end)
+
+
+def stage_points(per_rank: list[dict], tp: int, stages: tuple[tuple[int, int], ...],
+                 expected: tuple[str, ...] = ()) -> Points:
+    """The points of a pipelined step, each from the ``tp`` ranks of the stage that computes it (global ranks
+    ``stage * tp ..``), so a point is unsharded within its own stage's TP group; a point reported by a stage that
+    does not compute it is not taken. A stage that reported none of the ``expected`` points it computes is a
+    ``CoverageError`` naming the stage (exit 3)."""
+    points: Points = {}
+    for s, (start, end) in enumerate(stages):
+        got = by_point(per_rank[s * tp:(s + 1) * tp])
+        own = {n: v for n, v in got.items() if point_stage(n, stages) == s}
+        if not own and any(point_stage(n, stages) == s for n in expected):
+            raise CoverageError(f"pipeline stage {s} (layers {start}-{end - 1}, ranks {s * tp}-{(s + 1) * tp - 1}) "
+                                "reported no point")
+        points.update(own)
+    return points
 
 
 def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str | os.PathLike = "dump",

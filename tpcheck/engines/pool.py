@@ -60,9 +60,10 @@ class EnginePool:
         return engine
 
     def get(self, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
-            num_kv_blocks: int | None = None, ep: int = 1):
-        """impl's ``LLM`` of ``tp`` ranks, experts in ``ep`` groups (``tpcheck.engines.impl.get_llm``)."""
-        return get_llm(self, model_dir, tp, dtype, block_size, num_kv_blocks, ep)
+            num_kv_blocks: int | None = None, ep: int = 1, pp: int = 1, pp_partition: str | None = None):
+        """impl's ``LLM`` of ``tp`` ranks, experts in ``ep`` groups, in ``pp`` pipeline stages
+        (``tpcheck.engines.impl.get_llm``)."""
+        return get_llm(self, model_dir, tp, dtype, block_size, num_kv_blocks, ep, pp, pp_partition)
 
     def close(self) -> None:
         for engine, _, close in self._engines.values():

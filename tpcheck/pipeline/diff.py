@@ -63,7 +63,8 @@ def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, comm
     pool = pool or EnginePool()
     try:
         adapter = plan.entry.start(pool, plan)
-        origin = RunOrigin(tp=opts.tp, ep=opts.ep, engine=opts.engine, inject=opts.inject,
+        origin = RunOrigin(tp=opts.tp, ep=opts.ep, stages=getattr(adapter, "stages", None), engine=opts.engine,
+                           inject=opts.inject,
                            inject_layer=opts.inject_layer, inject_silent=plan.silent,
                            command=command or plan.command())
         return _compare(adapter, plan, tolerances, origin)

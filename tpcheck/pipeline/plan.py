@@ -8,7 +8,8 @@ import logging
 import re
 from dataclasses import dataclass, field, replace
 
-from impl.config import ModelConfig, load_config
+from impl.config import ConfigError, ModelConfig, load_config
+from impl.pipeline import layer_partition
 from tpcheck.capture.points import model_point_names
 from tpcheck.capture.selection import selection
 from tpcheck.engines.registry import EngineEntry
@@ -80,13 +81,14 @@ class RunPlan:
             if opts.engine != "impl":
                 raise ValueError(f"--ep {opts.ep} applies to --engine impl only (not {opts.engine})")
         cfg.check_tp(opts.tp, opts.ep)
+        _check_pipeline(opts, cfg)
         opts.validate(cfg)  # every flag against this model, before any engine work
         if hasattr(module, "check_layout"):
             module.check_layout(cfg, opts.tp)
         prompts = _prompts(opts, cfg)
         opts = opts.replace(model=model_dir, prompts=prompts, seq_len=32, batch=2, seed=0)
         plan = cls.of(opts, cfg, entry)  # a selection that is bad or keeps no point: refused here
-        logger.info(f"tpcheck diff: {model_dir} tp={opts.tp} {opts.dtype}, {len(prompts)} prompt(s), "
+        logger.info(f"tpcheck diff: {model_dir} tp={opts.tp}{f' pp={opts.pp}' if opts.pp != 1 else ''} {opts.dtype}, {len(prompts)} prompt(s), "
                     f"{opts.decode_steps} decode step(s){', isolate' if opts.isolate else ''}"
                     f"{', exact-ops' if opts.exact_ops else ''}{', inject ' + ','.join(opts.inject) if opts.inject else ''}")
         return replace(plan, silent=_silent_faults(opts, cfg))
@@ -102,6 +104,21 @@ class RunPlan:
         if not expected:
             raise ValueError(f"--points/--layers select no point of this {cfg.num_layers}-layer model ({select!r})")
         return cls(opts, cfg, select, expected, entry)
+
+
+def _check_pipeline(opts: DiffOptions, cfg) -> None:
+    """``--pp`` / ``--pp-partition`` on impl only, a partition of this model's layers (``impl.pipeline``)."""
+    if opts.pp == 1 and opts.pp_partition is None:
+        return
+    if opts.engine != "impl":
+        raise ValueError(f"--pp {opts.pp} applies to --engine impl only (not {opts.engine})")
+    if opts.dump is not None:  # each rank writes rank{tp rank}/: the stages' ranks would share directories
+        raise ValueError(f"--dump with --pp {opts.pp} is not supported (a dump is per TP rank of one stage)")
+    try:
+        layer_partition(cfg.num_layers, opts.pp, opts.pp_partition)
+    except ConfigError as e:
+        raise ValueError(f"--pp {opts.pp}" + (f" --pp-partition {opts.pp_partition}" if opts.pp_partition else "")
+                         + f": {e}") from None
 
 
 def _prompts(opts: DiffOptions, cfg) -> list[list[int]]:
@@ -127,7 +144,7 @@ def _silent_faults(opts: DiffOptions, cfg) -> dict[str, str]:
     for name in opts.inject:
         why = get_fault(name).silent_because(cfg, opts.tp, opts.dtype, opts.decode_steps, opts.exact_ops,
                                              prompt_lens=[len(p) for p in opts.prompts],
-                                             block_size=opts.block_size, layer=opts.inject_layer)
+                                             block_size=opts.block_size, layer=opts.inject_layer, pp=opts.pp)
         if why:
             silent[name] = why
             logger.warning(f"tpcheck diff: note: {name} {why}; expect this run to pass")

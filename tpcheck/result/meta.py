@@ -22,6 +22,7 @@ class RunOrigin:
     engine: str
     command: str
     ep: int | None = None                        # None: not recorded (a dump)
+    stages: tuple[tuple[int, int], ...] | None = None  # pipeline stages' layers [start, end); None: one stage
     dump: str | None = None                      # the dump replayed (``tpcheck compare``); None: a live run
     inject: tuple[str, ...] | None = None        # None: a dump, into which nothing can be injected
     inject_layer: int | None = None
@@ -33,6 +34,8 @@ class RunOrigin:
             out["dump"] = self.dump
         if self.ep is not None:
             out["ep"] = self.ep
+        if self.stages is not None:
+            out.update(pp=len(self.stages), stages=[list(s) for s in self.stages])
         out["engine"] = self.engine
         if self.inject is not None:
             out.update(inject=list(self.inject), inject_layer=self.inject_layer, inject_silent=dict(self.inject_silent))

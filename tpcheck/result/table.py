@@ -197,7 +197,8 @@ class DiffResult:
     def _verdict(self) -> str:
         fd = self.first_divergence
         m = self.meta
-        head = f"{'PASS' if self.passed else 'FAIL'}: tp={m.get('tp', '?')} {m['dtype']}, {len(self.table)} comparisons"
+        pp = f" pp={m['pp']}" if m.get("pp", 1) > 1 else ""
+        head = f"{'PASS' if self.passed else 'FAIL'}: tp={m.get('tp', '?')}{pp} {m['dtype']}, {len(self.table)} comparisons"
         if fd is None:
             worst = self.worst()
             tail = "" if worst is None else (f"; closest to its threshold: {worst.point} (step {worst.step}) at "

@@ -17,6 +17,7 @@ from __future__ import annotations
 from tpcheck.inputs.faults import attention, collectives, families, kv_cache, loading, moe, norm, quant  # noqa: F401
 from tpcheck.inputs.faults import quant_gptq  # noqa: F401
 from tpcheck.inputs.faults import quant_awq  # noqa: F401,I001 (after quant_gptq: catalogue order)
+from tpcheck.inputs.faults import pipeline  # noqa: F401,I001 (after quant_awq: catalogue order)
 from tpcheck.inputs.faults.attention import DEFAULT_ROPE_THETA
 from tpcheck.inputs.faults.collectives import LOW_PRECISION_REDUCE
 from tpcheck.inputs.faults.engine import apply, describe, inject, injected, restore

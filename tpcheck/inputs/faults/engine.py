@@ -30,6 +30,7 @@ def apply(runner, names: list[str] | str, layer: int | None = None) -> list[str]
     if layer is not None and not -len(layers) <= layer < len(layers):
         raise ValueError(f"layer {layer} out of range: the model has {len(layers)} decoder layers")
     idx = list(range(len(layers))) if layer is None else [layer % len(layers)]
+    idx = [i for i in idx if runner.stage.holds_layer(i)]  # a pipeline stage patches only the layers it runs
     for f in faults:
         if f.per_layer:
             for i in idx:

@@ -78,6 +78,9 @@ class Fault:
     # acts on mixture-of-experts layers only: a dense layer of a MoE model (Qwen2-MoE's ``mlp_only_layers``)
     # cannot show it
     sparse_only: bool = False
+    # pipeline stages the fault needs (``impl.pipeline``; 1: any run); a pipeline fault's ``expected_origin`` may
+    # name ``{stage1}``, the first layer of stage 1 in the run's partition
+    pp: int = 1
 
     def shows_in_layer(self, cfg: ModelConfig, layer: int) -> bool:
         """Whether decoder ``layer`` of ``cfg`` can show this per-layer fault (a MoE fault: a sparse layer)."""
@@ -88,9 +91,12 @@ class Fault:
         """Whether the fault acts on decoder layers (and ``apply``'s ``layer`` selects one)."""
         return "{layer}" in self.expected_origin
 
-    def origin(self, layer: int | None = None) -> str:
-        """The expected origin for a fault applied to ``layer`` (None: all layers, so the first, 0)."""
-        return self.expected_origin.format(layer=0 if layer is None else layer)
+    def origin(self, layer: int | None = None, stage1: int | None = None) -> str:
+        """The expected origin for a fault applied to ``layer`` (None: all layers, so the first, 0); ``stage1``:
+        the first layer of pipeline stage 1 (a pipeline fault's origin needs it)."""
+        if "{stage1}" in self.expected_origin and stage1 is None:
+            raise ValueError(f"fault {self.name}: its origin is at the first layer of pipeline stage 1; give stage1")
+        return self.expected_origin.format(layer=0 if layer is None else layer, stage1=stage1)
 
     def applies(self, cfg: ModelConfig, tp: int, dtype: str = "float32") -> bool:
         """Whether the fault can show at all with this model, TP size and dtype (False where the TP size
@@ -98,6 +104,8 @@ class Fault:
         try:
             plan = shard_plan(cfg, tp)
         except ConfigError:
+            return False
+        if cfg.num_layers < self.pp:  # too few layers for the stages it needs
             return False
         return bool(self.shows(cfg, plan, dtype))
 
@@ -111,10 +119,12 @@ class Fault:
         return block_boundary_step(prompt_lens, decode_steps, block_size)
 
     def silent_because(self, cfg: ModelConfig, tp: int, dtype: str, decode_steps: int, exact_ops: bool, *,
-                       prompt_lens=None, block_size: int = 16, layer: int | None = None) -> str | None:
+                       prompt_lens=None, block_size: int = 16, layer: int | None = None, pp: int = 1) -> str | None:
         """Why a ``tpcheck diff`` of this configuration cannot fail on this fault (None: it should fail).
         ``prompt_lens`` (None: not known) and ``block_size`` describe the run's KV layout; ``layer`` the one
-        decoder layer it is injected into (None: every layer)."""
+        decoder layer it is injected into (None: every layer); ``pp`` the run's pipeline stages."""
+        if pp < self.pp:
+            return f"acts between pipeline stages: shows only with --pp >= {self.pp}, and --pp is {pp}"
         if not self.applies(cfg, tp, dtype):
             return f"cannot show at tp {tp} in {dtype} with this model (shows: {self.shows_when})"
         if layer is not None and self.per_layer and not self.shows_in_layer(cfg, layer):

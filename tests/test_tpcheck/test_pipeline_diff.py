@@ -1,0 +1,100 @@
+"""tpcheck diff --pp: each point taken from the stage that computes it and unsharded within that stage's TP group;
+clean pipelined impl passes (propagated and local pass, with decode); a bad --pp is exit 2, a stage that reported
+nothing exit 3 naming it."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from diff_runs import LAYERS, run_diff
+from impl.placements import Replicate
+from tpcheck.capture.points import point_names
+from tpcheck.cli import fault_matrix as M
+from tpcheck.inputs.faults import FAULTS
+from tpcheck.cli.app import main
+from tpcheck.engines.impl import point_stage, stage_points
+from tpcheck.judge.coverage import CoverageError
+
+STAGES = ((0, 1), (1, 2))  # tiny (2 layers) at pp 2
+
+
+def test_point_stage():
+    assert [point_stage(n, STAGES) for n in ("embed", "layers.0.attn.q", "layers.0.kv.k", "layers.1.out",
+                                             "final_norm", "logits")] == [0, 0, 0, 1, 1, 1]
+
+
+def _rank(names: list[str], value: float) -> dict:
+    return {n: (Replicate(), torch.full((1, 2), value)) for n in names}
+
+
+def test_stage_points_take_the_owning_stage():
+    """pp 2 x tp 2: ranks 0-1 are stage 0, 2-3 stage 1; a point a stage does not compute (stage 1 reporting
+    layer 0's) is not taken."""
+    s0, s1 = ["embed", "layers.0.out"], ["layers.1.out", "logits", "layers.0.out"]
+    pts = stage_points([_rank(s0, 0), _rank(s0, 1), _rank(s1, 2), _rank(s1, 3)], 2, STAGES)
+    assert sorted(pts) == ["embed", "layers.0.out", "layers.1.out", "logits"]
+    assert [t[0, 0].item() for t in pts["layers.0.out"][1]] == [0, 1]
+    assert [t[0, 0].item() for t in pts["logits"][1]] == [2, 3]
+
+
+def test_silent_stage_is_a_coverage_error():
+    expected = ("embed", "layers.0.out", "layers.1.out", "logits")
+    with pytest.raises(CoverageError, match=r"pipeline stage 1 \(layers 1-1, ranks 2-3\) reported no point"):
+        stage_points([_rank(["embed", "layers.0.out"], 0)] * 2 + [{}, {}], 2, STAGES, expected)
+    # a selection that keeps none of stage 1's points expects nothing of it
+    assert sorted(stage_points([_rank(["layers.0.out"], 0)] * 2 + [{}, {}], 2, STAGES, ("layers.0.out",))) == [
+        "layers.0.out"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--preset", "tiny", "--pp", "3"], "pp_size=3 exceeds num_hidden_layers=2"),
+    (["--preset", "small", "--pp", "2", "--pp-partition", "3,2"], r"sums to 5 layers.*num_hidden_layers=4"),
+    (["--preset", "small", "--pp", "2", "--engine", "hf-tp"], "--pp 2 applies to --engine impl only"),
+])
+def test_bad_pp_is_exit_2(argv, match, capsys):
+    assert main(["diff", *argv]) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+CLEAN = [("tiny", 2, 2, "bfloat16", 2, True, None), ("small", 4, 1, "float32", 2, False, None),
+         ("small", 2, 1, "float32", 1, False, "3,1")]
+
+
+@pytest.mark.parametrize("preset,pp,tp,dtype,steps,isolate,partition", CLEAN,
+                         ids=["-".join(map(str, c)) for c in CLEAN])
+def test_clean_pipelined_impl_passes(preset, pp, tp, dtype, steps, isolate, partition, ckpt, engines):
+    r = run_diff(ckpt, engines, preset, tp, dtype, steps, isolate, pp=pp, pp_partition=partition)
+    assert r.passed, r.summary() + "\n" + r.table[~r.table.passed].to_string()
+    per_step = len(point_names(LAYERS[preset], with_kv=steps > 0))
+    assert len(r.table) == per_step * (steps + 1) * (2 if isolate else 1)  # every stage's points, every step
+    assert r.meta["pp"] == pp and sum(e - s for s, e in r.meta["stages"]) == LAYERS[preset]
+
+
+PIPELINE_FAULTS = [n for n, f in FAULTS.items() if f.pp > 1]
+ORIGIN = {"pp_residual_not_sent": ("layers.1.input_norm", 0), "pp_final_norm_mid_stage": ("layers.1.input_norm", 0),
+          "pp_lm_head_untied": ("logits", 0), "pp_stage_relative_positions": ("layers.1.attn.q_rope", 1),
+          "pp_boundary_layer_twice": ("layers.1.input_norm", 0)}
+# a wrong stage input is first caught by --exact-ops (the fault matrix's mode): layer 1's input norm is not what
+# HF's norm makes of layer 0's output, the value stage 0 computed
+BY = {"pp_lm_head_untied": "noise floor", "pp_stage_relative_positions": "noise floor"}
+
+
+@pytest.mark.parametrize("name", PIPELINE_FAULTS)
+def test_pipeline_fault_found_at_its_origin(name, ckpt, engines):
+    """Each pipeline fault on its fault-matrix configuration (tiny, tp 1, pp 2: stage 1 starts at layer 1) fails
+    the diff first where the faulty stage's work meets the stream; the engine is clean again afterwards."""
+    config = M.smallest_config(name, ckpt)
+    assert (config["preset"], config["tp"], config["pp"]) == ("tiny", 1, 2)
+    row = M.fault_row(name, engines, ckpt)
+    assert (row["expected_point"], row["expected_step"]) == ORIGIN[name]
+    assert row["ok"] and (row["origin_point"], row["origin_step"]) == ORIGIN[name], row
+    assert row["by"] == BY.get(name, "exact ops") and row["excess"] > 1e4, row
+
+
+def test_pipeline_fault_silent_without_stages(ckpt, engines):
+    r = run_diff(ckpt, engines, "tiny", 1, inject=["pp_residual_not_sent"])
+    assert r.passed
+    assert r.meta["inject_silent"] == {"pp_residual_not_sent": "acts between pipeline stages: shows only with "
+                                                               "--pp >= 2, and --pp is 1"}
