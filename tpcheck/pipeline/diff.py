@@ -207,7 +207,8 @@ def _run_passes(ctx: RunContext, modes: list[bool], coverage: Coverage) -> tuple
                     pass
                 raise
             coverage.reported |= p.reported
-            for name, n in p.rows_not_produced.items():
+            # the local pass judges the same steps' rows again: the rows an engine did not produce count once
+            for name, n in ({} if isolated else p.rows_not_produced).items():
                 coverage.rows_not_produced[name] = coverage.rows_not_produced.get(name, 0) + n
             stopped = p.stopped_at
             if stopped is not None:

@@ -41,6 +41,17 @@ def engine_inputs(points: dict, num_layers: int) -> dict[int, torch.Tensor]:
     return out
 
 
+def forced_step(engine, batch, with_kv: bool, num_layers: int, recorded: "RecordedInputs") -> tuple:
+    """One step of a replayed dump's local pass: its recorded points, every layer's recorded input
+    (``engine_inputs``: what the engine's own-input checks read), the inputs the golden and the references are
+    forced onto (layer 0 left out: each run computes its own embedding) and, per request starting on a cached
+    prefix, the inputs of those positions (``RecordedInputs.add``)."""
+    points = engine.step(batch.tokens, None, with_kv)
+    inputs = engine_inputs(points, num_layers)
+    forced = {i: t for i, t in inputs.items() if i > 0}
+    return points, inputs, forced, recorded.add(batch, forced)
+
+
 class RecordedInputs:
     """Every request's recorded layer inputs at each position it ran, over the steps, so that a prefix-cache hit's
     cached positions are forced with the inputs the engine computed them from: those of another request that ran

@@ -20,7 +20,7 @@ from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.capture.points import kind_of, split_point
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.tolerances import Tolerances
-from tpcheck.pipeline.forced import RecordedInputs, engine_inputs
+from tpcheck.pipeline.forced import RecordedInputs, forced_step
 from tpcheck.measure.operands import INPUT_KINDS, LINEAR_INPUTS, operand_sq
 from tpcheck.pipeline.routes import RouteFollower
 from tpcheck.pipeline.rows import RowMaker, subset_rows
@@ -92,9 +92,9 @@ class DiffPass:
     """One mode (propagated or isolated) over prefill + decode steps; ``run()`` returns its rows.
 
     A step is a ``tpcheck.capture.batches.StepBatch``: the requests it ran, in row order. A live engine runs the
-    prompts as one fixed batch (the prompts, then the golden's greedy token each step); a replayed dump says what
-    each step ran (``engine.schedule(step)``: requests that join late, chunked prefill, recomputation after
-    preemption). Every request has its own golden and reference caches, cut back when it runs positions again."""
+    prompts as one fixed batch (the prompts, then the golden's greedy token each step); a replayed dump says what each
+    step ran (``engine.schedule(step)``: requests that join late, chunked prefill, recomputation after preemption).
+    Every request has its own golden and reference caches, cut back when it runs positions again."""
 
     def __init__(self, ctx: RunContext, isolated: bool):
         self.ctx, self.isolated = ctx, isolated
@@ -105,18 +105,16 @@ class DiffPass:
         self.maker = RowMaker(ctx, self.floor, self.routes, isolated)  # its reported points: the run's coverage
         self.reported, self.rows_not_produced = self.maker.reported, self.maker.rows_not_produced
         self.stopped_at: int | None = None
-        self.forced = isolated and ctx.engine_inputs
+        self.recorded = RecordedInputs() if isolated and ctx.engine_inputs else None  # a dump's (forced.py)
         cache = ctx.golden_cache
         self.cache_out = None if isolated else cache        # the propagated pass fills it
-        self.cache_in = cache if isolated and not self.forced and cache is not None and \
-            cache.holds(ctx.decode_steps + 1) else None
+        self.cache_in = cache if isolated and cache is not None and cache.holds(ctx.decode_steps + 1) else None
 
     def run(self) -> list[Row]:
         c = self.ctx
         self.log = RequestLog()
         self.g_caches: dict[str, object] = {}  # request id -> its golden cache (a saved golden has none)
         self.r_caches: dict[str, dict[str, object]] = {name: {} for name, _ in self.floor.references}
-        self.recorded = RecordedInputs() if self.forced else None
         c.engine.begin(c.prompts, c.decode_steps)
         schedule = getattr(c.engine, "schedule", None)
         batch = schedule(0) if schedule is not None else StepBatch.of_prompts(c.prompts)
@@ -141,12 +139,10 @@ class DiffPass:
         c.engine.close()
         return rows
 
-    def _caches(self, batch: StepBatch, teacher: dict | None = None) -> tuple[list, dict[str, list]]:
+    def _caches(self, batch: StepBatch, held: dict | None = None) -> tuple[list, dict[str, list]]:
         """The golden's and each reference's cache of every request of ``batch`` (new for a new request; cut back
-        to the position a request runs again from). ``teacher``: a dump's local pass, the step's recorded inputs
-        (kept per request: a prefix-cache hit's cached positions are forced with them)."""
+        to the position a request runs again from). ``held``: a dump's local pass's inputs of cached prefixes."""
         c = self.ctx
-        forced = None if self.recorded is None else self.recorded.add(batch, teacher)
         cuts = self.log.advance(batch)
         golden = None if c.golden.model is None or self.cache_in is not None else c.golden.model  # reused: no cache
         pools = [(self.g_caches, golden)]
@@ -161,45 +157,39 @@ class DiffPass:
                     cut_cache(caches[rid], cut)
         if self.log.gaps:
             fill_gaps(c, self.log.gaps, golden, self.g_caches, self.r_caches, self.floor.references, self.isolated,
-                      forced)
+                      held)
         g = [self.g_caches.get(rid) for rid in batch.ids]
         return g, {name: [self.r_caches[name][rid] for rid in batch.ids] for name, _ in self.floor.references}
 
     def _step(self, step: int, batch: StepBatch) -> tuple[list[Row], list[int]]:
         """One step: golden, engine, references (the floor); its rows and the golden's greedy next tokens."""
         c = self.ctx
-        tokens = batch.tokens
-        points = teacher = eng_teacher = None
-        if self.forced:  # a dump's local pass: the golden and the references run on the engine's recorded inputs
-            points = c.engine.step(tokens, None, self.with_kv)
-            eng_teacher = engine_inputs(points, c.num_layers)
-            teacher = {i: t for i, t in eng_teacher.items() if i > 0}  # layer 0: each run's own embedding
-        g_caches, r_caches = self._caches(batch, teacher)
+        points, eng_teacher, teacher, held = (None,) * 4 if self.recorded is None else \
+            forced_step(c.engine, batch, self.with_kv, c.num_layers, self.recorded)  # a dump's local pass
+        g_caches, r_caches = self._caches(batch, held)
         if self.routes.engine_first:  # MoE: the golden follows the engine's routes (tpcheck.pipeline.routes)
-            points = c.engine.step(tokens, None, self.with_kv)
+            points = c.engine.step(batch.tokens, None, self.with_kv)
             self.routes.record(step, points)
         gold = self.cache_in.take(step) if self.cache_in is not None else \
             self._golden(step, batch, g_caches, self.routes.golden_route(step), teacher)
         gold = self.routes.order(gold)
         if self.cache_out is not None:
             self.cache_out.put(step, gold)
-        if self.isolated and not self.forced:
+        if self.isolated and self.recorded is None:
             teacher = self._teacher(gold)
             eng_teacher = {i: t.to(c.dtype) for i, t in teacher.items()}
         if points is None:
-            points = c.engine.step(tokens, eng_teacher, self.with_kv)
+            points = c.engine.step(batch.tokens, eng_teacher, self.with_kv)
         subsets = dict(getattr(c.engine, "point_rows", None) or {})  # points that hold only some rows
         self._measure_references(step, batch, r_caches, gold, teacher, subsets)
         order = [self.log.order[rid] for rid in batch.ids]
         rows = self.maker.rows(step, points, gold, batch, order, eng_teacher, subsets)
         return rows, gold["logits"][batch.last_rows()].argmax(-1).tolist()
 
-    def _golden(self, step: int, batch: StepBatch, g_caches: list, routes=None,
-                teacher: dict | None = None) -> dict[str, torch.Tensor]:
+    def _golden(self, step: int, batch: StepBatch, g_caches: list, routes=None, teacher=None) -> dict:
         """The golden's points of this step (``--save-golden``: written), holding only what is compared, plus the
         logits, the routing points and (with a local pass to come) the teacher inputs. ``routes``: the MoE
-        routes it follows where its own differ (``tpcheck.pipeline.routes``); ``teacher``: a dump's local pass,
-        the engine's recorded layer inputs it runs on."""
+        routes it follows where its own differ (``tpcheck.pipeline.routes``); ``teacher``: a dump's inputs."""
         c = self.ctx
         kw = {} if routes is None else {"routes": routes}
         gold = c.golden.step(batch.tokens, g_caches, batch.starts, teacher, self.with_kv, **kw)
