@@ -246,7 +246,7 @@ def fill_gaps(c: RunContext, gaps: dict[str, tuple[int, list[int]]], golden, g_c
     keeps none) and each reference's (with that reference's reductions), before the step: the engine produced no
     rows of them for this request, so none is compared. ``forced``: a dump's local pass, per request the recorded
     layer inputs of those positions (``tpcheck.pipeline.forced.RecordedInputs``) the runs are forced onto."""
-    if isolated and forced is None:  # a dump, the one source of prefix-cache hits, is never teacher-forced
+    if isolated and forced is None:  # a live engine's local pass (a dump's, the one source of hits, is forced)
         raise ValueError(f"requests {sorted(gaps)} start on a cached prefix: the local pass cannot teacher-force "
                          "positions the engine did not run for them")
     for rid, (pos, toks) in gaps.items():
