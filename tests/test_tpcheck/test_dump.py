@@ -29,7 +29,8 @@ def _live_and_offline(ckpt, engines, tmp_path, preset="tiny", tp=2, dtype="float
                         isolate=False)  # a dump records the propagated pass: compared with it alone
     dump = read_dump(tmp_path / "dump")
     assert dump.tp == tp and dump.tokens[0] == prompts and len(dump.tokens) == steps + 1
-    offline = compare_engine(DumpAdapter(dump, Reductions(tp)), str(d), dump.tokens[0], dtype, steps)
+    offline = compare_engine(DumpAdapter(dump, Reductions(tp)), str(d), dump.tokens[0], dtype, steps,
+                             isolate=False)  # the live run's one pass (the dump's local pass: test_dump_local.py)
     assert load_config(d).num_layers
     return live, offline
 

@@ -14,8 +14,7 @@ tokens). ``rows``: ``{point: flat row indices}`` for a point that holds only som
 ``logits``: the sampled rows). ``prompts`` (optional: older dumps lack it): ``{request id: token ids from
 position 0}`` of the requests first scheduled (or scheduled again after a preemption) in the step, so a request whose first step starts past 0 (a
 prefix-cache hit: another request computed its first blocks) has its prefix run by the golden first.
-``placements``: per point, how the rank's tensor maps onto the full one
-(``impl.placements``, as JSON). Every rank of a step must agree on tp, ids, tokens and starts. Format 1 (no
+``placements``: per point, how the rank's tensor maps onto the full one (``impl.placements``, as JSON). Every rank of a step must agree on tp, ids, tokens and starts. Format 1 (no
 hashes, no request ids) is refused: write the dump again. Safetensors and JSON only: nothing is unpickled.
 
 Integrity (format 2): ``tensors`` records per point the dtype, shape and sha256 of the bytes written, and
@@ -157,6 +156,7 @@ class Dump:
     starts: list[list[int]]         # per step, per request in row order
     batches: list[StepBatch] | None = None  # per step
     fingerprint: str | None = None  # the checkpoint's, as the writer recorded it
+    point_names: list[frozenset[str]] | None = None  # per step, the points rank 0 recorded
 
     def __post_init__(self):
         if self.batches is None:
@@ -287,7 +287,8 @@ def read_dump(root: str | Path) -> Dump:
                     raise DumpError(f"{root}/rank{r}/step{s}.json: {key} {m.get(key)!r} differs from rank 0's "
                                     f"{m0.get(key)!r}")
     return Dump(root, tp, first["dtype"], str(first.get("engine", "?")), [b.tokens for b in batches],
-                [b.starts for b in batches], batches=batches, fingerprint=first.get("model_fingerprint"))
+                [b.starts for b in batches], batches=batches, fingerprint=first.get("model_fingerprint"),
+                point_names=[frozenset(metas[0][s]["placements"]) for s in steps])
 
 
 def _batch(meta: dict) -> StepBatch:
@@ -332,13 +333,24 @@ class DumpAdapter:
     def begin(self, prompts, decode_steps) -> None:
         self.step_index = 0
 
+    def lacking(self, names: list[str]) -> dict[str, int]:
+        """``{point: the first step}`` of each of ``names`` that some step does not record at every row."""
+        out: dict[str, int] = {}
+        held_by_step = self.dump.point_names or [frozenset()] * len(self.dump.batches)  # unknown: none held
+        for s, (held, b) in enumerate(zip(held_by_step, self.dump.batches)):
+            for n in names:
+                if n not in out and (n not in held or any(n == p or p.endswith(".") and n.startswith(p)
+                                                          for p in b.rows)):
+                    out[n] = s
+        return out
+
     def step(self, new_tokens, teacher, capture_kv):
         s = self.step_index
         if new_tokens != self.dump.tokens[s]:
             raise DumpError(f"{self.dump.root}: step {s} consumed {self.dump.tokens[s]}, the comparison fed "
                             f"{new_tokens}")
-        if teacher is not None:
-            raise DumpError("a dump cannot be teacher-forced (--isolate needs a live engine)")
+        if teacher is not None:  # its local pass forces the golden onto its inputs instead (tpcheck.pipeline.forced)
+            raise DumpError("a dump cannot be teacher-forced: it records what the engine ran")
         self.step_index += 1
         self.point_rows = self.dump.batches[s].rows
         return self.dump.points(s)

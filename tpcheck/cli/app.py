@@ -107,6 +107,10 @@ def _add_compare(sub) -> None:
     cp.add_argument("--reduce-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the dtype of the engine's all-reduces (default: the dump's dtype)")
     cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
+    cp.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="the local pass: the golden and the noise-floor references run each layer on the engine's "
+                         "recorded input of it (every layer's out); default: on where the dump records them; "
+                         "--no-isolate: the propagated pass alone")
     cp.add_argument("--require-points", type=regex, default=coverage.DEFAULT_REQUIRE, metavar="REGEX",
                     help="canonical points the engine must report, else exit 3 (default: %(default)s)")
     cp.add_argument("--tolerances", type=Path, metavar="FILE.toml",
@@ -155,7 +159,8 @@ def _cmd_compare(a, argv: list[str]) -> int:
     print(f"engine:     {dump.engine} tp={dump.tp} {dump.dtype}, replayed from the dump {a.dump_dir}\n"
           f"golden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
     opts = DiffOptions(model=str(a.model), dtype=dump.dtype, prompts=engine.prompts,
-                       decode_steps=engine.decode_steps, exact_ops=a.exact_ops, require_points=a.require_points)
+                       decode_steps=engine.decode_steps, exact_ops=a.exact_ops, require_points=a.require_points,
+                       isolate=a.isolate)
     origin = RunOrigin(tp=dump.tp, engine=dump.engine, dump=str(a.dump_dir), command=shlex.join(["tpcheck", *argv]))
     return _show(compare(engine, opts, tol, origin), a)
 

@@ -22,6 +22,7 @@ from tpcheck.judge.coverage import Coverage
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure.precision import effective_precision
 from tpcheck.options import DiffOptions
+from tpcheck.pipeline.forced import layer_outputs
 from tpcheck.pipeline.plan import RunPlan
 from tpcheck.pipeline.steps import DiffPass, GoldenCache, RunContext
 from tpcheck.progress import bar
@@ -139,12 +140,14 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     writer = GoldenWriter(opts.save_golden, model_dir, prompts, steps, steps > 0, cfg.num_layers) \
         if opts.save_golden else None
     stop_when = _step_fails(dtype, tolerances) if opts.fail_fast else None
-    isolate = local_pass(engine, opts.isolate)
+    isolate = local_pass(engine, opts.isolate, cfg.num_layers)
     modes = [False] + ([True] if isolate else [])
+    # a replayed dump: its local pass runs the golden again, forced onto the engine's recorded inputs
+    forced = isolate and not getattr(engine, "teacher_forcing", False)
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
                      parse_dtype(dtype), reductions, plan.keep, opts.exact_ops, stop_when, writer,
-                     bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate else None,
-                     sparse=getattr(cfg, "moe", None) is not None, tolerances=tolerances)
+                     bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate and not forced else None,
+                     sparse=getattr(cfg, "moe", None) is not None, tolerances=tolerances, engine_inputs=forced)
     ctx.golden_routes = {} if ctx.sparse else None
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)
@@ -158,13 +161,24 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     return judge(DiffResult(table, {**run_meta(), **meta.to_dict()}), tolerances)  # stamped: made here, now
 
 
-def local_pass(engine, isolate: bool | None) -> bool:
+def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
     """Whether the run has the local (teacher-forced) pass: ``isolate`` when given (True on an engine that cannot be
-    teacher-forced is refused), else whether the adapter says it can be (``teacher_forcing``)."""
+    teacher-forced is refused), else whether the adapter says it can be (``teacher_forcing``) or, a replayed dump
+    (``lacking``), whether it recorded every layer's ``out`` at every row of every step: its local pass forces the
+    golden and the references onto those (``tpcheck.pipeline.forced``)."""
     can = bool(getattr(engine, "teacher_forcing", False))
+    why = "this engine cannot be teacher-forced"
+    if not can and getattr(engine, "lacking", None) is not None:
+        gaps = engine.lacking(layer_outputs(num_layers))
+        can = not gaps
+        why = "the dump lacks " + ", ".join(f"{n} (step {s})" for n, s in list(gaps.items())[:4]) + \
+            (f" and {len(gaps) - 4} more" if len(gaps) > 4 else "") + ", which the local pass forces each layer " \
+            "onto (it needs every layer's out at every row of every step)"
+        if isolate and not can:
+            raise ValueError(f"--isolate: {why}")
     if isolate is None:
         if not can:
-            logger.warning("tpcheck diff: note: this engine cannot be teacher-forced: the verdict is the propagated "
+            logger.warning(f"tpcheck diff: note: {why}: the verdict is the propagated "
                            "pass alone, whose floor grows with depth (a bug deep in the model shows by a thinner "
                            "margin; README \"A verdict whose margin does not decay with depth\")")
         return can
@@ -194,7 +208,8 @@ def _run_passes(ctx: RunContext, modes: list[bool], coverage: Coverage) -> tuple
                     pass
                 raise
             coverage.reported |= p.reported
-            for name, n in p.rows_not_produced.items():
+            # the local pass judges the same steps' rows again: the rows an engine did not produce count once
+            for name, n in ({} if isolated else p.rows_not_produced).items():
                 coverage.rows_not_produced[name] = coverage.rows_not_produced.get(name, 0) + n
             stopped = p.stopped_at
             if stopped is not None:

@@ -20,6 +20,7 @@ from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.capture.points import kind_of, split_point
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.tolerances import Tolerances
+from tpcheck.pipeline.forced import RecordedInputs, forced_step
 from tpcheck.measure.operands import INPUT_KINDS, LINEAR_INPUTS, operand_sq
 from tpcheck.pipeline.routes import RouteFollower
 from tpcheck.pipeline.rows import RowMaker, subset_rows
@@ -53,6 +54,9 @@ class RunContext:
     sparse: bool = False  # the model has mixture-of-experts layers (tpcheck.pipeline.routes)
     golden_routes: dict | None = None  # step -> the routes the golden followed in the propagated pass
     tolerances: "Tolerances | None" = None  # the run's (None: the defaults); own_err is measured under either
+    # a replayed dump's local pass: the golden and the references are forced onto the engine's recorded layer
+    # inputs (tpcheck.pipeline.forced) instead of the engine onto the golden's
+    engine_inputs: bool = False
 
 
 class GoldenCache:
@@ -88,9 +92,9 @@ class DiffPass:
     """One mode (propagated or isolated) over prefill + decode steps; ``run()`` returns its rows.
 
     A step is a ``tpcheck.capture.batches.StepBatch``: the requests it ran, in row order. A live engine runs the
-    prompts as one fixed batch (the prompts, then the golden's greedy token each step); a replayed dump says what
-    each step ran (``engine.schedule(step)``: requests that join late, chunked prefill, recomputation after
-    preemption). Every request has its own golden and reference caches, cut back when it runs positions again."""
+    prompts as one fixed batch (the prompts, then the golden's greedy token each step); a replayed dump says what each
+    step ran (``engine.schedule(step)``: requests that join late, chunked prefill, recomputation after preemption).
+    Every request has its own golden and reference caches, cut back when it runs positions again."""
 
     def __init__(self, ctx: RunContext, isolated: bool):
         self.ctx, self.isolated = ctx, isolated
@@ -101,6 +105,7 @@ class DiffPass:
         self.maker = RowMaker(ctx, self.floor, self.routes, isolated)  # its reported points: the run's coverage
         self.reported, self.rows_not_produced = self.maker.reported, self.maker.rows_not_produced
         self.stopped_at: int | None = None
+        self.recorded = RecordedInputs() if isolated and ctx.engine_inputs else None  # a dump's (forced.py)
         cache = ctx.golden_cache
         self.cache_out = None if isolated else cache        # the propagated pass fills it
         self.cache_in = cache if isolated and cache is not None and cache.holds(ctx.decode_steps + 1) else None
@@ -134,9 +139,9 @@ class DiffPass:
         c.engine.close()
         return rows
 
-    def _caches(self, batch: StepBatch) -> tuple[list, dict[str, list]]:
+    def _caches(self, batch: StepBatch, held: dict | None = None) -> tuple[list, dict[str, list]]:
         """The golden's and each reference's cache of every request of ``batch`` (new for a new request; cut back
-        to the position a request runs again from)."""
+        to the position a request runs again from). ``held``: a dump's local pass's inputs of cached prefixes."""
         c = self.ctx
         cuts = self.log.advance(batch)
         golden = None if c.golden.model is None or self.cache_in is not None else c.golden.model  # reused: no cache
@@ -151,41 +156,43 @@ class DiffPass:
                 elif cut is not None:
                     cut_cache(caches[rid], cut)
         if self.log.gaps:
-            fill_gaps(c, self.log.gaps, golden, self.g_caches, self.r_caches, self.floor.references, self.isolated)
+            fill_gaps(c, self.log.gaps, golden, self.g_caches, self.r_caches, self.floor.references, self.isolated,
+                      held)
         g = [self.g_caches.get(rid) for rid in batch.ids]
         return g, {name: [self.r_caches[name][rid] for rid in batch.ids] for name, _ in self.floor.references}
 
     def _step(self, step: int, batch: StepBatch) -> tuple[list[Row], list[int]]:
         """One step: golden, engine, references (the floor); its rows and the golden's greedy next tokens."""
         c = self.ctx
-        tokens = batch.tokens
-        g_caches, r_caches = self._caches(batch)
-        points = None
+        points, eng_teacher, teacher, held = (None,) * 4 if self.recorded is None else \
+            forced_step(c.engine, batch, self.with_kv, c.num_layers, self.recorded)  # a dump's local pass
+        g_caches, r_caches = self._caches(batch, held)
         if self.routes.engine_first:  # MoE: the golden follows the engine's routes (tpcheck.pipeline.routes)
-            points = c.engine.step(tokens, None, self.with_kv)
+            points = c.engine.step(batch.tokens, None, self.with_kv)
             self.routes.record(step, points)
         gold = self.cache_in.take(step) if self.cache_in is not None else \
-            self._golden(step, batch, g_caches, self.routes.golden_route(step))
+            self._golden(step, batch, g_caches, self.routes.golden_route(step), teacher)
         gold = self.routes.order(gold)
         if self.cache_out is not None:
             self.cache_out.put(step, gold)
-        teacher = self._teacher(gold) if self.isolated else None
-        eng_teacher = None if teacher is None else {i: t.to(c.dtype) for i, t in teacher.items()}
+        if self.isolated and self.recorded is None:
+            teacher = self._teacher(gold)
+            eng_teacher = {i: t.to(c.dtype) for i, t in teacher.items()}
         if points is None:
-            points = c.engine.step(tokens, eng_teacher, self.with_kv)
+            points = c.engine.step(batch.tokens, eng_teacher, self.with_kv)
         subsets = dict(getattr(c.engine, "point_rows", None) or {})  # points that hold only some rows
         self._measure_references(step, batch, r_caches, gold, teacher, subsets)
         order = [self.log.order[rid] for rid in batch.ids]
         rows = self.maker.rows(step, points, gold, batch, order, eng_teacher, subsets)
         return rows, gold["logits"][batch.last_rows()].argmax(-1).tolist()
 
-    def _golden(self, step: int, batch: StepBatch, g_caches: list, routes=None) -> dict[str, torch.Tensor]:
+    def _golden(self, step: int, batch: StepBatch, g_caches: list, routes=None, teacher=None) -> dict:
         """The golden's points of this step (``--save-golden``: written), holding only what is compared, plus the
         logits, the routing points and (with a local pass to come) the teacher inputs. ``routes``: the MoE
-        routes it follows where its own differ (``tpcheck.pipeline.routes``)."""
+        routes it follows where its own differ (``tpcheck.pipeline.routes``); ``teacher``: a dump's inputs."""
         c = self.ctx
         kw = {} if routes is None else {"routes": routes}
-        gold = c.golden.step(batch.tokens, g_caches, batch.starts, None, self.with_kv, **kw)
+        gold = c.golden.step(batch.tokens, g_caches, batch.starts, teacher, self.with_kv, **kw)
         if c.save_golden is not None and not self.isolated:
             c.save_golden.write(step, batch.tokens, batch.starts, gold)
         teacher_too = self.isolated or c.golden_cache is not None
@@ -233,16 +240,18 @@ class DiffPass:
 
 
 def fill_gaps(c: RunContext, gaps: dict[str, tuple[int, list[int]]], golden, g_caches: dict, r_caches: dict,
-              references: list, isolated: bool) -> None:
+              references: list, isolated: bool, forced: dict | None = None) -> None:
     """Run each prefix-cache hit's cached positions (``RequestLog.gaps``: ``{request: (position, tokens)}``, tokens
     the engine computed for another request) into the request's golden cache (``golden``: None where the golden
     keeps none) and each reference's (with that reference's reductions), before the step: the engine produced no
-    rows of them for this request, so none is compared."""
-    if isolated:  # a dump, the one source of prefix-cache hits, is never teacher-forced
+    rows of them for this request, so none is compared. ``forced``: a dump's local pass, per request the recorded
+    layer inputs of those positions (``tpcheck.pipeline.forced.RecordedInputs``) the runs are forced onto."""
+    if isolated and forced is None:  # a live engine's local pass (a dump's, the one source of hits, is forced)
         raise ValueError(f"requests {sorted(gaps)} start on a cached prefix: the local pass cannot teacher-force "
                          "positions the engine did not run for them")
     for rid, (pos, toks) in gaps.items():
+        teacher = None if forced is None else forced[rid]
         if golden is not None:
-            c.golden.step([toks], [g_caches[rid]], [pos])
+            c.golden.step([toks], [g_caches[rid]], [pos], teacher)
         for name, red in references:
-            c.ref.step([toks], [r_caches[name][rid]], [pos], None, False, red)
+            c.ref.step([toks], [r_caches[name][rid]], [pos], teacher, False, red)
