@@ -74,7 +74,7 @@ def test_a_continuously_batched_dump_compares_clean(ckpt, tmp_path, capsys):
     dump = read_dump(tmp_path / "dump")
     assert [b.ids for b in dump.batches][:2] == [["a", "b"], ["b", "a", "c"]]
     out = tmp_path / "r.json"
-    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--json", str(out)]) == 0
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--isolate", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     # prefill rows without logits: a 4 + b 3 + c 5 + d 4 + b's recompute 5, less one sampled row per request and step
     rows_total = sum(len(t) for step in SCHEDULE for _, t, _ in step)
@@ -139,7 +139,7 @@ def test_impl_serving_dump_compares_clean(ckpt, tmp_path):
             first_step.setdefault(rid, s)
     assert len(first_step) == 4 and max(first_step.values()) > 0  # requests joined at later steps
     assert preempted > 0, "the KV cache was meant to be small enough to preempt"
-    assert main(["compare", str(tmp_path / "dump"), "--model", str(d)]) == 0
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--isolate"]) == 0
     assert main(["compare", str(tmp_path / "faulty"), "--model", str(d), "--json", str(tmp_path / "f.json")]) == 1
     origin = json.loads((tmp_path / "f.json").read_text())["first_divergence"]
     assert origin["point"] == "layers.0.attn.out" and origin["step"] == 0
@@ -173,7 +173,7 @@ def test_a_prefix_cache_hit_with_recorded_prompts_compares_clean(ckpt, tmp_path)
     dump = read_dump(tmp_path / "dump")
     assert dump.batches[1].prompts == {"q": Q, "r": Q}
     out = tmp_path / "r.json"
-    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--json", str(out)]) == 0
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--isolate", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["meta"]["prompt_lens"] == [6, 7, 7]  # q's and r's prompts include the cached prefix
     _serve(d, tmp_path / "faulty", HIT, tamper=2, prompts=HIT_PROMPTS)
@@ -215,4 +215,4 @@ def test_impl_serving_dump_with_prefix_cache_hits_compares_clean(ckpt, tmp_path)
     hits = [(rid, start) for b in dump.batches for rid, start in zip(b.ids, b.starts)
             if start > 0 and rid in b.prompts]
     assert [s for _, s in hits] == [8, 8], hits  # the second and third prompts, each on the first's two blocks
-    assert main(["compare", str(tmp_path / "dump"), "--model", str(d)]) == 0
+    assert main(["compare", str(tmp_path / "dump"), "--model", str(d), "--isolate"]) == 0

@@ -33,12 +33,13 @@ def test_a_fault_in_the_last_layer_is_found_by_the_dumps_local_pass(ckpt, engine
     model = str(ckpt("tiny"))
     clean = tmp_path / "clean"
     tpcheck.diff(model=model, tp=2, dtype="bfloat16", prompts=PROMPTS, decode_steps=1, pool=engines, dump=str(clean))
-    r = _compare(clean, model, "bfloat16")
+    assert not _compare(clean, model, "bfloat16").meta["isolate"]  # on request only (DUMP_LOCAL_OPT_IN)
+    r = _compare(clean, model, "bfloat16", isolate=True)
     assert r.passed and r.meta["isolate"] and set(r.table["mode"]) == {"propagated", "isolated"}
     faulty = tmp_path / "faulty"
     live = tpcheck.diff(model=model, tp=2, dtype="bfloat16", prompts=PROMPTS, decode_steps=1, pool=engines,
                         dump=str(faulty), inject=["qkv_bias_missing"], inject_layer=1)
-    r = _compare(faulty, model, "bfloat16")
+    r = _compare(faulty, model, "bfloat16", isolate=True)
     assert not r.passed and (r.first_divergence["point"], r.first_divergence["step"]) == ("layers.1.attn.q", 0)
     live_local, dump_local = (_origin_excess(x, "layers.1.attn.q", "isolated") for x in (live, r))
     # the same bug on (nearly) the same input: the golden's input rounded to bfloat16, or the engine's own
