@@ -98,3 +98,11 @@ def test_pipeline_fault_silent_without_stages(ckpt, engines):
     assert r.passed
     assert r.meta["inject_silent"] == {"pp_residual_not_sent": "acts between pipeline stages: shows only with "
                                                                "--pp >= 2, and --pp is 1"}
+
+
+@pytest.mark.parametrize("name,origin", [("vocab_ids_not_masked", "embed"), ("untied_lm_head", "logits")])
+def test_embedding_and_head_faults_land_on_their_stage(name, origin, ckpt, engines):
+    """A fault of the embedding (stage 0's) or of the LM head (the last stage's) is applied where the module is
+    and skipped on the stages that hold its placeholder: found at its origin, no rank fails."""
+    r = run_diff(ckpt, engines, "tiny", 2, inject=[name], pp=2)
+    assert not r.passed and r.first_divergence["point"] == origin, r.first_divergence

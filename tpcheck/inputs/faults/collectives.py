@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from impl.distributed import all_reduce
+from impl.pipeline import PPMissingLayer
 from tpcheck.inputs.faults.patching import mark, seeded_randn
 from tpcheck.inputs.faults.registry import fault, tp_gt_1
 
@@ -61,8 +62,8 @@ def skip_o_proj_allreduce(runner, i, layer):
        shows_when="tp > 1", expected_origin="embed", shows=tp_gt_1)
 def vocab_ids_not_masked(runner, i, layer):
     emb = runner.model.model.embed_tokens
-    if emb.tp_size == 1 or not mark(emb, "vocab_ids_not_masked"):
-        return  # one rank owns every id: nothing to mask
+    if isinstance(emb, PPMissingLayer) or emb.tp_size == 1 or not mark(emb, "vocab_ids_not_masked"):
+        return  # the embedding is another pipeline stage's, or one rank owns every id: nothing to mask
 
     def forward(ids):
         mine = (ids >= emb.start) & (ids < emb.end)

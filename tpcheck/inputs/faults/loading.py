@@ -11,6 +11,7 @@ from tpcheck.inputs.faults.patching import mark, read_tensors, seeded_randn
 from tpcheck.inputs.faults.registry import fault, tp_gt_1
 from safetensors.torch import load_file
 from impl.loader import checkpoint_files
+from impl.pipeline import PPMissingLayer
 
 
 def _dim1_shardable(cfg, plan, dtype) -> bool:
@@ -101,6 +102,8 @@ def _tied(cfg, plan, dtype) -> bool:
 @torch.no_grad()
 def untied_lm_head(runner, i, layer):
     model = runner.model
+    if isinstance(model.lm_head, PPMissingLayer):  # the head is the last pipeline stage's
+        return
     if not runner.cfg.tie_word_embeddings or not mark(model.lm_head, "untied_lm_head"):
         return
     head = model.lm_head
