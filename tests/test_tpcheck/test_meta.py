@@ -55,7 +55,8 @@ def test_a_diff_and_a_dump_compare_write_the_fields_of_the_record(tmp_path):
     live = tpcheck.diff(model=d, tp=2, prompts=[[1, 2, 3]], decode_steps=1, dump=str(tmp_path / "d"))
     fields = {f.name for f in dataclasses.fields(DiffMeta)} - {"origin", "notes"}
     origin = {f.name for f in dataclasses.fields(RunOrigin)}
-    assert set(live.meta) - {"tolerances", "notes"} == fields | (origin - {"dump"}) | set(RUN_META_KEYS)
+    # ``stages`` (with ``pp``) is written for a pipelined run only: tests/test_tpcheck/test_pipeline_diff.py
+    assert set(live.meta) - {"tolerances", "notes"} == fields | (origin - {"dump", "stages"}) | set(RUN_META_KEYS)
     dump = read_dump(tmp_path / "d")
     adapter = DumpAdapter(dump, Reductions(dump.tp))
     r = compare(adapter, DiffOptions(model=d, prompts=adapter.prompts, decode_steps=adapter.decode_steps),
