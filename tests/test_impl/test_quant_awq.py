@@ -14,7 +14,7 @@ from impl.placements import Partial
 from impl.quant import QuantConfigError
 from impl.quant_awq import AwqScheme, pack_awq, parse_quantization_config, unpack_awq
 from impl.quant_gptq import layer_name
-from test_quant_gptq import DT, TPS, rand_w, run, x_input  # the GPTQ tests' inputs and rank runner
+from test_quant_gptq import DT, TPS, assert_refused, rand_w, run, x_input  # the GPTQ tests' inputs and helpers
 from tpcheck.inputs.quantize_awq import awq_quantization_config, quantize_awq_weight
 
 REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # vLLM's _REVERSE_AWQ_PACK_ORDER: output column j of 8 is nibble REVERSE[j]
@@ -125,10 +125,4 @@ def test_parse_and_refusals():
                               ("zero_point", False, "zero_point = False: impl runs AWQ with zero points only"),
                               ("zero_point", None, "no 'zero_point'"), ("version", "gemv", "version = 'gemv'"),
                               ("modules_to_not_convert", ["mlp"], "modules_to_not_convert")):
-        bad = dict(cfg)
-        if value is None:
-            del bad[key]
-        else:
-            bad[key] = value
-        with pytest.raises(QuantConfigError, match=match):
-            parse_quantization_config(bad)
+        assert_refused(parse_quantization_config, cfg, key, value, match)

@@ -140,10 +140,15 @@ def test_parse_and_refusals():
                               ("group_size", 48, "group_size = 48"), ("desc_act", None, "no 'desc_act'"),
                               ("checkpoint_format", "gptq_v2", "checkpoint_format = 'gptq_v2'"),
                               ("lm_head", True, "lm_head = True")):
-        bad = dict(cfg)
-        if value is None:
-            del bad[key]
-        else:
-            bad[key] = value
-        with pytest.raises(QuantConfigError, match=match):
-            parse_quantization_config(bad)
+        assert_refused(parse_quantization_config, cfg, key, value, match)
+
+
+def assert_refused(parse, cfg: dict, key: str, value, match: str) -> None:
+    """``parse`` of ``cfg`` with ``key`` set to ``value`` (None: removed) is a QuantConfigError matching ``match``."""
+    bad = dict(cfg)
+    if value is None:
+        del bad[key]
+    else:
+        bad[key] = value
+    with pytest.raises(QuantConfigError, match=match):
+        parse(bad)
