@@ -27,8 +27,9 @@ def _args(*argv: str) -> argparse.Namespace:
     return ap.parse_args(["sweep", *argv])
 
 
-def test_sweep_passes_and_writes_rows(engines, tmp_path, capsys):
+def test_sweep_passes_and_writes_rows(engines, tmp_path, capsys, caplog):
     out = tmp_path / "sweep.json"
+    caplog.set_level("INFO", logger="tpcheck")
     a = _args("--tp", "1,4", "--dtype", "float32,bfloat16", "--decode-steps", "0,2", "--examples", "2",
               "--preset", "tiny-mqa", "--max-len", "20", "--checkpoints", str(tmp_path / "ck"), "--json", str(out))
     assert sweep.run(a, pool=engines) == 0
@@ -42,6 +43,9 @@ def test_sweep_passes_and_writes_rows(engines, tmp_path, capsys):
     for r in rows:
         assert r["config"] == "tiny-mqa" and r["passed"] and r["examples"] == 2
         assert r["worst_point"] and 0 <= r["excess"] <= 1, r
+    # each configuration's line, logged as it finishes, carries its closest figure (a sweep cut short keeps them)
+    done = [m for m in caplog.messages if "example(s), pass" in m]
+    assert len(done) == 8 and all(f"worst {r['worst_point']} at " in " ".join(done) for r in rows)
 
 
 def test_sweep_exit_codes(engines, tmp_path, capsys):

@@ -297,6 +297,8 @@ def sweep(opts: SweepOptions, pool=None, results: dict | None = None) -> list[di
                 results[len(rows)] = failing
             rows.append(row)
             verdict = "pass" if row["passed"] else f"FAIL ({row.get('origin') or row.get('error')})"
+            if row.get("worst_point"):  # the closest figure as it comes: a sweep cut short still says how close
+                verdict += f", worst {row['worst_point']} at {row['excess']:.3g}x"
             logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: {row['examples']} example(s), "
                   f"{verdict} ({time.monotonic() - t0:.1f}s)")
             progress.update(1)
