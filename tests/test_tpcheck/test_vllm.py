@@ -178,10 +178,11 @@ PLAIN_SCRIPT = textwrap.dedent("""
             if pending and step %% 2 == 0:
                 rid, p, n = pending.pop(0)
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=p), SamplingParams(
-                    max_tokens=n, temperature=0.8, ignore_eos=True, detokenize=False))
+                    max_tokens=n, temperature=0.8, ignore_eos=True, detokenize=False, logprobs=0))
             for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = list(out.outputs[0].token_ids)
+                if out.finished:  # the tokens and the logprob of each (float.hex: every bit)
+                    o = out.outputs[0]
+                    done[out.request_id] = [(t, float(lp[t].logprob).hex()) for t, lp in zip(o.token_ids, o.logprobs)]
             step += 1
         print("OUT", done)
     """ % (SERVED,))
@@ -200,7 +201,8 @@ def test_plugin_is_off_without_tpcheck_dump(vllm_env, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16"])  # float32: the live diff below (each vLLM start is ~40 s here)
 def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, dtype):
     """TPCHECK_DUMP=DIR on an unchanged vLLM serving loop (tp 2): requests join at different steps, prompts are
-    prefilled in chunks, requests leave at different steps; `tpcheck compare` follows each request and passes."""
+    prefilled in chunks, requests leave at different steps; `tpcheck compare` follows each request and passes; and
+    the loop samples the same tokens with the same logprobs with the dump off."""
     from tpcheck.capture.dump import read_dump
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
@@ -209,6 +211,14 @@ def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, 
     run = subprocess.run([sys.executable, str(script), str(ckpt), dtype], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    # the dump never changes vLLM's numbers: the same script without it samples the same tokens with the same
+    # logprobs, bit for bit
+    env.pop("TPCHECK_DUMP")
+    bare = subprocess.run([sys.executable, str(script), str(ckpt), dtype], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    outs = [next(line for line in r.stdout.splitlines() if line.startswith("OUT ")) for r in (run, bare)]
+    assert outs[0] == outs[1] and "0x" in outs[0], outs
     batches = read_dump(dump).batches
     first = {}
     for s, b in enumerate(batches):
