@@ -37,7 +37,18 @@ class RowMaker:
 
     def rows(self, step, points, gold, batch: StepBatch, order: list[int], eng_teacher, subsets) -> list[Row]:
         """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too);
-        a point with only some of the step's rows (``subsets``) against those rows of the golden."""
+        a point with only some of the step's rows (``subsets``) against those rows of the golden. The engine's own
+        findings about a point this step (its adapter's ``point_notes``: a pipeline hand-off that arrived changed)
+        come first in its row's note (a note fails the row)."""
+        rows = self._rows(step, points, gold, batch, order, eng_teacher, subsets)
+        notes = getattr(self.ctx.engine, "point_notes", None)
+        for row in rows:
+            found = (notes or {}).get(row.point)
+            if found:
+                row.note = found + (f"; {row.note}" if row.note else "")
+        return rows
+
+    def _rows(self, step, points, gold, batch: StepBatch, order: list[int], eng_teacher, subsets) -> list[Row]:
         row_lens, kv_lens, starts = batch.row_lens, batch.kv_lens, batch.starts
         held: dict[str, torch.Tensor] = {}  # --exact-ops: the engine tensors the checked ops read
         layer_input = (lambda i, t=eng_teacher: t[i]) if eng_teacher is not None else \
