@@ -98,12 +98,14 @@ def test_clean_pipelined_impl_passes(preset, pp, tp, dtype, steps, isolate, part
 
 
 PIPELINE_FAULTS = [n for n, f in FAULTS.items() if f.pp > 1]
-ORIGIN = {"pp_residual_not_sent": ("layers.1.input_norm", 0), "pp_final_norm_mid_stage": ("layers.1.input_norm", 0),
+ORIGIN = {"pp_residual_not_sent": ("layers.1.input_norm", 0), "pp_final_norm_mid_stage": ("layers.0.handoff", 0),
           "pp_lm_head_untied": ("logits", 0), "pp_stage_relative_positions": ("layers.1.attn.q_rope", 1),
-          "pp_boundary_layer_twice": ("layers.1.input_norm", 0)}
+          "pp_boundary_layer_twice": ("layers.1.input_norm", 0), "pp_kv_global_layer_id": ("layers.1.kv.k", 0)}
 # a wrong stage input is first caught by --exact-ops (the fault matrix's mode): layer 1's input norm is not what
-# HF's norm makes of layer 0's output, the value stage 0 computed
-BY = {"pp_lm_head_untied": "noise floor", "pp_stage_relative_positions": "noise floor"}
+# HF's norm makes of layer 0's output, the value stage 0 computed; a wrong hand-off (the final norm applied to what
+# stage 0 sends) is caught at the boundary's own point, by the noise floor
+BY = {"pp_lm_head_untied": "noise floor", "pp_stage_relative_positions": "noise floor",
+      "pp_kv_global_layer_id": "noise floor", "pp_final_norm_mid_stage": "noise floor"}
 
 
 @pytest.mark.parametrize("name", PIPELINE_FAULTS)
