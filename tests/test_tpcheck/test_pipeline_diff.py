@@ -94,6 +94,9 @@ def test_clean_pipelined_impl_passes(preset, pp, tp, dtype, steps, isolate, part
     per_step = len(point_names(LAYERS[preset], with_kv=steps > 0, handoffs=handoffs))
     assert len(r.table) == per_step * (steps + 1) * (2 if isolate else 1)  # every stage's points, every step
     assert sorted(set(r.table.point[r.table.kind == "handoff"])) == [f"layers.{i}.handoff" for i in handoffs]
+    # each row names the stage that reported its point; the saved document carries it
+    assert r.table.stage.tolist() == [point_stage(p, r.meta["stages"]) for p in r.table.point]
+    assert {row["stage"] for row in r.to_document()["rows"]} == set(range(pp))
     assert r.meta["pp"] == pp and sum(e - s for s, e in r.meta["stages"]) == LAYERS[preset]
 
 

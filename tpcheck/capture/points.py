@@ -158,6 +158,18 @@ def split_point(name: str) -> tuple[int | None, str]:
     return (int(m.group(1)), m.group(2)) if m else (None, name)
 
 
+def point_stage(name: str, stages) -> int:
+    """The pipeline stage that computes point ``name`` (``stages``: each stage's ``[start, end)`` layers): a layer's
+    point on the stage holding the layer, the embedding on the first, the final norm and the logits on the last;
+    a stage boundary's ``handoff`` (after the last layer of stage s) on the stage that received it, s + 1: what the
+    next layers were given."""
+    layer, kind = split_point(name)
+    if layer is None:
+        return 0 if name == "embed" else len(stages) - 1
+    owner = next(s for s, (start, end) in enumerate(stages) if start <= layer < end)
+    return owner + 1 if kind == "handoff" else owner
+
+
 def kind_of(name: str) -> Kind:
     """The ``Kind`` of point ``name`` (``layers.3.kv.k`` -> ``kv.k``'s); a name of no known kind is a KeyError
     (names are checked against ``all_point_names`` where they enter: ``tpcheck.judge.coverage.check_known``)."""

@@ -10,7 +10,7 @@ from impl import LLM
 from impl.errors import ConfigError
 from impl.pipeline import parse_partition
 from tpcheck.capture import impl as capture_impl
-from tpcheck.capture.points import split_point
+from tpcheck.capture.points import point_stage, split_point
 from tpcheck.engines.adapter import Points, by_point
 from tpcheck.judge.coverage import CoverageError
 from tpcheck.inputs import faults
@@ -106,17 +106,6 @@ class ImplAdapter:
         elif not self.own_cache:  # give the engine back its own cache layout
             self.llm.executor.call("allocate_kv_cache", self.llm.num_kv_blocks, self.llm.block_size)
         self.llm.reset_scheduler()  # the diff wrote blocks the engine's prefix cache may name
-
-
-def point_stage(name: str, stages: tuple[tuple[int, int], ...]) -> int:
-    """The pipeline stage that computes point ``name``: a layer's point on the stage holding the layer, the
-    embedding on the first, the final norm and the logits on the last; a stage boundary's ``handoff`` (after the
-    last layer of stage s) on the stage that received it, s + 1: what the next layers were given."""
-    layer, kind = split_point(name)
-    if layer is None:
-        return 0 if name == "embed" else len(stages) - 1
-    owner = next(s for s, (start, end) in enumerate(stages) if start <= layer < end)
-    return owner + 1 if kind == "handoff" else owner
 
 
 def stage_points(per_rank: list[dict], tp: int, stages: tuple[tuple[int, int], ...],
