@@ -60,9 +60,9 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 48
+    assert len(names) == len(set(names)) == len(FAULTS) == 49
     assert PIPELINE == ["pp_residual_not_sent", "pp_final_norm_mid_stage", "pp_lm_head_untied",
-                        "pp_stage_relative_positions", "pp_boundary_layer_twice"]
+                        "pp_stage_relative_positions", "pp_boundary_layer_twice", "pp_kv_global_layer_id"]
     assert all(FAULTS[n].pp == 2 and not FAULTS[n].per_layer for n in PIPELINE)
     assert GPTQ == ["gptq_row_group_scales_misaligned", "gptq_every_rank_rank0_qweight",
                     "gptq_row_scales_sharded_by_output"]
@@ -76,15 +76,16 @@ def test_registry():
         assert f.name == n
         assert f.description and "\n" not in f.description
         assert f.shows_when and f.expected_origin
-        assert f.origin(3, stage1=1) == f.expected_origin.format(layer=3, stage1=1)
+        assert f.origin(3, stage1=1) == f.expected_origin.format(layer=3, stage1=1, boundary=0)
     assert {n for n, f in FAULTS.items() if f.decode_only} == {"gqa_cache_repeated_heads", "decode_position_off_by_one",
                                                                "slot_mapping_off_by_one_at_block_boundary",
-                                                               "pp_stage_relative_positions"}
+                                                               "pp_stage_relative_positions", "pp_kv_global_layer_id"}
     assert {n: f.origin_step for n, f in FAULTS.items() if f.origin_step != "prefill"} == {
         "decode_position_off_by_one": "decode", "slot_mapping_off_by_one_at_block_boundary": "block_boundary",
         "pp_stage_relative_positions": "decode"}
     with pytest.raises(ValueError, match="first layer of pipeline stage 1; give stage1"):
         get_fault("pp_residual_not_sent").origin()
+    assert get_fault("pp_final_norm_mid_stage").origin(stage1=2) == "layers.1.handoff"  # the last layer of stage 0
     assert [n for n, f in FAULTS.items() if f.check != "diff"] == ["full_state_dict_every_rank"]
     mem = get_fault("full_state_dict_every_rank")
     assert mem.check == "memory" and mem.origin(1) == "memory" and not mem.per_layer
@@ -145,7 +146,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 48  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 49  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

@@ -10,10 +10,11 @@ import torch
 
 from diff_runs import LAYERS, run_diff
 from impl.placements import Replicate
-from tpcheck.capture.points import point_names
+from tpcheck.capture.points import point_names, stage_handoffs
 from tpcheck.cli import fault_matrix as M
 from tpcheck.inputs.faults import FAULTS
 from tpcheck.cli.app import main
+from impl.pipeline import layer_partition
 from tpcheck.engines.impl import point_stage, stage_points
 from tpcheck.judge.coverage import CoverageError
 
@@ -23,6 +24,8 @@ STAGES = ((0, 1), (1, 2))  # tiny (2 layers) at pp 2
 def test_point_stage():
     assert [point_stage(n, STAGES) for n in ("embed", "layers.0.attn.q", "layers.0.kv.k", "layers.1.out",
                                              "final_norm", "logits")] == [0, 0, 0, 1, 1, 1]
+    assert point_stage("layers.0.handoff", STAGES) == 1  # the boundary's point lives where it was received
+    assert stage_handoffs((3, 1)) == (2,) and stage_handoffs((1, 2, 1)) == (0, 2) and stage_handoffs((4,)) == ()
 
 
 def _rank(names: list[str], value: float) -> dict:
@@ -39,6 +42,24 @@ def test_stage_points_take_the_owning_stage():
     assert [t[0, 0].item() for t in pts["logits"][1]] == [2, 3]
 
 
+def test_handoff_sent_against_received():
+    """A boundary's handoff is taken from the receiving stage and held, TP rank by TP rank, to what the sending
+    stage sent: equal is no finding; one changed element names the boundary, the stages, the rank and the part."""
+    sent = torch.arange(8.0).reshape(2, 4)  # [hidden_states | residual], hidden 2
+    ranks = [{"layers.0.handoff": (Replicate(), sent.clone())} for _ in range(4)]
+    notes: dict[str, str] = {}
+    pts = stage_points(ranks, 2, STAGES, notes=notes)
+    assert notes == {} and pts["layers.0.handoff"][1][0].equal(sent)
+    ranks[3]["layers.0.handoff"][1][1, 3] += 1  # TP rank 1 of stage 1 received a residual element changed
+    stage_points(ranks, 2, STAGES, notes=notes)
+    assert re.fullmatch(r"stage boundary 0->1 \(after layer 0\): TP rank 1 of stage 1 received other values than "
+                        r"stage 0 sent: 1 of 8 elements \(first at row 1, residual; max \|diff\| 1\)",
+                        notes["layers.0.handoff"]), notes
+    notes.clear()
+    stage_points([{}, {}] + ranks[2:], 2, STAGES, ("layers.1.out",), notes)  # the sender reported none
+    assert notes["layers.0.handoff"] == "stage boundary 0->1 (after layer 0): stage 0 reported no hand-off it sent"
+
+
 def test_silent_stage_is_a_coverage_error():
     expected = ("embed", "layers.0.out", "layers.1.out", "logits")
     with pytest.raises(CoverageError, match=r"pipeline stage 1 \(layers 1-1, ranks 2-3\) reported no point"):
@@ -51,6 +72,8 @@ def test_silent_stage_is_a_coverage_error():
 @pytest.mark.parametrize("argv,match", [
     (["--preset", "tiny", "--pp", "3"], "pp_size=3 exceeds num_hidden_layers=2"),
     (["--preset", "small", "--pp", "2", "--pp-partition", "3,2"], r"sums to 5 layers.*num_hidden_layers=4"),
+    (["--preset", "small", "--pp", "2", "--pp-partition", "1,2"], r"sums to 3 layers.*num_hidden_layers=4"),
+    (["--preset", "small", "--pp", "2", "--pp-partition", "4,0"], r"pp_partition \[4, 0\]: every stage needs"),
     (["--preset", "small", "--pp", "2", "--engine", "hf-tp"], "--pp 2 applies to --engine impl only"),
 ])
 def test_bad_pp_is_exit_2(argv, match, capsys):
@@ -67,18 +90,25 @@ CLEAN = [("tiny", 2, 2, "bfloat16", 2, True, None), ("small", 4, 1, "float32", 2
 def test_clean_pipelined_impl_passes(preset, pp, tp, dtype, steps, isolate, partition, ckpt, engines):
     r = run_diff(ckpt, engines, preset, tp, dtype, steps, isolate, pp=pp, pp_partition=partition)
     assert r.passed, r.summary() + "\n" + r.table[~r.table.passed].to_string()
-    per_step = len(point_names(LAYERS[preset], with_kv=steps > 0))
+    handoffs = stage_handoffs(layer_partition(LAYERS[preset], pp, partition))
+    per_step = len(point_names(LAYERS[preset], with_kv=steps > 0, handoffs=handoffs))
     assert len(r.table) == per_step * (steps + 1) * (2 if isolate else 1)  # every stage's points, every step
+    assert sorted(set(r.table.point[r.table.kind == "handoff"])) == [f"layers.{i}.handoff" for i in handoffs]
+    # each row names the stage that reported its point; the saved document carries it
+    assert r.table.stage.tolist() == [point_stage(p, r.meta["stages"]) for p in r.table.point]
+    assert {row["stage"] for row in r.to_document()["rows"]} == set(range(pp))
     assert r.meta["pp"] == pp and sum(e - s for s, e in r.meta["stages"]) == LAYERS[preset]
 
 
 PIPELINE_FAULTS = [n for n, f in FAULTS.items() if f.pp > 1]
-ORIGIN = {"pp_residual_not_sent": ("layers.1.input_norm", 0), "pp_final_norm_mid_stage": ("layers.1.input_norm", 0),
+ORIGIN = {"pp_residual_not_sent": ("layers.1.input_norm", 0), "pp_final_norm_mid_stage": ("layers.0.handoff", 0),
           "pp_lm_head_untied": ("logits", 0), "pp_stage_relative_positions": ("layers.1.attn.q_rope", 1),
-          "pp_boundary_layer_twice": ("layers.1.input_norm", 0)}
+          "pp_boundary_layer_twice": ("layers.1.input_norm", 0), "pp_kv_global_layer_id": ("layers.1.kv.k", 0)}
 # a wrong stage input is first caught by --exact-ops (the fault matrix's mode): layer 1's input norm is not what
-# HF's norm makes of layer 0's output, the value stage 0 computed
-BY = {"pp_lm_head_untied": "noise floor", "pp_stage_relative_positions": "noise floor"}
+# HF's norm makes of layer 0's output, the value stage 0 computed; a wrong hand-off (the final norm applied to what
+# stage 0 sends) is caught at the boundary's own point, by the noise floor
+BY = {"pp_lm_head_untied": "noise floor", "pp_stage_relative_positions": "noise floor",
+      "pp_kv_global_layer_id": "noise floor", "pp_final_norm_mid_stage": "noise floor"}
 
 
 @pytest.mark.parametrize("name", PIPELINE_FAULTS)

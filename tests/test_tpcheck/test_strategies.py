@@ -122,6 +122,21 @@ def test_cases_are_consistent(case):
     assert case.layout == kv_layout(case.config["num_key_value_heads"], case.tp)
 
 
+@settings(max_examples=60, deadline=None, database=None)
+@given(tst.cases(pps=(1, 2, 4), families=("qwen2", "qwen2_moe")))
+def test_cases_draw_pp_the_layers_allow(case):
+    """pp drawn with tp (and ep for MoE): never more stages than layers, and the case's diff options carry it."""
+    assert case.pp in (1, 2, 4) and case.pp <= case.config["num_hidden_layers"]
+    assert case.options("/ckpt").pp == case.pp and (case.pp == 1) == ("pp=" not in case.describe())
+
+
+def test_pp_draws_are_reachable_and_refused_with_the_numbers():
+    assert find(tst.cases(pps=(1, 2), families=("qwen2_moe",)), lambda c: c.pp == 2 and c.ep == 2).pp == 2
+    assert find(tst.cases(), lambda c: True).pp == 1  # the default space draws no pp
+    with pytest.raises(ValueError, match=r"pps \(4,\): none fits a model of num_hidden_layers=[123]"):
+        find(tst.cases(pps=(4,), max_layers=3), lambda c: True)
+
+
 def test_drawn_checkpoints_load_in_hf_and_impl(tmp_path):
     """A handful of drawn configs (explicit head_dim, MQA, padded vocab, every family...) load with no missing
     keys in HF's class of their family and pass impl's own TP check; checkpoints are cached by content and

@@ -67,6 +67,21 @@ def test_sweep_exit_codes(engines, tmp_path, capsys):
     assert sweep.run(_args("--preset", "qwen2.5-0.5b", "--tp", "4")) == 2  # 14 heads: nothing can run
 
 
+def test_sweep_over_pipeline_sizes(engines, tmp_path, capsys):
+    """--pp: a configuration per pipeline size, each a pipelined diff (impl); a pp beyond the preset's layers is
+    skipped naming both, and a sweep of nothing but such is exit 2, as a bad --pp is."""
+    out = tmp_path / "sweep.json"
+    a = _args("--tp", "1", "--pp", "1,2,4", "--dtype", "float32", "--decode-steps", "1", "--examples", "1",
+              "--preset", "tiny", "--max-len", "12", "--checkpoints", str(tmp_path / "ck"), "--json", str(out))
+    assert sweep.run(a, pool=engines) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["pp"], r["passed"], r.get("skipped")) for r in rows] == [
+        (1, True, None), (2, True, None), (4, True, "pp 4 exceeds tiny's num_hidden_layers=2")]
+    assert "pp=2" in rows[1]["worst_example"] and "PASS: 2/2 configuration(s) passed" in capsys.readouterr().out
+    assert sweep.run(_args("--preset", "tiny", "--tp", "1", "--pp", "4")) == 2
+    assert sweep.run(_args("--preset", "tiny", "--pp", "0")) == 2
+
+
 def test_property_finds_and_shrinks_kv_replication_fault(engines, tmp_path):
     """``kv_replica_index`` shows only under KV replication with more than one KV head (tp > kv_heads > 1).
     The diff property over drawn cases finds it and Hypothesis shrinks it to a small example that still

@@ -74,6 +74,23 @@ def as_rows(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
     return row_view(t, token_dims).to("cpu", copy=True)
 
 
+def handoff(hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """A pipeline stage boundary's point (``layers.{i}.handoff``): the ``IntermediateTensors`` one stage hands the
+    next, ``[rows, hidden_states | residual]``; both are replicated over the stage's TP ranks."""
+    return torch.cat([row_view(hidden_states), row_view(residual)], dim=-1)
+
+
+def with_handoffs(points: dict[str, torch.Tensor], handoffs) -> dict[str, torch.Tensor]:
+    """``points`` (a one-device run's: the golden's, a reference's) with the handoff of each layer in ``handoffs``
+    made from what that layer computed: its ``mlp.out`` (the hidden_states vLLM sends) and its ``attn.residual``
+    (the stream before that add), where both were captured."""
+    for i in handoffs:
+        parts = points.get(f"layers.{i}.mlp.out"), points.get(f"layers.{i}.attn.residual")
+        if parts[0] is not None and parts[1] is not None:
+            points[f"layers.{i}.handoff"] = handoff(*parts)
+    return points
+
+
 @dataclass
 class _Site:
     module_name: str

@@ -11,8 +11,8 @@ import re
 
 import torch
 
-from impl.placements import Shard
-from tpcheck.capture.core import as_rows, install
+from impl.placements import Replicate, Shard
+from tpcheck.capture.core import as_rows, handoff, install
 from tpcheck.capture.maps import IMPL_MAP
 from tpcheck.capture.teacher import Teacher
 from impl.distributed import get_tp_rank, get_tp_size
@@ -39,11 +39,13 @@ def setup(runner, num_blocks: int | None, block_size: int, dump: dict | None = N
     if st is None:
         m = runner.model.model  # impl's decoder layers take (positions, hidden states)
         st = {"capture": install(runner.model, IMPL_MAP, points=points), "points": points,
-              "teacher": Teacher(m.layers, m.norm, like=runner, arg=1)}
+              "teacher": Teacher(m.layers, m.norm, like=runner, arg=1), "handoff": Handoffs(runner, points)}
         setattr(runner.model, _STATE, st)
     elif st["points"] != points:  # another selection: the hooks of this one
         st["capture"].remove()
+        st["handoff"].remove()
         st["capture"], st["points"] = install(runner.model, IMPL_MAP, points=points), points
+        st["handoff"] = Handoffs(runner, points)
     st["writer"], st["step"] = None, 0
     if dump is not None:
         st["writer"] = DumpWriter(rank=get_tp_rank(), tp=get_tp_size(), engine="impl", **dump)
@@ -59,9 +61,11 @@ def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None =
     try:
         runner.step(batch, all_logits=True)
         points = cap.step_done()
+        points.update(st["handoff"].take())
     finally:
         st["teacher"].inputs = None
         cap.clear()
+        st["handoff"].take()
     if kv_lens is not None:
         keep = None if st["points"] is None else re.compile(st["points"])
         kv = read_kv(runner, [table for _, _, table in batch], kv_lens)
@@ -70,6 +74,46 @@ def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None =
         st["writer"].write(st["step"], [list(t) for t, _, _ in batch], [s for _, s, _ in batch], points)
         st["step"] += 1
     return points
+
+
+class Handoffs:
+    """A pipeline stage's side of its boundaries (``impl.pipeline``), as ``layers.{i}.handoff`` points
+    (``tpcheck.capture.core.handoff``): on a stage before the last, the ``IntermediateTensors`` its model returns
+    to send (``i`` its last layer); on a stage after the first, those its model was called with (``i`` the previous
+    stage's last layer), before anything of the stage touches them. Which of the two a point is, the harness
+    tells by the stage that reported it (``tpcheck.engines.impl.stage_points``). No hooks without stages."""
+
+    def __init__(self, runner, points: str | None = None):
+        st, model = runner.stage, runner.model.model
+        keep = None if points is None else re.compile(points)
+        wanted = lambda i: keep is None or keep.fullmatch(f"layers.{i}.handoff") is not None  # noqa: E731
+        self._got: dict[str, torch.Tensor] = {}
+        self._handles = []
+        if not st.is_first and wanted(st.start - 1):
+            self._handles.append(model.register_forward_pre_hook(self._received(st.start - 1), with_kwargs=True))
+        if not st.is_last and wanted(st.end - 1):
+            self._handles.append(model.register_forward_hook(self._sent(st.end - 1)))
+
+    def _received(self, layer: int):
+        def hook(module, args, kwargs):
+            inter = args[2] if len(args) > 2 else kwargs.get("intermediate")
+            self._got[f"layers.{layer}.handoff"] = handoff(inter["hidden_states"], inter["residual"]).cpu()
+        return hook
+
+    def _sent(self, layer: int):
+        def hook(module, args, out):
+            self._got[f"layers.{layer}.handoff"] = handoff(out["hidden_states"], out["residual"]).cpu()
+        return hook
+
+    def take(self) -> dict:
+        """This step's handoff points ``{name: (Replicate(), tensor)}``; forgotten here."""
+        got, self._got = self._got, {}
+        return {n: (Replicate(), t) for n, t in got.items()}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._got = [], {}
 
 
 def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:

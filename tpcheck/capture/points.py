@@ -27,7 +27,8 @@ class Kind:
 
     * ``family``: where it exists: ``""`` every model; ``"qk_norm"`` models with per-head q/k norms (Qwen3,
       ``ModelConfig.qk_norm``); ``"kv"`` runs with decode steps (the cache read back); ``"dense"`` a dense MLP
-      layer; ``"moe"`` a mixture-of-experts layer; ``"shared"`` one with a shared expert (Qwen2-MoE).
+      layer; ``"moe"`` a mixture-of-experts layer; ``"shared"`` one with a shared expert (Qwen2-MoE); ``"pp"``
+      the last layer of a pipeline stage before the last (``handoffs``: what crosses the stage boundary).
     * ``rows``: ``"tokens"`` the step's rows, prompts concatenated; ``"cache"`` every cached position of every
       prompt (the KV-cache points).
     * ``judged``: ``"floor"`` rel_err against the noise floor; ``"set"`` expert ids compared as a set per token
@@ -74,6 +75,10 @@ KIND_TABLE = (
     Kind("mlp.gate", family="dense"), Kind("mlp.up", family="dense"), Kind("mlp.act", family="dense"),
     Kind("mlp.out", routed=True, exact_ops="input"),
     Kind("out", routed=True, teacher=True, exact_ops="both"),
+    # a pipeline stage boundary after this layer (impl.pipeline): the IntermediateTensors the next stage received,
+    # [hidden_states | residual] along features (the layer's mlp.out, then its attn.residual); the engine also
+    # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.stage_points)
+    Kind("handoff", family="pp", routed=True),
     Kind("final_norm", exact_ops="checked"),
     Kind("logits"),
 )
@@ -86,17 +91,20 @@ QK_NORM_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "qk_norm")
 DENSE_MLP_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "dense")  # a sparse layer has MOE_POINTS
 MOE_POINTS = tuple(k.name for k in KIND_TABLE if k.family in ("moe", "shared"))
 SHARED_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "shared")
+PP_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "pp")  # a stage boundary's, after its last layer
 ROUTED_POINTS = tuple(k.name for k in KIND_TABLE if k.routed)  # what a token's route decides, per layer
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
 def point_names(num_layers: int, with_kv: bool = False, qk_norm: bool = False, sparse=(),
-                shared: bool = False, every: bool = False) -> list[str]:
+                shared: bool = False, every: bool = False, handoffs=()) -> list[str]:
     """The points of a model of ``num_layers`` decoder layers, in execution order. ``with_kv``: the KV-cache
     points too (a run with decode steps reads the cache back); ``qk_norm``: the model normalises q and k per
     head before RoPE (``ModelConfig.qk_norm``), so it has ``attn.q_norm`` / ``attn.k_norm``; ``sparse``: the
     layers that are mixture-of-experts blocks (``MOE_POINTS`` instead of ``DENSE_MLP_POINTS``), ``shared``:
-    those have a shared expert; ``every``: every name of every kind of layer. The default is a dense model
+    those have a shared expert; ``handoffs``: the layers after which a pipeline stage hands its
+    ``IntermediateTensors`` to the next (``layers.{i}.handoff``); ``every``: every name of every kind of layer.
+    The default is a dense model
     without q/k norms (Qwen2, Llama, Mistral): every point such a model has, and no other."""
     names = ["embed"]
     for i in range(num_layers):
@@ -104,16 +112,28 @@ def point_names(num_layers: int, with_kv: bool = False, qk_norm: bool = False, s
         names += [f"layers.{i}.{p}" for p in LAYER_POINTS
                   if (with_kv or p not in KV_POINTS) and (qk_norm or p not in QK_NORM_POINTS) and
                   (every or (p not in MOE_POINTS if not moe else p not in DENSE_MLP_POINTS and
-                                                                 (shared or p not in SHARED_POINTS)))]
+                                                                 (shared or p not in SHARED_POINTS))) and
+                  (every or p not in PP_POINTS or i in handoffs)]
     return names + ["final_norm", "logits"]
 
 
-def model_point_names(cfg: ModelConfig, with_kv: bool = False) -> list[str]:
-    """``point_names`` of the model ``cfg`` describes (its layer count and family options)."""
+def model_point_names(cfg: ModelConfig, with_kv: bool = False, handoffs=()) -> list[str]:
+    """``point_names`` of the model ``cfg`` describes (its layer count and family options); ``handoffs``: the
+    layers that end a pipeline stage before the last (``stage_handoffs``)."""
     moe = getattr(cfg, "moe", None)
     sparse = () if moe is None else {i for i in range(cfg.num_layers) if cfg.is_sparse(i)}
     return point_names(cfg.num_layers, with_kv, qk_norm=cfg.qk_norm, sparse=sparse,
-                       shared=moe is not None and moe.shared_expert_intermediate_size > 0)
+                       shared=moe is not None and moe.shared_expert_intermediate_size > 0, handoffs=handoffs)
+
+
+def stage_handoffs(partition) -> tuple[int, ...]:
+    """The layers after which a stage hands over to the next, of a pipeline's layers per stage
+    (``impl.pipeline.layer_partition``): ``(3, 1)`` -> ``(2,)``; one stage -> ``()``."""
+    ends, end = [], 0
+    for n in list(partition)[:-1]:
+        end += n
+        ends.append(end - 1)
+    return tuple(ends)
 
 
 def all_point_names(num_layers: int) -> list[str]:
@@ -136,6 +156,18 @@ def split_point(name: str) -> tuple[int | None, str]:
     point's *kind*, the key for per-kind tolerances."""
     m = _LAYER.match(name)
     return (int(m.group(1)), m.group(2)) if m else (None, name)
+
+
+def point_stage(name: str, stages) -> int:
+    """The pipeline stage that computes point ``name`` (``stages``: each stage's ``[start, end)`` layers): a layer's
+    point on the stage holding the layer, the embedding on the first, the final norm and the logits on the last;
+    a stage boundary's ``handoff`` (after the last layer of stage s) on the stage that received it, s + 1: what the
+    next layers were given."""
+    layer, kind = split_point(name)
+    if layer is None:
+        return 0 if name == "embed" else len(stages) - 1
+    owner = next(s for s, (start, end) in enumerate(stages) if start <= layer < end)
+    return owner + 1 if kind == "handoff" else owner
 
 
 def kind_of(name: str) -> Kind:

@@ -131,7 +131,7 @@ def _config_row(r: DiffResult, name: str) -> dict:
     fd = r.first_divergence
     return {"result": name, "model": str(m.get("model", "?")).rstrip("/").rsplit("/", 1)[-1], "dtype": m.get("dtype"),
             "decode_steps": m.get("decode_steps"), "inject": ",".join(m.get("inject") or []) or "-",
-            "tp": m.get("tp"), "passed": r.passed,
+            "tp": m.get("tp"), "pp": m.get("pp", 1), "passed": r.passed,
             "origin": "-" if fd is None else f"{fd['point']} (step {fd['step']}, {fd['excess']:.3g}x)"}
 
 

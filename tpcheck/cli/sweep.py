@@ -1,6 +1,7 @@
 """``tpcheck sweep``: the layer-by-layer diff over a matrix of configurations, inputs drawn by Hypothesis.
 
-One configuration = (model, tp, dtype, decode steps); the model is a named preset or, with
+One configuration = (model, tp, pp, dtype, decode steps) (``--pp``: pipeline stages of tp ranks each, impl's
+``impl.pipeline``; a pp beyond a preset's layers is skipped, naming both); the model is a named preset or, with
 ``--random-configs``, a fresh model drawn per example (``tpcheck.properties.strategies.config_and_tp`` at that tp, so
 both KV partition and replication appear). Each configuration runs ``--examples`` drawn inputs (prompts of
 ragged lengths near block boundaries, block sizes) through ``tpcheck.diff`` on one pool of engines (one per
@@ -43,6 +44,7 @@ class SweepOptions:
     """What a sweep runs (the ``tpcheck sweep`` flags, same names and defaults)."""
 
     tp: list[int] = field(default_factory=lambda: [1, 2, 4])
+    pp: list[int] = field(default_factory=lambda: [1])
     dtype: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
     decode_steps: list[int] = field(default_factory=lambda: [0, 8])
     examples: int = 5
@@ -78,6 +80,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "over its own; above 1 fails). A failing configuration is shrunk to its smallest failing "
                     "example, printed with a one-line `tpcheck diff` reproduction. Exit 0 all passed, 1 one failed, 2 bad input.")
     sw.add_argument("--tp", type=int_list, default=[1, 2, 4], help="TP sizes (default 1,2,4)")
+    sw.add_argument("--pp", type=int_list, default=[1],
+                    help="pipeline stages of --tp ranks each (impl; default 1); a pp beyond a model's layers is "
+                         "skipped for that model")
     sw.add_argument("--dtype", type=name_list, default=["float32", "bfloat16"],
                     help="dtypes: float32, bfloat16, float16 (default float32,bfloat16)")
     sw.add_argument("--decode-steps", type=int_list, default=[0, 8], help="decode lengths (default 0,8)")
@@ -116,6 +121,10 @@ def _validate(opts: SweepOptions) -> list[str]:
     errors = []
     if not opts.tp or any(t < 1 for t in opts.tp):
         errors.append(f"--tp needs TP sizes >= 1, got {opts.tp}")
+    if not opts.pp or any(p < 1 for p in opts.pp):
+        errors.append(f"--pp needs pipeline sizes >= 1, got {opts.pp}")
+    if opts.pp != [1] and opts.random_configs and max(opts.pp) > 3:
+        errors.append(f"--pp {max(opts.pp)} with --random-configs: drawn models have at most 3 layers")
     bad = [d for d in opts.dtype if d not in ("float32", "bfloat16", "float16")]
     if not opts.dtype or bad:
         errors.append(f"--dtype: {bad or 'none given'}; expected float32, bfloat16 or float16")
@@ -147,7 +156,7 @@ def _row_seed(seed: int, *key) -> int:
     return int(hashlib.sha256(repr((seed, *key)).encode()).hexdigest()[:8], 16)
 
 
-def _case_strategy(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions):
+def _case_strategy(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions, pp: int = 1):
     from hypothesis import strategies as st
 
     from tpcheck.properties import strategies as tst
@@ -158,7 +167,7 @@ def _case_strategy(source: str, tp: int, dtype: str, steps: int, opts: SweepOpti
     def draw_case(draw):
         outliers = 0.0
         if source == "random":
-            config, _ = draw(tst.config_and_tp(tps=(tp,)))
+            config, _ = draw(tst.config_and_tp(tps=(tp,)).filter(lambda c: c[0]["num_hidden_layers"] >= pp))
             preset = None
             outliers = draw(tst.outlier_strengths(opts.outliers))
         else:
@@ -166,17 +175,18 @@ def _case_strategy(source: str, tp: int, dtype: str, steps: int, opts: SweepOpti
         bs = draw(st.sampled_from(bss))
         ps = draw(tst.prompts(config["vocab_size"], bs, opts.max_batch, opts.max_len, min(4, opts.max_batch)))
         return tst.Case(config, tp, dtype, ps, steps, bs, preset=preset, exact_ops=opts.exact_ops,
-                        outliers=outliers)
+                        outliers=outliers, pp=pp)
 
     return draw_case()
 
 
-def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions, pool, root: Path) -> dict:
+def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepOptions, pool, root: Path,
+                      pp: int = 1) -> dict:
     """Run ``opts.examples`` drawn examples of one configuration; returns its row."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
-    row = {"config": source, "tp": tp, "dtype": dtype, "decode_steps": steps, "examples": 0, "passed": True,
-           "worst_point": None, "worst_step": None, "excess": 0.0, "worst_example": None,
+    row = {"config": source, "tp": tp, "pp": pp, "dtype": dtype, "decode_steps": steps, "examples": 0,
+           "passed": True, "worst_point": None, "worst_step": None, "excess": 0.0, "worst_example": None,
            "origin": None, "failing_example": None, "repro": None, "error": None}
     state: dict = {"fail": None}
 
@@ -191,10 +201,10 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepO
 
     phases = [Phase.explicit, Phase.generate] + ([] if opts.no_shrink else [Phase.shrink])
 
-    @seed(_row_seed(opts.seed, source, tp, dtype, steps))
+    @seed(_row_seed(opts.seed, source, tp, dtype, steps, *((pp,) if pp != 1 else ())))  # pp 1: the seeds it had
     @settings(max_examples=opts.examples, deadline=None, database=None, phases=phases, verbosity=Verbosity.quiet,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False)
-    @given(_case_strategy(source, tp, dtype, steps, opts))
+    @given(_case_strategy(source, tp, dtype, steps, opts, pp))
     def prop(case):
         row["examples"] += 1
         try:
@@ -241,15 +251,15 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepO
 
 
 def _fmt_table(rows: list[dict]) -> str:
-    head = ["config", "tp", "dtype", "decode", "examples", "result", "worst point", "step", "excess"]
+    head = ["config", "tp", "pp", "dtype", "decode", "examples", "result", "worst point", "step", "excess"]
     body = []
     for r in rows:
         result = "skip" if r.get("skipped") else ("pass" if r["passed"] else ("ERROR" if r.get("error") else "FAIL"))
-        body.append([r["config"], str(r["tp"]), r["dtype"], str(r["decode_steps"]), str(r["examples"]), result,
+        body.append([r["config"], str(r["tp"]), str(r.get("pp", 1)), r["dtype"], str(r["decode_steps"]), str(r["examples"]), result,
                      r["worst_point"] or "-", "-" if r["worst_step"] is None else str(r["worst_step"]),
                      "-" if r["worst_point"] is None else f"{r['excess']:.3g}x"])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i in (1, 3, 4, 7, 8) else c.ljust(w)  # noqa: E731
+    line = lambda cells: "  ".join(c.rjust(w) if i in (1, 2, 4, 5, 8, 9) else c.ljust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return "\n".join([line(head)] + [line(b) for b in body])
 
@@ -266,7 +276,8 @@ def sweep(opts: SweepOptions, pool=None, results: dict | None = None) -> list[di
 
     sources = ["random"] if opts.random_configs else list(opts.preset or TINY_PRESETS)
     root = Path(opts.checkpoints) if opts.checkpoints else Path(tempfile.mkdtemp(prefix="tpcheck-sweep-"))
-    plan = [(s, tp, d, n) for s in sources for d in opts.dtype for tp in opts.tp for n in opts.decode_steps]
+    plan = [(s, tp, pp, d, n) for s in sources for d in opts.dtype for tp in opts.tp for pp in opts.pp
+            for n in opts.decode_steps]
     rows: list[dict] = []
     own = pool is None
     pool = pool or EnginePool()
@@ -274,24 +285,28 @@ def sweep(opts: SweepOptions, pool=None, results: dict | None = None) -> list[di
     torch.set_num_threads(1)  # tiny HF runs and comparisons: one thread, leaving the cores to the ranks
     progress = bar(len(plan), "sweep", "configuration")
     try:
-        for i, (source, tp, dtype, steps) in enumerate(plan, 1):
-            progress.set_description(f"sweep {source} tp={tp} {dtype} decode {steps}")
+        for i, (source, tp, pp, dtype, steps) in enumerate(plan, 1):
+            what = f"{source} tp={tp}{f' pp={pp}' if pp != 1 else ''} {dtype} decode {steps}"
+            progress.set_description(f"sweep {what}")
             t0 = time.monotonic()
             if source != "random":
                 reason = None
                 if not tp_compatible(PRESETS[source], tp):
                     reason = f"tp {tp} cannot split {source}"
+                elif pp > PRESETS[source]["num_hidden_layers"]:
+                    reason = f"pp {pp} exceeds {source}'s num_hidden_layers={PRESETS[source]['num_hidden_layers']}"
                 elif opts.max_len + steps > PRESETS[source]["max_position_embeddings"]:
                     reason = f"--max-len {opts.max_len} + {steps} decode steps exceed the model's positions"
                 if reason:
-                    rows.append({"config": source, "tp": tp, "dtype": dtype, "decode_steps": steps, "examples": 0,
+                    rows.append({"config": source, "tp": tp, "pp": pp, "dtype": dtype, "decode_steps": steps,
+                                 "examples": 0,
                                  "passed": True, "skipped": reason, "worst_point": None, "worst_step": None,
                                  "excess": 0.0})
-                    logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: skipped ({reason})")
+                    logger.info(f"[{i}/{len(plan)}] {what}: skipped ({reason})")
                     progress.update(1)
                     continue
                 load_config(cached_checkpoint(source, root=root))  # written once, before any example
-            row = run_configuration(source, tp, dtype, steps, opts, pool, root)
+            row = run_configuration(source, tp, dtype, steps, opts, pool, root, pp)
             failing = row.pop("_result", None)
             if failing is not None and results is not None:
                 results[len(rows)] = failing
@@ -299,7 +314,7 @@ def sweep(opts: SweepOptions, pool=None, results: dict | None = None) -> list[di
             verdict = "pass" if row["passed"] else f"FAIL ({row.get('origin') or row.get('error')})"
             if row.get("worst_point"):  # the closest figure as it comes: a sweep cut short still says how close
                 verdict += f", worst {row['worst_point']} at {row['excess']:.3g}x"
-            logger.info(f"[{i}/{len(plan)}] {source} tp={tp} {dtype} decode {steps}: {row['examples']} example(s), "
+            logger.info(f"[{i}/{len(plan)}] {what}: {row['examples']} example(s), "
                   f"{verdict} ({time.monotonic() - t0:.1f}s)")
             progress.update(1)
     finally:
@@ -329,7 +344,8 @@ def run(a: "SweepOptions | argparse.Namespace", pool=None) -> int:
     print(_fmt_table(rows))
     failed = [r for r in ran if not r["passed"]]
     for r in failed:
-        print(f"\nFAIL {r['config']} tp={r['tp']} {r['dtype']} decode {r['decode_steps']}"
+        pp = f" pp={r['pp']}" if r.get("pp", 1) != 1 else ""
+        print(f"\nFAIL {r['config']} tp={r['tp']}{pp} {r['dtype']} decode {r['decode_steps']}"
               + (f": origin {r['origin']}" if r.get("origin") else "") + (f": {r['error']}" if r.get("error") else ""))
         if r.get("failing_example"):
             print(f"  shrunk example: {r['failing_example']}")
@@ -360,7 +376,7 @@ def write_sweep_html(out: Path, rows: list[dict], results: dict) -> None:
     links: list = [None] * len(rows)
     for i, r in results.items():
         row = rows[i]
-        links[i] = f"{i:03d}-{row['config']}-tp{row['tp']}-{row['dtype']}-decode{row['decode_steps']}.html"
+        links[i] = f"{i:03d}-{row['config']}-tp{row['tp']}-pp{row.get('pp', 1)}-{row['dtype']}-decode{row['decode_steps']}.html"
         write_html(r, out / links[i])
     (out / "index.html").write_text(render_sweep_html(sweep_index_rows(rows), links), encoding="utf-8")
 

@@ -10,7 +10,7 @@ from impl import LLM
 from impl.errors import ConfigError
 from impl.pipeline import parse_partition
 from tpcheck.capture import impl as capture_impl
-from tpcheck.capture.points import split_point
+from tpcheck.capture.points import point_stage, split_point
 from tpcheck.engines.adapter import Points, by_point
 from tpcheck.judge.coverage import CoverageError
 from tpcheck.inputs import faults
@@ -73,6 +73,8 @@ class ImplAdapter:
         self.stages = None if llm.pp_size == 1 else tuple(
             (sum(llm.partition[:s]), sum(llm.partition[:s + 1])) for s in range(llm.pp_size))
         self.expected: tuple[str, ...] = ()
+        # a step's findings about a point, for its row's note (the hand-off across a stage boundary)
+        self.point_notes: dict[str, str] = {}
 
     def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
         if self.inject:
@@ -95,7 +97,8 @@ class ImplAdapter:
         per_rank = self.llm.call(capture_impl.step, batch, teacher, self.lens if capture_kv else None)
         if self.stages is None:
             return by_point(per_rank)
-        return stage_points(per_rank, self.llm.tp_size, self.stages, self.expected)
+        self.point_notes = {}
+        return stage_points(per_rank, self.llm.tp_size, self.stages, self.expected, self.point_notes)
 
     def close(self) -> None:
         if self.inject:
@@ -105,21 +108,14 @@ class ImplAdapter:
         self.llm.reset_scheduler()  # the diff wrote blocks the engine's prefix cache may name
 
 
-def point_stage(name: str, stages: tuple[tuple[int, int], ...]) -> int:
-    """The pipeline stage that computes point ``name``: a layer's point on the stage holding the layer, the
-    embedding on the first, the final norm and the logits on the last."""
-    layer, _ = split_point(name)
-    if layer is None:
-        return 0 if name == "embed" else len(stages) - 1
-    return next(s for s, (start, end) in enumerate(stages) if start <= layer < end)
-
-
 def stage_points(per_rank: list[dict], tp: int, stages: tuple[tuple[int, int], ...],
-                 expected: tuple[str, ...] = ()) -> Points:
+                 expected: tuple[str, ...] = (), notes: dict[str, str] | None = None) -> Points:
     """The points of a pipelined step, each from the ``tp`` ranks of the stage that computes it (global ranks
     ``stage * tp ..``), so a point is unsharded within its own stage's TP group; a point reported by a stage that
     does not compute it is not taken. A stage that reported none of the ``expected`` points it computes is a
-    ``CoverageError`` naming the stage (exit 3)."""
+    ``CoverageError`` naming the stage (exit 3). A boundary's ``handoff`` is what the receiving stage got; what the
+    sending stage sent, TP rank by TP rank, must equal it bit for bit (``handoff_mismatch``: a finding written to
+    ``notes[name]``, which fails its row)."""
     points: Points = {}
     for s, (start, end) in enumerate(stages):
         got = by_point(per_rank[s * tp:(s + 1) * tp])
@@ -127,8 +123,40 @@ def stage_points(per_rank: list[dict], tp: int, stages: tuple[tuple[int, int], .
         if not own and any(point_stage(n, stages) == s for n in expected):
             raise CoverageError(f"pipeline stage {s} (layers {start}-{end - 1}, ranks {s * tp}-{(s + 1) * tp - 1}) "
                                 "reported no point")
+        for name in [n for n in own if split_point(n)[1] == "handoff"]:
+            sent = got_of(per_rank[(s - 1) * tp:s * tp], name)
+            why = handoff_mismatch(name, s, sent, own[name][1])
+            if why and notes is not None:
+                notes[name] = why
         points.update(own)
     return points
+
+
+def got_of(ranks: list[dict], name: str) -> list | None:
+    """Each of ``ranks``' tensor of point ``name`` (None when one of them did not report it)."""
+    parts = [r.get(name) for r in ranks]
+    return None if any(p is None for p in parts) else [p[1] for p in parts]
+
+
+def handoff_mismatch(name: str, receiver: int, sent: list | None, received: list) -> str:
+    """Why the hand-off of boundary ``name`` into stage ``receiver`` is wrong, or "": each TP rank r of stage
+    ``receiver`` must hold, bit for bit, what TP rank r of stage ``receiver - 1`` sent (``sent`` None: the sender
+    reported nothing)."""
+    where = f"stage boundary {receiver - 1}->{receiver} (after layer {split_point(name)[0]})"
+    if sent is None:
+        return f"{where}: stage {receiver - 1} reported no hand-off it sent"
+    for r, (a, b) in enumerate(zip(sent, received)):
+        if a.shape != b.shape:
+            return f"{where}: TP rank {r} received shape {list(b.shape)}, stage {receiver - 1} sent {list(a.shape)}"
+        a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        bad = (a != b) & ~(a.isnan() & b.isnan())  # a NaN sent and received as NaN arrived intact
+        if bad.any():
+            rows, cols = bad.nonzero()[0].tolist()
+            part = "hidden_states" if cols < a.shape[-1] // 2 else "residual"
+            return (f"{where}: TP rank {r} of stage {receiver} received other values than stage {receiver - 1} "
+                    f"sent: {int(bad.sum())} of {bad.numel()} elements (first at row {rows}, {part}; max |diff| "
+                    f"{float((a.double() - b.double()).abs().max()):.3g})")
+    return ""
 
 
 def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str | os.PathLike = "dump",

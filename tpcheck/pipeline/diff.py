@@ -147,7 +147,8 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
                      parse_dtype(dtype), reductions, plan.keep, opts.exact_ops, stop_when, writer,
                      bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate and not forced else None,
-                     sparse=getattr(cfg, "moe", None) is not None, tolerances=tolerances, engine_inputs=forced)
+                     sparse=getattr(cfg, "moe", None) is not None, tolerances=tolerances, engine_inputs=forced,
+                     handoffs=plan.handoffs)
     ctx.golden_routes = {} if ctx.sparse else None
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from impl.config import ConfigError, ModelConfig, load_config
 from impl.pipeline import layer_partition
-from tpcheck.capture.points import model_point_names
+from tpcheck.capture.points import model_point_names, stage_handoffs
 from tpcheck.capture.selection import selection
 from tpcheck.engines.registry import EngineEntry
 from tpcheck.engines.registry import engine as engine_entry
@@ -33,6 +33,7 @@ class RunPlan:
     select: str | None                 # the compared points' regex (tpcheck.capture.selection); None: every point
     expected: tuple[str, ...]          # the model's points the selection keeps, in execution order
     entry: EngineEntry | None = None   # None: an adapter the caller started (compare_engine, a dump)
+    handoffs: tuple[int, ...] = ()     # the layers that end a pipeline stage before the last (--pp)
     silent: dict[str, str] = field(default_factory=dict)  # injected faults that cannot show here, and why
 
     @property
@@ -100,10 +101,13 @@ class RunPlan:
         cfg = cfg if cfg is not None else load_config(opts.model)
         select = selection(opts.points, opts.layers)
         keep = re.compile(select) if select else None
-        expected = tuple(n for n in model_point_names(cfg, opts.decode_steps > 0) if keep is None or keep.fullmatch(n))
+        handoffs = () if opts.pp == 1 and opts.pp_partition is None else \
+            stage_handoffs(layer_partition(cfg.num_layers, opts.pp, opts.pp_partition))
+        expected = tuple(n for n in model_point_names(cfg, opts.decode_steps > 0, handoffs)
+                         if keep is None or keep.fullmatch(n))
         if not expected:
             raise ValueError(f"--points/--layers select no point of this {cfg.num_layers}-layer model ({select!r})")
-        return cls(opts, cfg, select, expected, entry)
+        return cls(opts, cfg, select, expected, entry, handoffs=handoffs)
 
 
 def _check_pipeline(opts: DiffOptions, cfg) -> None:

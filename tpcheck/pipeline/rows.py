@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from tpcheck.capture.batches import StepBatch
-from tpcheck.capture.points import all_point_names, kind_of, point_order, split_point
+from tpcheck.capture.points import all_point_names, kind_of, point_order, point_stage, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure import exact_ops, own_input
@@ -37,7 +37,22 @@ class RowMaker:
 
     def rows(self, step, points, gold, batch: StepBatch, order: list[int], eng_teacher, subsets) -> list[Row]:
         """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too);
-        a point with only some of the step's rows (``subsets``) against those rows of the golden."""
+        a point with only some of the step's rows (``subsets``) against those rows of the golden. The engine's own
+        findings about a point this step (its adapter's ``point_notes``: a pipeline hand-off that arrived changed)
+        come first in its row's note (a note fails the row); under ``--pp`` each row names the stage that reported
+        its point (the adapter's ``stages``)."""
+        rows = self._rows(step, points, gold, batch, order, eng_teacher, subsets)
+        notes = getattr(self.ctx.engine, "point_notes", None)
+        stages = getattr(self.ctx.engine, "stages", None)  # --pp: each stage's [start, end) layers
+        for row in rows:
+            if stages:
+                row.stage = point_stage(row.point, stages)
+            found = (notes or {}).get(row.point)
+            if found:
+                row.note = found + (f"; {row.note}" if row.note else "")
+        return rows
+
+    def _rows(self, step, points, gold, batch: StepBatch, order: list[int], eng_teacher, subsets) -> list[Row]:
         row_lens, kv_lens, starts = batch.row_lens, batch.kv_lens, batch.starts
         held: dict[str, torch.Tensor] = {}  # --exact-ops: the engine tensors the checked ops read
         layer_input = (lambda i, t=eng_teacher: t[i]) if eng_teacher is not None else \

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from tpcheck.capture.batches import RequestLog, StepBatch
+from tpcheck.capture.core import with_handoffs
 from tpcheck.capture.points import kind_of, split_point
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.tolerances import Tolerances
@@ -57,6 +58,7 @@ class RunContext:
     # a replayed dump's local pass: the golden and the references are forced onto the engine's recorded layer
     # inputs (tpcheck.pipeline.forced) instead of the engine onto the golden's
     engine_inputs: bool = False
+    handoffs: tuple[int, ...] = ()  # --pp: the layers after which a stage hands over (tpcheck.capture.core.handoff)
 
 
 class GoldenCache:
@@ -89,12 +91,10 @@ class GoldenCache:
 
 
 class DiffPass:
-    """One mode (propagated or isolated) over prefill + decode steps; ``run()`` returns its rows.
-
-    A step is a ``tpcheck.capture.batches.StepBatch``: the requests it ran, in row order. A live engine runs the
-    prompts as one fixed batch (the prompts, then the golden's greedy token each step); a replayed dump says what each
-    step ran (``engine.schedule(step)``: requests that join late, chunked prefill, recomputation after preemption).
-    Every request has its own golden and reference caches, cut back when it runs positions again."""
+    """One mode (propagated or isolated) over prefill + decode steps; ``run()`` returns its rows. A step is a
+    ``tpcheck.capture.batches.StepBatch`` (its requests, in row order): a live engine runs the prompts as one batch
+    (then the golden's greedy token each step), a dump what each step ran (``engine.schedule``: late joins, chunked
+    prefill, preemption's recomputation). Each request has its golden and reference caches, cut back on a rerun."""
 
     def __init__(self, ctx: RunContext, isolated: bool):
         self.ctx, self.isolated = ctx, isolated
@@ -192,7 +192,8 @@ class DiffPass:
         routes it follows where its own differ (``tpcheck.pipeline.routes``); ``teacher``: a dump's inputs."""
         c = self.ctx
         kw = {} if routes is None else {"routes": routes}
-        gold = c.golden.step(batch.tokens, g_caches, batch.starts, teacher, self.with_kv, **kw)
+        gold = with_handoffs(c.golden.step(batch.tokens, g_caches, batch.starts, teacher, self.with_kv, **kw),
+                             c.handoffs)  # --pp: each stage boundary's, from the golden's own points
         if c.save_golden is not None and not self.isolated:
             c.save_golden.write(step, batch.tokens, batch.starts, gold)
         teacher_too = self.isolated or c.golden_cache is not None
@@ -220,7 +221,7 @@ class DiffPass:
         for ref_name, red in self.floor.references:
             kw = {} if routes is None else {"routes": routes}
             ref = c.ref.step(batch.tokens, r_caches[ref_name], batch.starts, teacher, self.with_kv, red, **kw)
-            ref = self.routes.order(ref)
+            ref = with_handoffs(self.routes.order(ref), c.handoffs)
             for n, t in ref.items():
                 if n in gold:
                     self.routes.observe(n, t, gold[n])

@@ -38,6 +38,7 @@ class Case:
     exact_ops: bool = False  # also hold the elementwise ops to HF's bits (``tpcheck.measure.exact_ops``)
     outliers: float = 0.0  # strength of the massive-activation recipe (0: off)
     ep: int = 1  # expert-parallel size (mixture-of-experts models)
+    pp: int = 1  # pipeline stages of tp ranks each (impl.pipeline; vLLM's layer split)
 
     @property
     def layout(self) -> str:
@@ -46,7 +47,8 @@ class Case:
     def describe(self) -> str:
         c = self.config
         hd = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-        return (f"{f'preset {self.preset}: ' if self.preset else ''}tp={self.tp} {self.dtype} heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv "
+        return (f"{f'preset {self.preset}: ' if self.preset else ''}tp={self.tp}"
+                f"{f' pp={self.pp}' if self.pp != 1 else ''} {self.dtype} heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv "
                 f"({self.layout}) head_dim {hd} hidden {c['hidden_size']} inter {c['intermediate_size']} "
                 f"layers {c['num_hidden_layers']} vocab {c['vocab_size']} "
                 f"{'tied' if c['tie_word_embeddings'] else 'untied'}"
@@ -68,7 +70,7 @@ class Case:
         """The ``DiffOptions`` of this case on the checkpoint ``model_dir`` (``kw``: more of its fields)."""
         return DiffOptions(model=str(model_dir), tp=self.tp, dtype=self.dtype, prompts=self.prompts,
                            decode_steps=self.decode_steps, block_size=self.block_size, exact_ops=self.exact_ops,
-                           inject=tuple(inject), inject_layer=inject_layer, ep=self.ep, **kw)
+                           inject=tuple(inject), inject_layer=inject_layer, ep=self.ep, pp=self.pp, **kw)
 
     def diff_command(self, model_dir: str | os.PathLike, inject=(), inject_layer: int | None = None) -> str:
         """The ``tpcheck diff`` command line of this case (block size included): by preset name where the preset's

@@ -55,6 +55,7 @@ from hypothesis import strategies as st
 # tst; tst.Case``, ``tst.config_checkpoint``, ``tst.tp_compatible`` keep working)
 from tpcheck.inputs.config_checkpoints import checkpoint_key, config_checkpoint, default_root, recreate_command  # noqa: F401
 from tpcheck.properties.moe_strategies import MOE_FAMILIES, base_family, draw_ep, moe_options
+from tpcheck.properties.pp_strategies import draw_pp
 from tpcheck.properties.case import Case
 from tpcheck.inputs.tp_layout import kv_layout, splits, tp_compatible
 from impl.config import FAMILIES as SUPPORTED
@@ -327,6 +328,8 @@ class CaseSpace:
     tps: tuple[int, ...] = DEFAULT_TPS
     dtypes: tuple[str, ...] = DEFAULT_DTYPES
     max_decode: int = 8
+    # pipeline stages to draw (impl.pipeline); a model of fewer layers draws only those it can split into
+    pps: tuple[int, ...] = (1,)
     layouts: tuple[str, ...] = ("partition", "replication")
     block_sizes: tuple[int, ...] = DEFAULT_BLOCK_SIZES
     max_batch: int = 8
@@ -374,6 +377,7 @@ def cases(draw, space: CaseSpace | None = None, **fields) -> Case:
     else:
         config, tp, _ = named
     ep = draw_ep(draw, config, tp)  # MoE: an expert-parallel size that splits the experts (dense: 1, no draw)
+    pp = draw_pp(draw, config, s.pps)  # with tp (and ep): stages the model's layers allow (one choice: no draw)
     dtype = draw(st.sampled_from(tuple(s.dtypes)))
     bs = draw(st.sampled_from(tuple(s.block_sizes)))
     batch, length, common = ((s.max_batch, s.max_len, s.common_batch) if named is None
@@ -385,4 +389,5 @@ def cases(draw, space: CaseSpace | None = None, **fields) -> Case:
     if named is not None:  # the preset's checkpoint: its own recipe and seed
         seed, bias, outliers = 0, 0.5, 0.0
     return Case(config, tp, dtype, ps, steps, bs, weight_seed=seed, bias_std=bias, outliers=outliers,
-                preset=None if named is None else named[2], ep=ep)
+                preset=None if named is None else named[2], ep=ep, pp=pp)
+

@@ -78,6 +78,7 @@ class Row:
     inherited: bool = False
     passed: bool = False
     note: str = ""                 # a structural finding (shapes, ranks holding other shapes, exact ops): always fails
+    stage: int | None = None       # --pp: the pipeline stage whose ranks reported the point (None: one stage)
     order: int = 0                 # execution order within (mode, step); not saved
 
 
@@ -89,7 +90,7 @@ def worst_key(table: pd.DataFrame) -> pd.Series:
     """The one ordering of "worst point": ``excess``, a NaN (never a pass: an engine NaN) counting as infinite."""
     return table["excess"].astype(float).fillna(math.inf)
 FLOAT_COLUMNS = [f.name for f in fields(Row) if f.type == "float"]
-INT_COLUMNS = ("layer", "step", "nan", "inf")
+INT_COLUMNS = ("layer", "step", "nan", "inf", "stage")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Faults at pipeline-stage boundaries (``impl.pipeline``): what one stage hands the next, and what a stage does
 that only the first or the last should. They need ``--pp`` >= 2 (``Fault.pp``). Each shows where the wrong
-stage's work first meets the stream: the first layer of stage 1 (``layers.{stage1}.*``, the stage-1 start of the
-run's partition), the logits, or the first decode step's RoPE there."""
+stage's work first meets the stream: what stage 0 hands over (``layers.{boundary}.handoff``, its last layer), the
+first layer of stage 1 (``layers.{stage1}.*``, the stage-1 start of the run's partition), its KV cache, the logits,
+or the first decode step's RoPE there."""
 from __future__ import annotations
 
 import torch
@@ -48,7 +49,7 @@ def pp_residual_not_sent(runner, i, layer):
 
 @fault(47, "pp_final_norm_mid_stage",
        "a stage before the last applies the final norm to what it sends (as if it were the last stage)",
-       shows_when="pp >= 2", expected_origin="layers.{stage1}.input_norm", pp=2)
+       shows_when="pp >= 2", expected_origin="layers.{boundary}.handoff", pp=2)
 def pp_final_norm_mid_stage(runner, i, layer):
     _wrap_stage(runner, "pp_final_norm_mid_stage", not runner.stage.is_last, _normed_output)
 
@@ -122,4 +123,49 @@ def _boundary_twice(runner, prev):
     def forward(input_ids, positions, intermediate=None):
         h = copy(positions, intermediate["residual"] + intermediate["hidden_states"])
         return prev(input_ids, positions, {"hidden_states": h, "residual": torch.zeros_like(h)})
+    return forward
+
+
+@fault(51, "pp_kv_global_layer_id",
+       "a stage after the first writes each layer's keys and values into its cache list at the layer's global id "
+       "(the list holds the stage's layers by stage-relative index; attention reads its own entry)",
+       shows_when="pp >= 2, decode (the cache read back)", expected_origin="layers.{stage1}.kv.k", pp=2,
+       decode_only=True)
+def pp_kv_global_layer_id(runner, i, layer):
+    if runner.stage.is_first:
+        return
+    spare: dict = {}  # the list's entries past the stage's own layers: written, never read
+
+    def entry(index: int):
+        """Entry ``index`` of the stage's cache list as allocated now: stage-relative index j is the cache of
+        layer ``start + j``; past the stage's layers, a spare pair of the same layout."""
+        own = runner.attention_layers()
+        if index < len(own):
+            return own[index].k_cache, own[index].v_cache
+        like = own[0].k_cache
+        if index not in spare or spare[index][0].shape != like.shape:
+            spare[index] = (torch.zeros_like(like), torch.zeros_like(like))
+        return spare[index]
+
+    for g in range(runner.stage.start, runner.stage.end):
+        attn = runner.model.model.layers[g].self_attn.attn
+        if mark(attn, "pp_kv_global_layer_id"):
+            attn.forward = _write_at(attn, attn.forward, lambda g=g: entry(g))
+
+
+def _write_at(attn, prev, target):
+    """``attn``'s forward storing the step's keys and values into ``target()``'s caches instead of its own, then
+    attending as before over its own (the store suppressed there)."""
+    def forward(q, k, v):
+        ctx = get_context()
+        slots = ctx.slot_mapping
+        if slots is not None and attn.k_cache.numel():
+            kc, vc = target()
+            kc.view(-1, attn.num_kv_heads, attn.head_dim)[slots] = k
+            vc.view(-1, attn.num_kv_heads, attn.head_dim)[slots] = v
+        ctx.slot_mapping = None
+        try:
+            return prev(q, k, v)
+        finally:
+            ctx.slot_mapping = slots
     return forward

@@ -79,7 +79,8 @@ class Fault:
     # cannot show it
     sparse_only: bool = False
     # pipeline stages the fault needs (``impl.pipeline``; 1: any run); a pipeline fault's ``expected_origin`` may
-    # name ``{stage1}``, the first layer of stage 1 in the run's partition
+    # name ``{stage1}``, the first layer of stage 1 in the run's partition, or ``{boundary}``, the last of stage 0
+    # (the layer whose ``handoff`` point is what crosses that boundary)
     pp: int = 1
 
     def shows_in_layer(self, cfg: ModelConfig, layer: int) -> bool:
@@ -94,9 +95,10 @@ class Fault:
     def origin(self, layer: int | None = None, stage1: int | None = None) -> str:
         """The expected origin for a fault applied to ``layer`` (None: all layers, so the first, 0); ``stage1``:
         the first layer of pipeline stage 1 (a pipeline fault's origin needs it)."""
-        if "{stage1}" in self.expected_origin and stage1 is None:
+        if ("{stage1}" in self.expected_origin or "{boundary}" in self.expected_origin) and stage1 is None:
             raise ValueError(f"fault {self.name}: its origin is at the first layer of pipeline stage 1; give stage1")
-        return self.expected_origin.format(layer=0 if layer is None else layer, stage1=stage1)
+        return self.expected_origin.format(layer=0 if layer is None else layer, stage1=stage1,
+                                           boundary=None if stage1 is None else stage1 - 1)
 
     def applies(self, cfg: ModelConfig, tp: int, dtype: str = "float32") -> bool:
         """Whether the fault can show at all with this model, TP size and dtype (False where the TP size

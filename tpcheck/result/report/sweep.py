@@ -77,7 +77,7 @@ def _configs(rows: list[dict], links: list, keys: list[str]) -> str:
     return '<h2>Configurations</h2><div class="card">' + "".join(t) + "</div>"
 
 
-SWEEP_KEYS = ("config", "tp", "dtype", "decode_steps", "examples", "passed", "skipped", "origin", "worst_point",
+SWEEP_KEYS = ("config", "tp", "pp", "dtype", "decode_steps", "examples", "passed", "skipped", "origin", "worst_point",
               "worst_step", "excess", "error", "repro")
 
 
