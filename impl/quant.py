@@ -19,7 +19,8 @@ per-tensor scale is one number per fused partition (q, k, v / gate, up), expande
 loading (vLLM's ``convert_to_channelwise``), never re-quantized. A static ``input_scale`` is per layer, the same on
 every rank.
 
-Anything else in ``quantization_config`` is refused with the field and the supported values (never a load that goes
+A ``kv_cache_scheme`` (FP8 e4m3 with static k/v scales, per tensor or per KV head) gives the attention layers an
+FP8 KV cache (``impl.quant_kv``). Anything else in ``quantization_config`` is refused with the field and the supported values (never a load that goes
 on with defaults: a missing ``weight_scale`` is a missing tensor, not 1.0)."""
 from __future__ import annotations
 
@@ -54,11 +55,13 @@ class Int8Scheme:
     ignore: tuple[str, ...] = ("lm_head",)
     quantizes_activations = True  # W8A8 (a GPTQ scheme: False)
     num_type: str = "int"
+    kv_cache: str | None = None  # an FP8 KV cache's scale strategy ("tensor" / "attn_head": impl.quant_kv)
 
     @property
     def name(self) -> str:
         kind = "w8a8-int8" if self.num_type == "int" else "w8a8-fp8"
-        return f"{kind} ({self.weight_strategy} weights, {'dynamic per-token' if self.dynamic_input else 'static'} activations)"
+        kv = "" if self.kv_cache is None else f", FP8 KV cache ({self.kv_cache} scales)"
+        return f"{kind} ({self.weight_strategy} weights, {'dynamic per-token' if self.dynamic_input else 'static'} activations{kv})"
 
 
 def _field(d: dict, key: str, where: str):
@@ -82,14 +85,22 @@ def _int8_args(args: dict, where: str, strategies: tuple[str, ...], num_type: st
     return args
 
 
-def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
-    """The scheme of a checkpoint's ``quantization_config`` (None: not quantized); QuantConfigError otherwise.
-    (``impl.quant_awq.parse_quantization_config`` reads ``quant_method: awq`` and ``gptq`` first.)"""
+def parse_quant_config(raw: dict | None):
+    """The scheme of a checkpoint's ``quantization_config`` (None: not quantized): an ``Int8Scheme``, or a
+    ``impl.quant_kv.KvCacheScheme`` (no ``config_groups``, a ``kv_cache_scheme``: float linears, an FP8 KV cache);
+    QuantConfigError otherwise. (``impl.quant_awq.parse_quantization_config`` reads ``awq`` and ``gptq`` first.)"""
     if raw is None:
         return None
     method = _field(raw, "quant_method", "the config")
     if method != "compressed-tensors":
         raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}; or gptq, awq")
+    from impl.quant_kv import KvCacheScheme, parse_kv_cache_scheme  # here: impl.quant_kv -> quant_fp8 imports this module
+    try:
+        kv_cache = parse_kv_cache_scheme(raw.get("kv_cache_scheme"))
+    except ConfigError as e:
+        raise QuantConfigError(str(e)) from None
+    if raw.get("config_groups") == {} and kv_cache is not None:  # only the KV cache is quantized
+        return KvCacheScheme(kv_cache)
     fmt = _field(raw, "format", "the config")
     if fmt not in FORMATS:
         raise QuantConfigError(f"quantization_config.format = {fmt!r} is not supported: impl runs {SUPPORTED}")
@@ -121,9 +132,7 @@ def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
     if "lm_head" not in ignore:
         raise QuantConfigError("quantization_config.ignore does not list 'lm_head': a quantized lm_head is not "
                                "supported (impl keeps the vocab-parallel head in float)")
-    if raw.get("kv_cache_scheme") is not None:
-        raise QuantConfigError("quantization_config.kv_cache_scheme is set: a quantized KV cache is not supported yet")
-    return Int8Scheme(w["strategy"], dynamic, ignore, num_type)
+    return Int8Scheme(w["strategy"], dynamic, ignore, num_type, kv_cache)
 
 
 def quantize_per_token(x: torch.Tensor, work: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -188,7 +188,9 @@ QUANTIZED: dict[str, tuple[str, str]] = {"small-w8a8": ("small-hd32", "w8a8-int8
                                          "small-awq": ("small-hd32", "awq-w4g32"),
                                          "small-fp8": ("small-hd32", "w8a8-fp8"),
                                          "small-fp8-tensor": ("small-hd32", "w8a8-fp8-tensor"),
-                                         "small-fp8-static": ("small-hd32", "w8a8-fp8-static")}
+                                         "small-fp8-static": ("small-hd32", "w8a8-fp8-static"),
+                                         "small-fp8-kv": ("small-hd32", "fp8-kv"),
+                                         "small-fp8-kv-head": ("small-hd32", "fp8-kv-head")}
 PRESETS.update({name: PRESETS[base] for name, (base, _) in QUANTIZED.items()})
 
 

@@ -20,6 +20,7 @@ from impl.config import HF_DTYPE_KEY, TRANSFORMERS_5, load_config, parse_dtype
 from tpcheck.capture.core import install
 from tpcheck.capture.maps import HF_MAP
 from tpcheck.capture.teacher import Teacher
+from impl.quant_kv import fake_quant_kv
 from tpcheck.reference.forced_route import forced_route
 from tpcheck.reference.quantized import load_quantized_hf
 from tpcheck.reference.reductions import Reductions, row_parallel_linear
@@ -48,6 +49,11 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             sink(f"layers.{i}.attn.k_rope", k.detach())
         if probe is not None:
             probe(q[None], k[None])
+    kv_scales = getattr(module, "kv_cache_scales", None)  # an FP8 KV cache (tpcheck.reference.quantized)
+    if kv_scales is not None:  # after the capture: k_rope is the key before the cache rounds it, as in the engine
+        n = query.shape[2]
+        for t, s in zip((key, value), kv_scales):
+            t[:, :, -n:] = fake_quant_kv(t[:, :, -n:], s)  # in place: the cache keeps the rounded values
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # submodule: loaded on first call
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
