@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from impl.errors import ConfigError, ShapeMismatch
+from impl.quant_kv import KvCacheScheme, parse_kv_cache_scheme
 
 QMAX = 127
 SUPPORTED = "compressed-tensors int-quantized W8A8 (8-bit int) or float-quantized W8A8 (8-bit float, e4m3): " \
@@ -94,7 +95,6 @@ def parse_quant_config(raw: dict | None):
     method = _field(raw, "quant_method", "the config")
     if method != "compressed-tensors":
         raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}; or gptq, awq")
-    from impl.quant_kv import KvCacheScheme, parse_kv_cache_scheme  # here: impl.quant_kv -> quant_fp8 imports this module
     try:
         kv_cache = parse_kv_cache_scheme(raw.get("kv_cache_scheme"))
     except ConfigError as e:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from impl.errors import ConfigError, ShapeMismatch
-from impl.quant_fp8 import FP8, to_fp8
+from impl.fp8 import FP8, to_fp8
 
 KV_STRATEGIES = ("tensor", "attn_head")
 SUPPORTED_KV = "kv_cache_scheme: 8-bit float (e4m3), symmetric, static, strategy 'tensor' or 'attn_head'"

@@ -147,6 +147,7 @@ class DiffOptions:
         rounds = getattr(quant, "quantizes_activations", True) or getattr(quant, "kv_cache", None) is not None
         if self.dtype == "float32" and rounds:
             raise ValueError(f"--dtype float32 on a quantized checkpoint ({quant.name}): in float32 an activation "
+                             "(or a key / value the FP8 cache rounds) "
                              "within float noise of a rounding boundary lands one quantization step apart in the "
                              "engine and the golden (a near tie) and tpcheck does not follow those yet; run "
                              "--dtype bfloat16 or float16")

@@ -35,6 +35,7 @@ from impl.config import load_config, parse_dtype
 from impl.loader import checkpoint_files
 from impl.quant import Int8Scheme, quantize_per_token, quantize_static
 from impl.quant_fp8 import FP8, quantize_fp8_per_token, quantize_fp8_static, requantize_to_max
+from tpcheck.reference.attention_fn import ATTN_NAME, register_attention
 from tpcheck.reference.build import meta_model
 from tpcheck.reference.gptq import dequantized_state, is_gptq
 
@@ -156,6 +157,8 @@ def _fake_quant_kv(model: nn.Module, model_dir: str | Path) -> None:
     if missing:
         raise ValueError(f"{model_dir}: the FP8 KV cache (kv_cache_scheme) has no scale tensor {missing[0]!r}"
                          f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+    register_attention()  # the rounding lives in tpcheck's attention function: the model uses it from here on
+    model.config._attn_implementation = ATTN_NAME
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.kv_cache_scales = tuple(found[f"model.layers.{i}.self_attn.{w}_scale"].float().reshape(-1, 1, 1)
                                                 for w in "kv")
