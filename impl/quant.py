@@ -187,11 +187,30 @@ class Int8LinearMethod:
         else:
             sx = layer.input_scale
             qx = quantize_static(x2, sx)
-        acc = qx.double() @ layer.weight.double().t()  # exact integer sums (|acc| < 2^14 K)
+        # float32, not float64: exact for int8 values, half the bytes to convert (no copy is kept: the loaders and
+        # the faults write the int8 weight through .data, which no version counter sees)
+        acc = exact_int_matmul(qx, layer.weight.float())
         y = acc.float() * (sx * self.channel_scale(layer))
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*shape[:-1], -1)
+
+
+#: K per float32 GEMM: |q_x| <= 128 and |W_q| <= 128, so a chunk's sums stay integers <= 1024 * 2^14 = 2^24, exact in
+#: float32 whatever the order of the additions; the chunks are added in float64 (exact below 2^53)
+EXACT_CHUNK = 1024
+
+
+def exact_int_matmul(qx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``qx @ w^T`` of integer-valued float32 operands (int8 values) as exact integers in float64: float32 GEMMs over
+    K chunks of ``EXACT_CHUNK``, summed in float64. (A float64 GEMM on float64 copies is exact too, and slower: the
+    ``benchmarks/quant_cost.py --layer`` figures in README.)"""
+    k = qx.shape[-1]
+    acc = None
+    for s in range(0, k, EXACT_CHUNK):
+        part = (qx[:, s:s + EXACT_CHUNK] @ w[:, s:s + EXACT_CHUNK].t()).double()
+        acc = part if acc is None else acc + part
+    return acc
 
 
 def _whole(param: nn.Parameter, loaded, shard_id=None) -> None:

@@ -236,6 +236,8 @@ def describe_preset(name: str) -> str:
         extra.append("attention sink at token 0: ~2e4 mid-depth, ~2.5e3 at the last layer")
     if name in QUANTIZED:
         extra.append(f"{QUANTIZED[name][0]} quantized {QUANTIZED[name][1]}")
+    if QUANTIZED.get(name, ("", ""))[1].startswith("fp8-kv"):  # tpcheck.inputs.kv_recipe
+        extra.append("v rows scaled by 0.0002 / 0.001 per KV head before quantizing")
     return (f"{name:15s} {config_family(c):9s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
             f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
             f"{'tied' if c.get('tie_word_embeddings') else 'untied'}" + "".join(f"; {e}" for e in extra))

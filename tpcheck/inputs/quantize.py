@@ -43,7 +43,9 @@ of it (``vllm/model_executor/layers/quantization/compressed_tensors/compressed_t
   weights int8 symmetric static with strategy channel / tensor plus inputs int8 dynamic per token select
   ``CompressedTensorsW8A8Int8`` (``_is_dynamic_token_w8a8``), which expects the int8 ``weight`` and a float32
   ``weight_scale`` of shape ``[out, 1]`` (channel) or ``[1]`` per fused part (tensor);
-* ``ignore`` (``["lm_head"]``: left in float), ``kv_cache_scheme`` (null: no KV-cache quantization);
+* ``ignore`` (``["lm_head"]``: left in float), ``kv_cache_scheme`` (null: no KV-cache quantization; the
+  ``KV_CACHE`` schemes write an FP8 one, ``QuantizationArgs`` of strategy ``tensor`` / ``attn_head``, with calibrated
+  ``self_attn.k_scale`` / ``v_scale`` tensors; ``KV_ONLY`` ones leave the linears float: ``config_groups {}``);
   ``transform_config``, ``sparsity_config``, ``total_num_heads`` / ``total_num_kv_heads`` when present (absent).
 
 ``quantization_status``, ``global_compression_ratio`` and the ``observer`` fields are not read by vLLM; they are
