@@ -9,7 +9,8 @@ at run time (dynamic: ``s_x = max|x_t| / 127`` per row) or with one static ``inp
 
     y = (s_x * s_w) * (q_x @ W_q^T)  (+ b),   q_x = clamp(round_half_even(x / s_x), -128, 127)
 
-with the integer GEMM exact (int32 in an engine; here float64, exact for any K < 2^37) and the scaling in float32,
+with the integer GEMM exact (int32 in an engine; here float32 GEMMs over 1024-column chunks, each sum an integer
+below 2^24, added in float64: ``exact_int_matmul``) and the scaling in float32,
 cast to the activation dtype at the end, as vLLM's CPU and CUDA int8 kernels do.
 
 Sharding (load time, by the TP rules): ``W_q`` shards as the float weight would. A channel scale follows the output
