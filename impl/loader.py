@@ -135,6 +135,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
                 elif name.endswith((".weight_scale", ".input_scale", ".qweight", ".qzeros", ".scales", ".g_idx")):
                     hint = (" (a quantized checkpoint's tensor: config.json has no quantization_config impl reads; "
                             "impl runs compressed-tensors INT8 and FP8 W8A8)")
+                elif name.endswith((".k_scale", ".v_scale")):
+                    hint = (" (an FP8 KV cache's scale: config.json's quantization_config declares no "
+                            "kv_cache_scheme, so the cache would not be quantized with it)")
                 elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                     hint = (" (experts fused in one 3-D tensor, transformers 5's in-memory layout: impl reads one "
                             "tensor per expert, as save_pretrained writes them)")

@@ -63,8 +63,9 @@ class ModelRunner:
         self.block_size = block_size
         for attn in self.attention_layers():
             shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            dtype = attn.cache_dtype(self.dtype)  # float8_e4m3fn for a checkpoint's FP8 KV cache
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     def kv_cache_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         return [(tuple(a.k_cache.shape), tuple(a.v_cache.shape)) for a in self.attention_layers()]

@@ -9,7 +9,8 @@ at run time (dynamic: ``s_x = max|x_t| / 127`` per row) or with one static ``inp
 
     y = (s_x * s_w) * (q_x @ W_q^T)  (+ b),   q_x = clamp(round_half_even(x / s_x), -128, 127)
 
-with the integer GEMM exact (int32 in an engine; here float64, exact for any K < 2^37) and the scaling in float32,
+with the integer GEMM exact (int32 in an engine; here float32 GEMMs over 1024-column chunks, each sum an integer
+below 2^24, added in float64: ``exact_int_matmul``) and the scaling in float32,
 cast to the activation dtype at the end, as vLLM's CPU and CUDA int8 kernels do.
 
 Sharding (load time, by the TP rules): ``W_q`` shards as the float weight would. A channel scale follows the output
@@ -19,7 +20,8 @@ per-tensor scale is one number per fused partition (q, k, v / gate, up), expande
 loading (vLLM's ``convert_to_channelwise``), never re-quantized. A static ``input_scale`` is per layer, the same on
 every rank.
 
-Anything else in ``quantization_config`` is refused with the field and the supported values (never a load that goes
+A ``kv_cache_scheme`` (FP8 e4m3 with static k/v scales, per tensor or per KV head) gives the attention layers an
+FP8 KV cache (``impl.quant_kv``). Anything else in ``quantization_config`` is refused with the field and the supported values (never a load that goes
 on with defaults: a missing ``weight_scale`` is a missing tensor, not 1.0)."""
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from impl.errors import ConfigError, ShapeMismatch
+from impl.quant_kv import KvCacheScheme, parse_kv_cache_scheme
 
 QMAX = 127
 SUPPORTED = "compressed-tensors int-quantized W8A8 (8-bit int) or float-quantized W8A8 (8-bit float, e4m3): " \
@@ -54,11 +57,13 @@ class Int8Scheme:
     ignore: tuple[str, ...] = ("lm_head",)
     quantizes_activations = True  # W8A8 (a GPTQ scheme: False)
     num_type: str = "int"
+    kv_cache: str | None = None  # an FP8 KV cache's scale strategy ("tensor" / "attn_head": impl.quant_kv)
 
     @property
     def name(self) -> str:
         kind = "w8a8-int8" if self.num_type == "int" else "w8a8-fp8"
-        return f"{kind} ({self.weight_strategy} weights, {'dynamic per-token' if self.dynamic_input else 'static'} activations)"
+        kv = "" if self.kv_cache is None else f", FP8 KV cache ({self.kv_cache} scales)"
+        return f"{kind} ({self.weight_strategy} weights, {'dynamic per-token' if self.dynamic_input else 'static'} activations{kv})"
 
 
 def _field(d: dict, key: str, where: str):
@@ -82,14 +87,21 @@ def _int8_args(args: dict, where: str, strategies: tuple[str, ...], num_type: st
     return args
 
 
-def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
-    """The scheme of a checkpoint's ``quantization_config`` (None: not quantized); QuantConfigError otherwise.
-    (``impl.quant_awq.parse_quantization_config`` reads ``quant_method: awq`` and ``gptq`` first.)"""
+def parse_quant_config(raw: dict | None):
+    """The scheme of a checkpoint's ``quantization_config`` (None: not quantized): an ``Int8Scheme``, or a
+    ``impl.quant_kv.KvCacheScheme`` (no ``config_groups``, a ``kv_cache_scheme``: float linears, an FP8 KV cache);
+    QuantConfigError otherwise. (``impl.quant_awq.parse_quantization_config`` reads ``awq`` and ``gptq`` first.)"""
     if raw is None:
         return None
     method = _field(raw, "quant_method", "the config")
     if method != "compressed-tensors":
         raise QuantConfigError(f"quantization_config.quant_method = {method!r} is not supported: impl runs {SUPPORTED}; or gptq, awq")
+    try:
+        kv_cache = parse_kv_cache_scheme(raw.get("kv_cache_scheme"))
+    except ConfigError as e:
+        raise QuantConfigError(str(e)) from None
+    if raw.get("config_groups") == {} and kv_cache is not None:  # only the KV cache is quantized
+        return KvCacheScheme(kv_cache)
     fmt = _field(raw, "format", "the config")
     if fmt not in FORMATS:
         raise QuantConfigError(f"quantization_config.format = {fmt!r} is not supported: impl runs {SUPPORTED}")
@@ -121,9 +133,7 @@ def parse_quant_config(raw: dict | None) -> Int8Scheme | None:
     if "lm_head" not in ignore:
         raise QuantConfigError("quantization_config.ignore does not list 'lm_head': a quantized lm_head is not "
                                "supported (impl keeps the vocab-parallel head in float)")
-    if raw.get("kv_cache_scheme") is not None:
-        raise QuantConfigError("quantization_config.kv_cache_scheme is set: a quantized KV cache is not supported yet")
-    return Int8Scheme(w["strategy"], dynamic, ignore, num_type)
+    return Int8Scheme(w["strategy"], dynamic, ignore, num_type, kv_cache)
 
 
 def quantize_per_token(x: torch.Tensor, work: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,11 +188,30 @@ class Int8LinearMethod:
         else:
             sx = layer.input_scale
             qx = quantize_static(x2, sx)
-        acc = qx.double() @ layer.weight.double().t()  # exact integer sums (|acc| < 2^14 K)
+        # float32, not float64: exact for int8 values, half the bytes to convert (no copy is kept: the loaders and
+        # the faults write the int8 weight through .data, which no version counter sees)
+        acc = exact_int_matmul(qx, layer.weight.float())
         y = acc.float() * (sx * self.channel_scale(layer))
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*shape[:-1], -1)
+
+
+#: K per float32 GEMM: |q_x| <= 128 and |W_q| <= 128, so a chunk's sums stay integers <= 1024 * 2^14 = 2^24, exact in
+#: float32 whatever the order of the additions; the chunks are added in float64 (exact below 2^53)
+EXACT_CHUNK = 1024
+
+
+def exact_int_matmul(qx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``qx @ w^T`` of integer-valued float32 operands (int8 values) as exact integers in float64: float32 GEMMs over
+    K chunks of ``EXACT_CHUNK``, summed in float64. (A float64 GEMM on float64 copies is exact too, and slower: the
+    ``benchmarks/quant_cost.py --layer`` figures in README.)"""
+    k = qx.shape[-1]
+    acc = None
+    for s in range(0, k, EXACT_CHUNK):
+        part = (qx[:, s:s + EXACT_CHUNK] @ w[:, s:s + EXACT_CHUNK].t()).double()
+        acc = part if acc is None else acc + part
+    return acc
 
 
 def _whole(param: nn.Parameter, loaded, shard_id=None) -> None:

@@ -30,15 +30,8 @@ import torch
 from torch import nn
 
 from impl.errors import ShapeMismatch
+from impl.fp8 import FP8, FP8_MAX, to_fp8  # noqa: F401 (re-exported: the golden and the quantizer import them here)
 from impl.quant import Int8LinearMethod, Int8Scheme
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-
-
-def to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """``e4m3(clamp(x, -448, 448))`` (nearest, ties to even), cast through float32; returned as float8_e4m3fn."""
-    return x.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_fp8_per_token(x: torch.Tensor, work: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -143,8 +143,11 @@ class DiffOptions:
             return
         # W4A16 (GPTQ) quantizes no activation: no rounding boundary to land near, and its dequantized weights are
         # exact in float32 (a float16 scale times a small integer), so float32 is judged as a float model is
-        if self.dtype == "float32" and getattr(quant, "quantizes_activations", True):
+        # an FP8 KV cache rounds keys and values: the same near ties as a quantized activation
+        rounds = getattr(quant, "quantizes_activations", True) or getattr(quant, "kv_cache", None) is not None
+        if self.dtype == "float32" and rounds:
             raise ValueError(f"--dtype float32 on a quantized checkpoint ({quant.name}): in float32 an activation "
+                             "(or a key / value the FP8 cache rounds) "
                              "within float noise of a rounding boundary lands one quantization step apart in the "
                              "engine and the golden (a near tie) and tpcheck does not follow those yet; run "
                              "--dtype bfloat16 or float16")

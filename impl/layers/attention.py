@@ -11,7 +11,12 @@ layers) only ``p - W < j <= p`` (HF's ``kv_idx > q_idx - sliding_window``: the t
 ``W - 1`` before it). The paged cache keeps every token of a sequence; the window is applied by the mask
 alone, in prefill (with or without a cached prefix) and in decode alike. No ``0 * -inf`` arithmetic
 anywhere. This is pure torch; a GPU kernel would replace ``_prefill`` / ``_decode`` behind the same
-metadata."""
+metadata.
+
+With an FP8 KV cache (``kv_quant``: the checkpoint's ``kv_cache_scheme`` strategy, ``impl.quant_kv``) the cache is
+float8_e4m3fn: each new key (after RoPE) and value is quantized with the layer's static ``k_scale`` / ``v_scale``
+(one, or one per local KV head) when it is written, and every read dequantizes it (``q * scale``, cast to the
+activation dtype). A prefill attends over the rounded keys and values too, as the engine's cache would give them."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +25,7 @@ from torch import nn
 
 from impl.context import Context, get_context
 from impl.placements import Shard
+from impl.quant_kv import CACHE_DTYPE, dequantize_kv, kv_scale_count, load_kv_scale, quantize_kv
 
 
 def causal_mask(q_len: int, k_len: int, device=None, window: int | None = None) -> torch.Tensor:
@@ -39,8 +45,11 @@ def block_slots(block_tables: torch.Tensor, block_size: int, length: int) -> tor
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
-        """``num_heads`` / ``num_kv_heads`` are this rank's; ``sliding_window`` None = full causal attention."""
+                 sliding_window: int | None = None, kv_quant: str | None = None, total_kv_heads: int = 0,
+                 first_kv_head: int = 0):
+        """``num_heads`` / ``num_kv_heads`` are this rank's; ``sliding_window`` None = full causal attention.
+        ``kv_quant``: an FP8 KV cache's scale strategy ("tensor" / "attn_head"), None for a cache in the activation
+        dtype; a per-head scale is sliced from the model's ``total_kv_heads`` at this rank's ``first_kv_head``."""
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -48,11 +57,53 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.tensor([])  # allocated by the model runner
         self.output_placement = Shard(-1)
+        self.kv_quant, self.total_kv_heads, self.first_kv_head = kv_quant, total_kv_heads, first_kv_head
+        if kv_quant is not None:  # NaN until the checkpoint fills them (a missing one is a load error, never 1.0)
+            n = kv_scale_count(kv_quant, num_kv_heads)
+            for name in ("k_scale", "v_scale"):
+                p = nn.Parameter(torch.full((n,), float("nan")), requires_grad=False)
+                p.weight_loader = self.kv_scale_loader
+                setattr(self, name, p)
+
+    def checkpoint_tensors(self, mname: str) -> tuple[dict[str, tuple[str, None]], set[str]]:
+        """The checkpoint names of the KV-cache scales (``...self_attn.k_scale``, vLLM's and compressed-tensors'
+        spelling, one level above this module) -> this module's parameters."""
+        if self.kv_quant is None:
+            return {}, set()
+        parent = mname.rsplit(".", 1)[0]
+        return {f"{parent}.{n}": (f"{mname}.{n}", None) for n in ("k_scale", "v_scale")}, set()
+
+    def kv_scale_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        load_kv_scale(param, loaded, self.kv_quant, self.total_kv_heads, self.first_kv_head)
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What this layer's cache holds for a model run in ``dtype``."""
+        return dtype if self.kv_quant is None else CACHE_DTYPE
+
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k_scale``, ``v_scale`` shaped to broadcast over ``[..., kv_heads, d]``."""
+        return self.k_scale.view(-1, 1), self.v_scale.view(-1, 1)
+
+    def cached(self, which: str, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[*slots.shape, kv_heads, d]`` keys (``which`` "k") or values ("v") read from the cache, dequantized
+        to ``dtype`` when the cache is FP8."""
+        cache = self.k_cache if which == "k" else self.v_cache
+        rows = cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
+        if self.kv_quant is None:
+            return rows
+        return dequantize_kv(rows, self.kv_scales()["kv".index(which)], dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: ``[T, heads, d]``; k, v: ``[T, kv_heads, d]`` (after RoPE). Returns ``[T, heads * d]``."""
         ctx = get_context()
-        if ctx.slot_mapping is not None and self.k_cache.numel():
+        if self.kv_quant is not None:  # the cache's rounding, for the cache and this step's own attention alike
+            (ks, vs), dt = self.kv_scales(), k.dtype
+            k, v = quantize_kv(k, ks), quantize_kv(v, vs)
+            if ctx.slot_mapping is not None and self.k_cache.numel():
+                self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[ctx.slot_mapping] = k
+                self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[ctx.slot_mapping] = v
+            k, v = dequantize_kv(k, ks, dt), dequantize_kv(v, vs, dt)
+        elif ctx.slot_mapping is not None and self.k_cache.numel():
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[ctx.slot_mapping] = k
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[ctx.slot_mapping] = v
         out = self._decode(q, ctx) if ctx.is_decode else self._prefill(q, k, v, ctx)
@@ -73,8 +124,7 @@ class Attention(nn.Module):
                 ks, vs = k[start:start + lq], v[start:start + lq]
             else:
                 slots = block_slots(ctx.block_tables[i:i + 1], self.k_cache.shape[1], lk)[0]
-                ks = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
-                vs = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
+                ks, vs = self.cached("k", slots, q.dtype), self.cached("v", slots, q.dtype)
             # one query over all its keys needs no mask, unless a window hides the oldest of them
             w = self.sliding_window
             mask = causal_mask(lq, lk, q.device, w) if lq > 1 or (w is not None and lk > w) else None
@@ -86,8 +136,7 @@ class Attention(nn.Module):
         """One new token per sequence: gather each sequence's keys into a padded ``[B, Lmax]`` batch."""
         lens = torch.tensor(ctx.seq_lens_k, device=q.device)
         slots = block_slots(ctx.block_tables, self.k_cache.shape[1], int(lens.max()))
-        k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
-        v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
+        k, v = self.cached("k", slots, q.dtype), self.cached("v", slots, q.dtype)
         j = torch.arange(slots.shape[1], device=q.device)[None, :]
         mask = j < lens[:, None]  # the query sits at position len - 1
         if self.sliding_window is not None:

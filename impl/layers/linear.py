@@ -62,6 +62,8 @@ class LinearBase(nn.Module):
                  quant: QuantScheme | None = None, partitions: list[int] | None = None, in_total: int | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if not getattr(quant, "quantizes_weights", True):
+            quant = None  # a KV-cache-only scheme (impl.quant_kv): float linears
         if isinstance(quant, (GptqScheme, AwqScheme)):
             self.quant_method = (GptqLinearMethod if isinstance(quant, GptqScheme) else AwqLinearMethod)(quant)
             self.quant_method.create_weights(self, out_local, in_local, in_total or in_local, self.quant_row_parallel)

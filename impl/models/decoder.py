@@ -46,7 +46,10 @@ class DecoderAttention(nn.Module):
             self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype,
                                             quant=cfg.quant)
         self.rotary_emb = RotaryEmbedding(d, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, cfg.sliding_window(layer_idx))
+        qkv = self.qkv_proj  # an FP8 KV cache's per-head scales follow the rank's KV heads (replicas included)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, cfg.sliding_window(layer_idx),
+                              kv_quant=getattr(cfg.quant, "kv_cache", None), total_kv_heads=cfg.num_kv_heads,
+                              first_kv_head=qkv.tp_rank // qkv.kv_replicas * self.num_kv_heads)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, local heads, d]``, k ``[T, local kv heads, d]`` between projection and RoPE."""

@@ -13,7 +13,7 @@ from fake_tp import build_ranks, combine, fake_rank
 from impl.config import ConfigError
 from impl.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from impl.placements import Partial
-from impl.quant import Int8Scheme, QuantConfigError, parse_quant_config
+from impl.quant import Int8Scheme, QuantConfigError, exact_int_matmul, parse_quant_config
 
 TPS = (1, 2, 4)
 STRATEGIES = ("channel", "tensor")
@@ -162,3 +162,15 @@ def test_parse_refuses_with_the_field(path, value, match):
     with pytest.raises(QuantConfigError, match=match) as e:
         parse_quant_config(_with(path, value))
     assert isinstance(e.value, ConfigError)  # exit 2 in the CLI, like every config impl refuses
+
+
+@pytest.mark.parametrize("k", [7, 1024, 2500])
+def test_exact_int_matmul_is_the_integer_product(k):
+    """The int8 GEMM's float32 chunks and float64 sum give the int64 product bit for bit, at the extremes too
+    (-128 * -128 over a whole 1024-chunk sums to 2^24, float32's last exact integer step)."""
+    g = torch.Generator().manual_seed(k)
+    qx = torch.randint(-128, 128, (5, k), generator=g)
+    w = torch.randint(-128, 128, (6, k), generator=g, dtype=torch.int64)
+    qx[0], w[0] = -128, -128
+    got = exact_int_matmul(qx.float(), w.to(torch.int8).float())
+    assert got.dtype == torch.float64 and torch.equal(got, (qx @ w.t()).double())

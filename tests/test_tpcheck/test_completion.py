@@ -37,7 +37,8 @@ def script(tmp_path_factory):
     ("tpcheck diff --engine h", ["hf-tp"]),
     ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-hd32", "small-llama", "small-qwen3", "small-w8a8",
                                              "small-w8a8-tensor", "small-gptq", "small-gptq-act",
-                                             "small-awq", "small-fp8", "small-fp8-tensor", "small-fp8-static"]),
+                                             "small-awq", "small-fp8", "small-fp8-tensor", "small-fp8-static",
+                                             "small-fp8-kv", "small-fp8-kv-head"]),
     ("tpcheck sweep --qui", ["--quiet"]),
     ("tpcheck diff --inject qkv_sh", ["qkv_shard_dim1"]),  # fault names
     ("tpcheck diff --inject rope_skipped,qkv_b", ["rope_skipped,qkv_bias_missing"]),  # the last of a list

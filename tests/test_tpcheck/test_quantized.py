@@ -21,6 +21,8 @@ QUANT_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.i
 #: table lists them all
 GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ in ("tpcheck.inputs.faults.quant_gptq",
                                                                       "tpcheck.inputs.faults.quant_awq")]
+#: the FP8 KV cache's (tests/test_tpcheck/test_quantized_kv.py)
+KV_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_kv"]
 
 
 @pytest.mark.parametrize("preset,tp,dtype", [("small-w8a8", 2, "bfloat16"), ("small-w8a8-tensor", 4, "float16"),
@@ -44,7 +46,7 @@ def readme_quant_excess() -> dict[str, float]:
 
 
 def test_readme_table_lists_every_quantization_fault():
-    assert set(readme_quant_excess()) == set(QUANT_FAULTS + GPTQ_FAULTS) and len(QUANT_FAULTS) >= 4
+    assert set(readme_quant_excess()) == set(QUANT_FAULTS + GPTQ_FAULTS + KV_FAULTS) and len(QUANT_FAULTS) >= 4
 
 
 @pytest.mark.parametrize("name", QUANT_FAULTS)

@@ -18,6 +18,7 @@ from tpcheck.capture.teacher import Teacher
 from impl.distributed import get_tp_rank, get_tp_size
 from tpcheck.capture.dump import DumpWriter
 from impl.layers.attention import block_slots
+from impl.quant_kv import dequantize_kv
 
 _STATE = "_tpcheck"
 
@@ -128,7 +129,10 @@ def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
         heads = attn.k_cache.shape[2]  # what the cache actually holds (a faulty cache may hold more heads)
         slots = torch.cat([block_slots(torch.tensor([t]), bs, n)[0] for t, n in zip(tables, lens)])
         for name, cache in (("k", attn.k_cache), ("v", attn.v_cache)):
-            out[f"layers.{i}.kv.{name}"] = (kv, as_rows(cache.view(-1, heads, cache.shape[3])[slots]))
+            rows = cache.view(-1, heads, cache.shape[3])[slots]
+            if getattr(attn, "kv_quant", None) is not None:  # an FP8 cache: the values attention reads from it
+                rows = dequantize_kv(rows, attn.kv_scales()["kv".index(name)], runner.dtype)
+            out[f"layers.{i}.kv.{name}"] = (kv, as_rows(rows))
     return out
 
 

@@ -38,6 +38,7 @@ from tpcheck.inputs.weight_recipe import (  # noqa: F401
     _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
 from tpcheck.inputs.quantize_awq import quantize_any
+from tpcheck.inputs.kv_recipe import PRESETS as KV_PRESETS, spread_kv
 from impl.config import load_config
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
@@ -79,6 +80,8 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{out.name}.float-", dir=out.parent) as tmp:
             src = make_checkpoint(base, pathlib.Path(tmp) / "float", seed=seed, dtype=dtype, shards=shards)
+            if preset in KV_PRESETS:  # keys and values of a trained model's spread (tpcheck.inputs.kv_recipe)
+                spread_kv(src)
             try:
                 return quantize_any(src, out, scheme)
             except ValueError:

@@ -188,7 +188,9 @@ QUANTIZED: dict[str, tuple[str, str]] = {"small-w8a8": ("small-hd32", "w8a8-int8
                                          "small-awq": ("small-hd32", "awq-w4g32"),
                                          "small-fp8": ("small-hd32", "w8a8-fp8"),
                                          "small-fp8-tensor": ("small-hd32", "w8a8-fp8-tensor"),
-                                         "small-fp8-static": ("small-hd32", "w8a8-fp8-static")}
+                                         "small-fp8-static": ("small-hd32", "w8a8-fp8-static"),
+                                         "small-fp8-kv": ("small-hd32", "fp8-kv"),
+                                         "small-fp8-kv-head": ("small-hd32", "fp8-kv-head")}
 PRESETS.update({name: PRESETS[base] for name, (base, _) in QUANTIZED.items()})
 
 
@@ -234,6 +236,8 @@ def describe_preset(name: str) -> str:
         extra.append("attention sink at token 0: ~2e4 mid-depth, ~2.5e3 at the last layer")
     if name in QUANTIZED:
         extra.append(f"{QUANTIZED[name][0]} quantized {QUANTIZED[name][1]}")
+    if QUANTIZED.get(name, ("", ""))[1].startswith("fp8-kv"):  # tpcheck.inputs.kv_recipe
+        extra.append("v rows scaled by 0.0002 / 0.001 per KV head before quantizing")
     return (f"{name:15s} {config_family(c):9s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
             f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "
             f"{'tied' if c.get('tie_word_embeddings') else 'untied'}" + "".join(f"; {e}" for e in extra))

@@ -43,7 +43,9 @@ of it (``vllm/model_executor/layers/quantization/compressed_tensors/compressed_t
   weights int8 symmetric static with strategy channel / tensor plus inputs int8 dynamic per token select
   ``CompressedTensorsW8A8Int8`` (``_is_dynamic_token_w8a8``), which expects the int8 ``weight`` and a float32
   ``weight_scale`` of shape ``[out, 1]`` (channel) or ``[1]`` per fused part (tensor);
-* ``ignore`` (``["lm_head"]``: left in float), ``kv_cache_scheme`` (null: no KV-cache quantization);
+* ``ignore`` (``["lm_head"]``: left in float), ``kv_cache_scheme`` (null: no KV-cache quantization; the
+  ``KV_CACHE`` schemes write an FP8 one, ``QuantizationArgs`` of strategy ``tensor`` / ``attn_head``, with calibrated
+  ``self_attn.k_scale`` / ``v_scale`` tensors; ``KV_ONLY`` ones leave the linears float: ``config_groups {}``);
   ``transform_config``, ``sparsity_config``, ``total_num_heads`` / ``total_num_kv_heads`` when present (absent).
 
 ``quantization_status``, ``global_compression_ratio`` and the ``observer`` fields are not read by vLLM; they are
@@ -87,14 +89,25 @@ SCHEMES: dict[str, str] = {
     "w8a8-fp8-static": "float8_e4m3fn weights with one float32 scale per tensor [1]; activations float8_e4m3fn "
                        "with one static input_scale [1] per linear, calibrated on the float model "
                        "(tpcheck.inputs.calibrate; compressed-tensors' FP8 preset)",
+    "w8a8-fp8-kv": "w8a8-fp8 plus an FP8 (e4m3) KV cache: one static k_scale / v_scale [1] per layer, calibrated "
+                   "on the float model's keys (after RoPE) and values (kv_cache_scheme strategy tensor)",
+    "fp8-kv": "float linears (as in the source) and an FP8 (e4m3) KV cache: one static k_scale / v_scale [1] per "
+              "layer, calibrated as w8a8-fp8-kv's (config_groups {}, kv_cache_scheme strategy tensor)",
+    "fp8-kv-head": "float linears and an FP8 (e4m3) KV cache with one static k_scale / v_scale per KV head "
+                   "[kv_heads, 1, 1] (kv_cache_scheme strategy attn_head)",
 }
 #: schemes whose activations have a static ``input_scale`` (calibrated: ``tpcheck.inputs.calibrate``)
 STATIC = ("w8a8-fp8-static",)
+#: schemes with an FP8 KV cache -> the strategy of its scales (calibrated: ``tpcheck.inputs.calibrate.kv_scales``)
+KV_CACHE = {"w8a8-fp8-kv": "tensor", "fp8-kv": "tensor", "fp8-kv-head": "attn_head"}
+#: schemes that quantize the KV cache only (the linears stay float)
+KV_ONLY = ("fp8-kv", "fp8-kv-head")
 _STRATEGY = {"w8a8-int8": "channel", "w8a8-int8-tensor": "tensor", "w8a8-fp8": "channel", "w8a8-fp8-tensor": "tensor",
-             "w8a8-fp8-static": "tensor"}
+             "w8a8-fp8-static": "tensor", "w8a8-fp8-kv": "channel"}
 #: scheme -> (compressed-tensors ``type``, ``format``, the largest quantized value, safetensors dtype)
 _TYPE = {k: ("int", "int-quantized", 127.0, "I8") for k in ("w8a8-int8", "w8a8-int8-tensor")}
-_TYPE.update({k: ("float", "float-quantized", 448.0, "F8_E4M3") for k in ("w8a8-fp8", "w8a8-fp8-tensor", "w8a8-fp8-static")})
+_TYPE.update({k: ("float", "float-quantized", 448.0, "F8_E4M3") for k in ("w8a8-fp8", "w8a8-fp8-tensor", "w8a8-fp8-static",
+                                                                        *KV_CACHE)})  # (KV_ONLY: the cache's type)
 
 #: the decoder-layer linear weights that are quantized (lm_head is not: it is in ``ignore``)
 LINEAR_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -119,10 +132,14 @@ def quantization_config(scheme: str) -> dict:
     """The ``quantization_config`` entry of ``config.json`` for ``scheme`` (the module docstring: what vLLM reads)."""
     _check_scheme(scheme)
     num_type, fmt = _TYPE[scheme][:2]
+    kv = _qargs(KV_CACHE[scheme], False, "float", "static_minmax") if scheme in KV_CACHE else None
+    if scheme in KV_ONLY:  # no linear is quantized: no config group, compressed-tensors' "dense" format
+        return {"config_groups": {}, "quant_method": "compressed-tensors", "kv_cache_scheme": kv, "format": "dense",
+                "quantization_status": "compressed", "global_compression_ratio": None, "ignore": []}
     group = {"targets": ["Linear"], "weights": _qargs(_STRATEGY[scheme], False, num_type),
              "input_activations": _qargs("tensor", False, num_type, "static_minmax") if scheme in STATIC else
              _qargs("token", True, num_type), "output_activations": None, "format": None}
-    return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
+    return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": kv,
             "format": fmt, "quantization_status": "compressed", "global_compression_ratio": None,
             "ignore": ["lm_head"]}
 
@@ -222,10 +239,18 @@ def _plan(source: _Source, scheme: str) -> Plan:
                 raise ValueError(f"tensor {name}: expected a 2-D float weight, found {dtype} {shape}")
             if name + "_scale" in source.meta:
                 raise ValueError(f"tensor {name}_scale is already in the source")
-            scale_shape = [shape[0], 1] if _STRATEGY[scheme] == "channel" else [1]
-            out[name], out[name + "_scale"] = (_TYPE[scheme][3], shape, "weight"), ("F32", scale_shape, "scale")
+            if scheme in KV_ONLY:  # the linears stay float
+                out[name] = (dtype, shape, "weight")
+            else:
+                scale_shape = [shape[0], 1] if _STRATEGY[scheme] == "channel" else [1]
+                out[name], out[name + "_scale"] = (_TYPE[scheme][3], shape, "weight"), ("F32", scale_shape, "scale")
             if scheme in STATIC:
                 out[name.removesuffix("weight") + "input_scale"] = ("F32", [1], "given")
+            if scheme in KV_CACHE and name.endswith(".self_attn.k_proj.weight"):  # one k / v scale per layer
+                attn = name.removesuffix("k_proj.weight")
+                kv_shape = [1] if KV_CACHE[scheme] == "tensor" else [shape[0] // _head_dim(source), 1, 1]
+                for which in "kv":
+                    out[f"{attn}{which}_scale"] = ("F32", kv_shape, "given")
         elif _OTHER_PROJ.fullmatch(name):  # vLLM's "Linear" target would expect it int8 as well
             raise ValueError(f"tensor {name}: a projection weight this quantizer does not know (a fused or other "
                              "layout); supported: q/k/v/o_proj and gate/up/down_proj")
@@ -236,6 +261,13 @@ def _plan(source: _Source, scheme: str) -> Plan:
     if not any(role == "weight" for _, _, role in out.values()):
         raise ValueError("no decoder-layer linear weight (model.layers.N.self_attn.q_proj.weight ...) in the source")
     return out
+
+
+def _head_dim(source: _Source) -> int:
+    """The source's head_dim (config.json's, else hidden_size / num_attention_heads): a per-head KV scale's rows are
+    k_proj's rows over it."""
+    cfg = json.loads((source.root / "config.json").read_text())
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -272,6 +304,8 @@ def _output_tensor(source: _Source, name: str, plan: Plan, scheme: str) -> torch
     if role == "scale":
         base = name.removesuffix("_scale")
         t = _checked_scale(source.get(base), base, scheme)
+    elif role == "weight" and scheme in KV_ONLY:
+        t = source.get(name)
     elif role == "weight":
         w = source.get(name)
         t = quantize_weight(w, _checked_scale(w, name, scheme), scheme)
@@ -315,6 +349,9 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
         if scheme in STATIC:  # the float model's activations on calibration prompts
             from tpcheck.inputs.calibrate import input_scales  # lazy: it imports transformers
             given = input_scales(source.root, [n for n in source.meta if LINEAR_WEIGHT.fullmatch(n)])
+        if scheme in KV_CACHE:  # the float model's keys and values on the same prompts
+            from tpcheck.inputs.calibrate import kv_scales  # lazy: it imports transformers
+            given.update(kv_scales(source.root, KV_CACHE[scheme]))
         _write_safetensors(tmp / "model.safetensors", source, _plan(source, scheme), scheme, given)
         return quantization_config(scheme)
     return write_checkpoint(src, dst, fill)

@@ -20,13 +20,11 @@ from impl.config import HF_DTYPE_KEY, TRANSFORMERS_5, load_config, parse_dtype
 from tpcheck.capture.core import install
 from tpcheck.capture.maps import HF_MAP
 from tpcheck.capture.teacher import Teacher
+from tpcheck.reference.attention_fn import ATTN_NAME, _STATE, register_attention  # noqa: F401 (re-exported)
 from tpcheck.reference.forced_route import forced_route
 from tpcheck.reference.quantized import load_quantized_hf
 from tpcheck.reference.reductions import Reductions, row_parallel_linear
 import inspect
-
-ATTN_NAME = "tpcheck_sdpa"
-_STATE: dict = {}
 
 
 class RopeProbe(nn.Module):
@@ -35,37 +33,6 @@ class RopeProbe(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
-
-
-def _attention(module, query, key, value, attention_mask, **kwargs):
-    sink, probe = _STATE.get("sink"), getattr(module, "rope_probe", None)
-    if sink is not None or probe is not None:
-        i, n = module.layer_idx, query.shape[2]
-        q = query[0].transpose(0, 1).reshape(n, -1)
-        k = key[0, :, -n:].transpose(0, 1).reshape(n, -1)
-        if sink is not None:
-            sink(f"layers.{i}.attn.q_rope", q.detach())
-            sink(f"layers.{i}.attn.k_rope", k.detach())
-        if probe is not None:
-            probe(q[None], k[None])
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # submodule: loaded on first call
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def register_attention() -> None:
-    """Register tpcheck's attention function (sdpa, plus the post-RoPE q/k) with transformers under
-    ``ATTN_NAME``; a model uses it once ``model.config._attn_implementation = ATTN_NAME``."""
-    try:
-        from transformers import AttentionInterface  # transformers >= 4.51
-        AttentionInterface.register(ATTN_NAME, _attention)
-    except ImportError:  # transformers < 4.51: the registry is a plain dict
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # transformers < 4.51
-        ALL_ATTENTION_FUNCTIONS[ATTN_NAME] = _attention
-    try:  # transformers >= 4.53 builds masks per attention implementation
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # transformers >= 4.53
-        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    except ImportError:
-        pass
 
 
 def hf_classes(model_dir) -> tuple[type, type]:

@@ -35,6 +35,7 @@ from impl.config import load_config, parse_dtype
 from impl.loader import checkpoint_files
 from impl.quant import Int8Scheme, quantize_per_token, quantize_static
 from impl.quant_fp8 import FP8, quantize_fp8_per_token, quantize_fp8_static, requantize_to_max
+from tpcheck.reference.attention_fn import ATTN_NAME, register_attention
 from tpcheck.reference.build import meta_model
 from tpcheck.reference.gptq import dequantized_state, is_gptq
 
@@ -95,8 +96,8 @@ def _state_dict(model_dir: str | Path, dtype: torch.dtype,
     _requantize_fused(raw, scheme)
     state, input_scales = {}, {}
     for name, t in raw.items():
-        if name.endswith(".weight_scale"):
-            continue
+        if name.endswith((".weight_scale", ".self_attn.k_scale", ".self_attn.v_scale")):
+            continue  # KV-cache scales: read by _fake_quant_kv
         if name.endswith(".input_scale"):
             input_scales[name.removesuffix(".input_scale")] = t.float().reshape(1)
             continue
@@ -136,7 +137,31 @@ def load_quantized_hf(model_dir: str | Path, dtype: str | torch.dtype, config_cl
         model.lm_head.weight = model.model.embed_tokens.weight
     if scheme.quantizes_activations:  # not W4A16 (GPTQ)
         _fake_quant_inputs(model, scheme, input_scales)
+    if getattr(scheme, "kv_cache", None) is not None:
+        _fake_quant_kv(model, model_dir)
     return model.eval()
+
+
+def _fake_quant_kv(model: nn.Module, model_dir: str | Path) -> None:
+    """An FP8 KV cache (``impl.quant_kv``): each attention module gets ``kv_cache_scales`` (``k_scale``, ``v_scale``
+    shaped ``[kv_heads or 1, 1, 1]`` against HF's ``[batch, kv_heads, tokens, head_dim]``), which tpcheck's
+    attention function (``tpcheck.reference.hf``) applies to the new keys (after RoPE) and values before attention,
+    in the cache itself, so later steps and the ``kv.k`` / ``kv.v`` points read the rounded values, as the
+    engine's cache holds them. The scales are read as stored (float32), whole: the golden is one device."""
+    names = [f"model.layers.{i}.self_attn.{w}_scale" for i in range(len(model.model.layers)) for w in "kv"]
+    found: dict[str, torch.Tensor] = {}
+    for fname, present in checkpoint_files(model_dir).items():
+        with safe_open(fname, framework="pt") as f:
+            found.update({n: f.get_tensor(n) for n in names if n in present})
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(f"{model_dir}: the FP8 KV cache (kv_cache_scheme) has no scale tensor {missing[0]!r}"
+                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+    register_attention()  # the rounding lives in tpcheck's attention function: the model uses it from here on
+    model.config._attn_implementation = ATTN_NAME
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.kv_cache_scales = tuple(found[f"model.layers.{i}.self_attn.{w}_scale"].float().reshape(-1, 1, 1)
+                                                for w in "kv")
 
 
 def _fake_quant_inputs(model: nn.Module, scheme: Int8Scheme, input_scales: dict[str, torch.Tensor]) -> None:

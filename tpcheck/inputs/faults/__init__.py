@@ -2,7 +2,7 @@
 
 Each fault is declared once, beside its patch, with ``@fault(...)`` (``registry``); the modules group them
 by where they strike: ``loading``, ``attention``, ``collectives``, ``kv_cache``, ``norm``, ``quant`` (the
-scales of quantized linears), ``moe`` and ``families``
+scales of quantized linears; ``quant_kv``: an FP8 KV cache's), ``moe`` and ``families``
 (what the families beyond Qwen2 add: q/k norms, llama3 RoPE, biases, sliding windows). Applying them:
 ``engine`` (``apply`` in a rank, ``inject`` / ``injected`` / ``restore`` from the driver). How faults
 work, how to add one, and what cannot be injected: docs/faults.md.
@@ -18,6 +18,7 @@ from tpcheck.inputs.faults import attention, collectives, families, kv_cache, lo
 from tpcheck.inputs.faults import quant_gptq  # noqa: F401
 from tpcheck.inputs.faults import quant_awq  # noqa: F401,I001 (after quant_gptq: catalogue order)
 from tpcheck.inputs.faults import pipeline  # noqa: F401,I001 (after quant_awq: catalogue order)
+from tpcheck.inputs.faults import quant_kv  # noqa: F401,I001 (after pipeline: catalogue order)
 from tpcheck.inputs.faults.attention import DEFAULT_ROPE_THETA
 from tpcheck.inputs.faults.collectives import LOW_PRECISION_REDUCE
 from tpcheck.inputs.faults.engine import apply, describe, inject, injected, restore

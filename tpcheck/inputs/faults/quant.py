@@ -15,8 +15,8 @@ from tpcheck.inputs.faults.registry import fault
 
 
 def _quantized(cfg, plan, dtype) -> bool:
-    quant = getattr(cfg, "quant", None)  # INT8 W8A8 (a GPTQ scheme has no weight_scale: quant_gptq.py)
-    return quant is not None and getattr(quant, "weight_strategy", None) != "group" and dtype != "float32"
+    quant = getattr(cfg, "quant", None)  # W8A8 (GPTQ / AWQ and a KV-cache-only scheme have no weight_scale)
+    return quant is not None and getattr(quant, "weight_strategy", None) in ("channel", "tensor") and dtype != "float32"
 
 
 def _channel(cfg, plan, dtype) -> bool:
