@@ -161,19 +161,11 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     return judge(DiffResult(table, {**run_meta(), **meta.to_dict()}), tolerances)  # stamped: made here, now
 
 
-# why a dump's local pass is not on by default: the one real-vLLM dump it has run on (small-hd32, tp 2, bfloat16)
-# passed every error but read a gain of about -0.3% at attn.q_rope, attn.context and attn.out, 1.03-1.53x its
-# threshold, not yet explained (a real shrink after vLLM's RoPE, or a threshold too tight for that engine)
-DUMP_LOCAL_OPT_IN = ("not the default yet: on a real vLLM dump its gain statistic reads about -0.3% after RoPE, "
-                     "not yet explained (README \"A dump's local pass\")")
-
-
 def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
     """Whether the run has the local (teacher-forced) pass: ``isolate`` when given (True on an engine that cannot be
     teacher-forced is refused), else whether the adapter says it can be (``teacher_forcing``). A replayed dump
-    (``lacking``) has it only when asked (``DUMP_LOCAL_OPT_IN``), and only where it recorded every layer's ``out``
-    at every row of every step: its local pass forces the golden and the references onto those
-    (``tpcheck.pipeline.forced``)."""
+    (``lacking``) has it where it recorded every layer's ``out`` at every row of every step: its local pass forces
+    the golden and the references onto those (``tpcheck.pipeline.forced``)."""
     can = bool(getattr(engine, "teacher_forcing", False))
     why = "this engine cannot be teacher-forced"
     if not can and getattr(engine, "lacking", None) is not None:
@@ -185,11 +177,6 @@ def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
         if isolate and not can:
             raise ValueError(f"--isolate: {why}")
     if isolate is None:
-        if getattr(engine, "lacking", None) is not None:  # a dump: its local pass on request (DUMP_LOCAL_OPT_IN)
-            logger.warning("tpcheck compare: note: the verdict is the propagated pass alone; --isolate adds the "
-                           "dump's local pass" + (" (this dump has what it needs)" if can else f" ({why})")
-                           + f": {DUMP_LOCAL_OPT_IN}")
-            return False
         if not can:
             logger.warning(f"tpcheck diff: note: {why}: the verdict is the propagated "
                            "pass alone, whose floor grows with depth (a bug deep in the model shows by a thinner "
