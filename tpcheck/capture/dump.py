@@ -369,6 +369,7 @@ class DumpingAdapter:
         self.inner, self.root, self.dtype, self.engine, self.model = inner, Path(root), dtype, engine, model
         self.keep, self.budget = points, budget_bytes
         self.reductions = getattr(inner, "reductions", None)
+        self.teacher_forcing = getattr(inner, "teacher_forcing", False)  # dumping does not take the local pass away
         self.writers: list[DumpWriter] = []
 
     @property

@@ -1,0 +1,74 @@
+"""The live local pass of ``--engine vllm`` against its propagated pass alone, with depth: each vLLM fault
+(``tpcheck.engines.vllm_worker.VLLM_FAULTS``) seeded inside rank 1 at one decoder layer (the first, the middle, the
+last), one diff with both passes (the local pass is on by default), one vLLM started for all of them. Per run: the
+origin found, and the excess at the fault's own point in the local pass and in the propagated pass (what the
+verdict was before the local pass). In bfloat16 on a CPU whose vLLM kernels truncate to bfloat16, the origin is
+that truncation (``layers.0.attn.q_rope`` by the gain: README "A dump's local pass"); the fault's point is read
+apart from it.
+
+    .venv-vllm/bin/python benchmarks/vllm_local_pass.py [--preset deep-sink] [--tp 2] [--dtype bfloat16]
+        [--faults o-proj-partial,down-proj-partial] [--layers 0,12,23]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
+from common import make_log, print_table  # noqa: E402
+
+from tpcheck.engines.pool import EnginePool  # noqa: E402
+from tpcheck.engines.vllm import start  # noqa: E402
+from tpcheck.inputs.checkpoints import cached_checkpoint  # noqa: E402
+from tpcheck.options import DiffOptions  # noqa: E402
+from tpcheck.pipeline.diff import compare  # noqa: E402
+from tpcheck.pipeline.plan import RunPlan  # noqa: E402
+from tpcheck.result.meta import RunOrigin  # noqa: E402
+
+log = make_log("vllm_local_pass")
+PROMPT = [[3, 9, 27, 81, 5, 15, 45, 11, 33, 99, 7, 21]]  # 12 tokens, the depth matrix's first prompt
+POINT = {"o-proj-partial": "attn.out", "down-proj-partial": "mlp.out", "qkv-head-swap": "attn.q",
+         "k-rope-shift": "attn.k_rope", "gate-up-up-zero": "mlp.up"}  # where each fault first shows
+
+
+def excess_at(r, point: str, mode: str) -> float:
+    """The largest excess of ``point`` in pass ``mode`` of result ``r`` (NaN where it has no such row)."""
+    t = r.table[(r.table["point"] == point) & (r.table["mode"] == mode)]["excess"]
+    return float(t.max()) if len(t) else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="deep-sink")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--faults", default="o-proj-partial,down-proj-partial")
+    ap.add_argument("--layers", default="0,12,23")
+    a = ap.parse_args()
+    model = str(cached_checkpoint(a.preset))
+    opts = DiffOptions.of(model=model, tp=a.tp, dtype=a.dtype, prompts=PROMPT)
+    pool = EnginePool()
+    rows = []
+    try:
+        adapter = start(pool, RunPlan.of(opts))
+        for fault in a.faults.split(","):
+            for layer in [int(x) for x in a.layers.split(",")]:
+                t0 = time.monotonic()
+                adapter.faults = [(fault, layer, 1)]
+                r = compare(adapter, opts, origin=RunOrigin(tp=a.tp, engine="vllm", command="vllm_local_pass"))
+                fd = r.first_divergence
+                point = f"layers.{layer}.{POINT[fault]}"
+                rows.append([fault, str(layer), "-" if fd is None else f"{fd['point']} ({fd.get('mode')})",
+                             f"{excess_at(r, point, 'isolated'):.3g}", f"{excess_at(r, point, 'propagated'):.3g}"])
+                log(f"{fault} layer {layer}: {rows[-1][2:]} ({time.monotonic() - t0:.0f} s)")
+        adapter.faults = []
+    finally:
+        pool.close()
+    print(f"{a.preset} tp {a.tp} {a.dtype}, one prompt of {len(PROMPT[0])} tokens, prefill; fault inside rank 1")
+    print_table(["fault", "layer", "origin", "local excess", "propagated excess"], rows)
+
+
+if __name__ == "__main__":
+    main()
