@@ -17,8 +17,11 @@ import os
 import sys
 import time
 
+import pandas as pd
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
 from common import make_log, print_table  # noqa: E402
+from dump_local_pass import excess_at, origin  # noqa: E402
 
 from tpcheck.engines.pool import EnginePool  # noqa: E402
 from tpcheck.engines.vllm import start  # noqa: E402
@@ -35,23 +38,13 @@ POINT = {"o-proj-partial": "attn.out", "down-proj-partial": "mlp.out", "qkv-head
          "k-rope-shift": "attn.k_rope", "gate-up-up-zero": "mlp.up"}  # where each fault first shows
 
 
-def excess_at(r, point: str, mode: str) -> float:
-    """The largest excess of ``point`` in pass ``mode`` of result ``r`` (NaN where it has no such row)."""
-    t = r.table[(r.table["point"] == point) & (r.table["mode"] == mode)]["excess"]
-    return float(t.max()) if len(t) else float("nan")
-
-
-def origin(r) -> str:
-    fd = r.first_divergence
-    return "-" if fd is None else f"{fd['point']} ({fd.get('mode')})"
-
-
 def past_truncation(r, dtype: str) -> str:
     """The first failing row (by step, then execution order) that did not fail by a truncation-like gain alone
     (``tpcheck.result.origin.truncation_like``): where the fault shows past vLLM's bfloat16 truncation. Reporting
     only: the verdict's origin is the first failing row of any kind."""
     t = r.table
-    alone = (t["rel_err"] <= t["threshold"]) & t["gain"].map(lambda g: truncation_like(g, dtype))
+    alone = (t["rel_err"] <= t["threshold"]) & \
+        pd.Series([truncation_like(g, dtype, se) for g, se in zip(t["gain"], t["gain_se"])], index=t.index)
     bad = t[~t["passed"] & ~alone].sort_values(["step", "order"])
     return "-" if bad.empty else f"{bad.iloc[0]['point']} ({bad.iloc[0]['mode']})"
 

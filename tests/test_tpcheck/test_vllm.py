@@ -92,7 +92,7 @@ def truncated_only(rows: list[dict], dtype: str) -> bool:
     for r in bad:
         assert r["mode"] == "isolated" and r["point"].split(".", 2)[-1] in TRUNCATING, r
         assert r["rel_err"] <= r["threshold"] and abs(r["gain"]) > r["gain_threshold"], r
-        assert truncation_like(r["gain"], dtype), r
+        assert truncation_like(r["gain"], dtype, r["gain_se"]), r
     with open("/proc/cpuinfo") as f:
         rounds = "avx512_bf16" in f.read()
     if dtype == "bfloat16" and not rounds:
