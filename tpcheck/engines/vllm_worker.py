@@ -170,6 +170,16 @@ class NormTeacher:
                               norm.register_forward_hook(self._show_own(i), prepend=True),
                               norm.register_forward_hook(self._pass_forced(i))]
 
+    @classmethod
+    def of(cls, model) -> "NormTeacher | None":
+        """The teacher of ``model``, or None where it lacks the decoder layers' ``input_layernorm`` or the final
+        ``model.norm`` (the local pass is then refused at its first step, naming them)."""
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None or not hasattr(inner, "norm") or not all(hasattr(m, "input_layernorm") for m in layers):
+            return None
+        return cls(model)
+
     def _pre(self, i: int):
         def hook(mod, args, kwargs):
             if self.inputs is None or i not in self.inputs:
@@ -230,7 +240,7 @@ class TPCheckWorker:
             model = runner.get_model()
             st = self._tpcheck = {"cap": install(model, VLLM_MAP, points=points), "points": points,
                                   "rank": get_tensor_model_parallel_rank(), "faults": [], "runner": runner}
-            st["teacher"] = NormTeacher(model)  # after the capture's hooks (NormTeacher)
+            st["teacher"] = NormTeacher.of(model)  # after the capture's hooks (NormTeacher)
             model.register_forward_pre_hook(lambda m, a, k: _force_inputs(st, a, k), with_kwargs=True)
             execute = runner.execute_model
 
@@ -244,9 +254,10 @@ class TPCheckWorker:
             runner.execute_model = execute_model
         elif st["points"] != points:  # another selection: the hooks of this one
             st["cap"].remove()
-            st["teacher"].remove()
+            if st["teacher"] is not None:
+                st["teacher"].remove()
             st["cap"], st["points"] = install(runner.get_model(), VLLM_MAP, points=points), points
-            st["teacher"] = NormTeacher(runner.get_model())
+            st["teacher"] = NormTeacher.of(runner.get_model())
         st.update(order=None, force=None, sched=None, batch=None, inputs=None, steps=0)
 
     def tpcheck_fault(self, name: str, layer: int, rank: int) -> None:
@@ -279,7 +290,12 @@ class TPCheckWorker:
     def tpcheck_teach(self, inputs: dict[int, torch.Tensor] | None) -> None:
         """The inputs of decoder layers ``1..L`` (``L``: the final norm) at the next step, rows in the sequences'
         order (``NormTeacher``); None: the model's own."""
-        self._tpcheck["teacher"].inputs = inputs
+        teacher = self._tpcheck["teacher"]
+        if teacher is None and inputs is not None:
+            raise RuntimeError("tpcheck: the local pass: this vLLM model's decoder layers have no input_layernorm "
+                               "(or no final model.norm) to force; run with --no-isolate")
+        if teacher is not None:
+            teacher.inputs = inputs
 
     def tpcheck_points(self, kv_lens: list[int] | None) -> dict:
         """The last step's points ``{name: (placement, tensor)}`` in the sequences' fixed order, with the

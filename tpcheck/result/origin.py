@@ -46,7 +46,7 @@ def truncation_like(gain: float, dtype: str, se: float = 0.0) -> bool:
     """Whether a gain is negative and of the size of rounding toward zero to ``dtype`` instead of to nearest, once
     or twice in a row, within three of its standard errors ``se``: between -2^-bits (two truncations' mean at
     most) and -2^-(bits+3) (half of one's least). vLLM's CPU kernels on a machine without AVX512-BF16 convert
-    float32 to bfloat16 so: its RoPE -0.22 to -0.33% a row, attention's output -0.3 to -0.8% on rows of 65
+    float32 to bfloat16 so: its RoPE -0.22 to -0.33% a row, attention's output -0.27 to -0.80% on rows of 65
     to 1,041 elements (README "A dump's local pass")."""
     bits = MANTISSA_BITS.get(dtype)
     if bits is None or not gain < 0:
