@@ -288,7 +288,8 @@ def test_engine_vllm_points_are_selected_inside_the_ranks(pool, ckpt, monkeypatc
     r = tpcheck.diff(str(ckpt), tp=2, prompts=PROMPTS, decode_steps=1, engine="vllm", pool=pool, points=sel)
     assert r.passed, r.summary()
     assert set(r.table["point"]) == {"layers.1.mlp.out", "layers.1.kv.k"}
-    assert len(sent) == 2 and all(s == {"layers.1.mlp.out", "layers.1.kv.k"} for s in sent), sent
+    # two steps, in each of the two passes
+    assert len(sent) == 4 and all(s == {"layers.1.mlp.out", "layers.1.kv.k"} for s in sent), sent
     sent.clear()
     full = tpcheck.diff(str(ckpt), tp=2, prompts=PROMPTS, decode_steps=1, engine="vllm", pool=pool)
     assert {"layers.0.mlp.out", "layers.1.kv.v", "logits"} <= sent[0]  # no selection: every point again
@@ -338,11 +339,14 @@ def test_adapter_finds_a_fault_inside_a_rank_at_its_origin(adapter, ckpt, fault,
     t = result.table
     local, propagated = t[t["mode"] == "isolated"], t[t["mode"] == "propagated"]
     assert not local[local["point"] == origin]["passed"].all()  # the local pass finds it at its origin too
-    if layer == 0:  # the fault's own layer output is the engine's (not the teacher's); layer 1, forced onto the
-        # golden's input, is clean where the propagated pass inherits the fault
-        assert not local[local["point"] == "layers.0.out"]["passed"].all()
+    if layer == 0:  # layer 1, forced onto the golden's input, is locally clean
         one = lambda rows: rows[rows["point"].str.startswith("layers.1.")]  # noqa: E731
-        assert one(local)["passed"].all() and not one(propagated)["passed"].all(), one(local)
+        assert one(local)["passed"].all(), one(local)
+        out = lambda rows: rows[rows["point"] == "layers.0.out"]["passed"].all()  # noqa: E731
+        if not out(propagated):  # where the fault reaches layer 0's output (a key shift common to every key need
+            # not: softmax ignores it), the local pass judges the engine's own output, not the teacher's, and the
+            # propagated pass's layer 1 inherits it
+            assert not out(local) and not one(propagated)["passed"].all()
 
 
 @pytest.fixture(scope="module")
