@@ -251,7 +251,7 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     read back from vLLM's paged cache included, within the noise floor; prefill logits compared on the rows vLLM
     sampled; --dump written and `tpcheck compare` of it judged the same."""
     import tpcheck
-    from diff_runs import verdict_rows
+    from diff_runs import propagated_rows
     from tpcheck.capture.dump import DumpAdapter, read_dump
     from tpcheck.pipeline.diff import compare_engine
     from tpcheck.reference.reductions import Reductions
@@ -262,10 +262,7 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     assert {"layers.0.kv.k", "layers.1.kv.v", "logits", "layers.1.attn.k_rope"} <= set(result.table["point"])
     assert result.meta["coverage"]["rows_not_produced"] == {"logits": sum(len(p) - 1 for p in PROMPTS)}
     offline = compare_engine(DumpAdapter(read_dump(tmp_path / "dump"), Reductions(2)), str(ckpt), PROMPTS, dtype, 3)
-    # the same propagated run; the local passes force differently (the engine onto the golden's inputs, the
-    # golden onto the engine's)
-    propagated = lambda r: [row for row in verdict_rows(r) if row[2] == "propagated"]  # noqa: E731
-    assert propagated(offline) == propagated(result)
+    assert propagated_rows(offline) == propagated_rows(result)  # the same run; the local passes force differently
     assert offline.passed != truncated_only(offline.table.to_dict("records"), dtype), offline.summary()
     from tpcheck.inputs.fingerprint import fingerprint  # compare refuses another checkpoint's dump by it
     assert read_dump(tmp_path / "dump").fingerprint == fingerprint(ckpt)
