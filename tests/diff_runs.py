@@ -28,3 +28,9 @@ COLS = ["point", "step", "mode", "rel_err", "ref_rel_err", "threshold", "passed"
 def verdict_rows(r) -> list[list]:
     """``r.table``'s ``COLS`` as lists (NaN as -1, so equal rows compare equal)."""
     return r.table[COLS].fillna(-1).values.tolist()
+
+
+def propagated_rows(r) -> list[list]:
+    """``verdict_rows`` of the propagated pass: what a live run and its dump share when both have a local pass (they
+    force differently: the engine onto the golden's inputs, the golden onto the engine's)."""
+    return [row for row in verdict_rows(r) if row[COLS.index("mode")] == "propagated"]

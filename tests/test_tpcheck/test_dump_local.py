@@ -1,5 +1,5 @@
 """A dump's local pass (``tpcheck.pipeline.forced``): the golden and the noise-floor references run each layer on
-the engine's recorded input of it. impl's clean dump passes both passes; a fault injected into the last layer is
+the engine's recorded input of it. impl's clean dump passes both passes (the local pass on by default); a fault injected into the last layer is
 found at its origin by the dump's local pass with about the live local pass's excess; a dump without every layer's
 ``out`` is judged by the propagated pass alone and says which points it lacks."""
 from __future__ import annotations
@@ -33,8 +33,7 @@ def test_a_fault_in_the_last_layer_is_found_by_the_dumps_local_pass(ckpt, engine
     model = str(ckpt("tiny"))
     clean = tmp_path / "clean"
     tpcheck.diff(model=model, tp=2, dtype="bfloat16", prompts=PROMPTS, decode_steps=1, pool=engines, dump=str(clean))
-    assert not _compare(clean, model, "bfloat16").meta["isolate"]  # on request only (DUMP_LOCAL_OPT_IN)
-    r = _compare(clean, model, "bfloat16", isolate=True)
+    r = _compare(clean, model, "bfloat16")  # on by default where the dump has every layer's out
     assert r.passed and r.meta["isolate"] and set(r.table["mode"]) == {"propagated", "isolated"}
     faulty = tmp_path / "faulty"
     live = tpcheck.diff(model=model, tp=2, dtype="bfloat16", prompts=PROMPTS, decode_steps=1, pool=engines,

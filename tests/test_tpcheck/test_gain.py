@@ -13,6 +13,7 @@ from tpcheck.judge.verdict import GAIN_MODES, judge
 from tpcheck.measure.gain import GAIN_C, MIN_ELEMENTS, U_FP32, gain_fields, gain_of, gain_z, gain_z_cols, is_narrow, \
     ratios, row_gains
 from tpcheck.reference.reductions import Reductions
+from tpcheck.result.origin import truncation_like
 from tpcheck.result.report.sample import sample_result
 
 BF16_GAIN = 1 + 2**-7  # the residual_gain fault's factor: 2 ulp at most of a bfloat16 element
@@ -229,6 +230,25 @@ def test_judge_fails_a_gain_over_each_term_and_names_it():
     cols, i = _with_gain(6e-4, 1e-5, 0.0, se_cols=1e-4)  # errors shared down the columns: the column-group term
     assert cols.table.loc[i, "passed"] and cols.table.loc[i, "gain_threshold"] == pytest.approx(gain_z_cols(64) * 1e-4)
     assert GAIN_MODES == ("isolated",)
+
+
+def test_rounding_toward_zero_is_a_gain_and_the_origin_says_it_looks_like_truncation():
+    # what vLLM's CPU RoPE does to bfloat16 on a machine without AVX512-BF16 (README "A dump's local pass")
+    g = golden()
+    f32 = g.to(torch.float32)
+    trunc = (f32.view(torch.int32) & ~0xFFFF).view(torch.float32)  # the low 16 bits dropped: exact in bfloat16
+    t = gain_of(trunc.double(), g)
+    rne = gain_of(f32.to(torch.bfloat16).double(), g)
+    assert -2**-8 < t.gain < -2**-9 and abs(t.gain) > 5 * gain_z(t.n) * t.se and abs(rne.gain) < 3 * rne.se
+    assert truncation_like(t.gain, "bfloat16") and not truncation_like(rne.gain, "bfloat16")
+    assert not truncation_like(2**-7, "bfloat16") and not truncation_like(-2**-7, "float16")  # a gain up; float16
+    assert not truncation_like(-0.012, "bfloat16") and truncation_like(-0.012, "bfloat16", se=0.0015)  # 3 se
+    bad, _ = _with_gain(t.gain, 1e-4, 0.0)
+    assert "of the sign and size of rounding toward zero to bfloat16 instead of to nearest" in bad.summary()
+    assert "every layer's output is locally within the noise floor; the local pass fails inside a layer" \
+        in bad.summary()
+    up, _ = _with_gain(7.8e-3, 1e-4, 0.0)  # the residual_gain fault: no such note
+    assert "rounding toward zero" not in up.summary()
 
 
 def test_a_result_without_gain_columns_is_judged_as_before():

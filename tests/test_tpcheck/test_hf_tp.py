@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import tpcheck
-from diff_runs import verdict_rows
+from diff_runs import propagated_rows
 from tpcheck.cli.app import main
 from tpcheck.capture.dump import DumpAdapter, read_dump
 from tpcheck.engines.hf_tp import get_adapter
@@ -55,7 +55,8 @@ def test_hf_tp_dump_gives_the_live_table(ckpt, engines, tmp_path):
     dump = read_dump(tmp_path / "dump")
     assert dump.engine == "hf-tp" and dump.tp == 2
     offline = compare_engine(DumpAdapter(dump, Reductions(2)), str(d), dump.tokens[0], "float32", 2)
-    assert live.passed and verdict_rows(live) == verdict_rows(offline)
+    assert live.passed and offline.passed and propagated_rows(live) == propagated_rows(offline)
+    assert set(live.table["mode"]) == set(offline.table["mode"]) == {"propagated", "isolated"}  # --dump keeps it
 
 
 def test_hf_tp_under_torchrun_dumps_what_compare_judges(ckpt, engines, tmp_path):

@@ -367,8 +367,8 @@ class DumpingAdapter:
     def __init__(self, inner, root: str | Path, dtype: str, engine: str = "impl", points: str | None = None,
                  budget_bytes: int | None = None, model: str | None = None):
         self.inner, self.root, self.dtype, self.engine, self.model = inner, Path(root), dtype, engine, model
-        self.keep, self.budget = points, budget_bytes
-        self.reductions = getattr(inner, "reductions", None)
+        self.keep, self.budget, self.reductions = points, budget_bytes, getattr(inner, "reductions", None)
+        self.teacher_forcing = getattr(inner, "teacher_forcing", False)  # dumping does not take the local pass away
         self.writers: list[DumpWriter] = []
 
     @property

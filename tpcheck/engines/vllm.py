@@ -20,7 +20,9 @@ How (no pickled functions: every call into the ranks is a method *name*):
 
 Teacher forcing of tokens: vLLM samples its own next token, but the model consumes the one the harness
 gives: the pre-hook writes it into ``input_ids`` (so the KV cache holds the harness's token; vLLM's own
-record of its output is ignored). ``isolate`` (teacher hidden states) is refused (``start``). The KV cache is
+record of its output is ignored). Teacher forcing of hidden states (the local pass, on by default as for impl):
+each step's ``teacher`` goes to the ranks (``tpcheck_teach``), whose ``vllm_worker.NormTeacher`` calls the fused
+add + RMSNorm at each layer's entry on ``(0, the golden's input)``: an exact teacher input in any dtype. The KV cache is
 read back from vLLM's paged cache (``vllm_worker.paged_kv_rows``: the CPU backend's layout and the
 flash-attention layout). vLLM computes ``logits`` only for the rows it samples (at a prefill, each prompt's
 last): those rows are compared, and the run's coverage counts the others (``rows_not_produced``).
@@ -99,10 +101,6 @@ def start(pool, plan):
     """The adapter of one diff (``tpcheck.engines.registry``): the pool's ``VLLMAdapter`` (kept across diffs; a
     new checkpoint, dtype or length starts another); ``--dump`` is written from the driver (the registry's)."""
     opts, model_dir = plan.opts, plan.model_dir
-    if opts.isolate:
-        raise ValueError("--isolate is not supported with --engine vllm: vLLM's fused add + RMSNorm reads layer i's "
-                         "output at layer i+1's norm, so its input cannot be swapped for the golden's; run without "
-                         "--isolate (the propagated pass still names the first diverging point)")
     set_here = vllm_env(opts.tp)
     if set_here:
         logger.info("tpcheck diff: --engine vllm: set " + " ".join(f"{k}={v}" for k, v in set_here.items()))
@@ -129,6 +127,7 @@ class VLLMAdapter:
                  **llm_kwargs):
         vllm_env(tp)
         self.reductions = Reductions(tp)
+        self.teacher_forcing = True  # the local pass: through the fused norms (vllm_worker.NormTeacher)
         self.tp, self.faults = tp, list(faults)
         self.llm = None
         self.ids: list[str] = []
@@ -141,6 +140,7 @@ class VLLMAdapter:
         """Stop the running ``LLM`` (if any) and start one on ``model_dir`` (vLLM cannot swap a model in place)."""
         from vllm import LLM
         self.shutdown()
+        self.engine_name, self.dtype = "vllm", dtype  # whether the local pass is on by default (engines.rounding)
         self.llm = LLM(model=str(model_dir), tensor_parallel_size=self.tp, dtype=dtype, enforce_eager=True,
                        skip_tokenizer_init=True, enable_prefix_caching=False, max_model_len=max_model_len,
                        worker_extension_cls="tpcheck.engines.vllm_worker.TPCheckWorker", seed=0, **llm_kwargs)
@@ -173,8 +173,9 @@ class VLLMAdapter:
         self.started = False
 
     def step(self, new_tokens: list[list[int]], teacher, capture_kv: bool) -> Points:
-        if teacher is not None:
-            raise ValueError("VLLMAdapter: isolate (teacher inputs) is not supported")
+        # layer 0 is left out: it reads the embedding, the golden's rounded to the dtype (NormTeacher)
+        self._rpc("tpcheck_teach", None if teacher is None else
+                  {i: t.detach().to("cpu").contiguous() for i, t in teacher.items() if i > 0})
         self._rpc("tpcheck_force", [list(t) for t in new_tokens] if self.started else None)
         self.engine.step()
         self.started = True
@@ -199,6 +200,7 @@ class VLLMAdapter:
             self.ids = []
         self._rpc("tpcheck_unfault")
         self._rpc("tpcheck_force", None)
+        self._rpc("tpcheck_teach", None)
 
     def shutdown(self) -> None:
         """Stop vLLM's workers."""

@@ -137,6 +137,90 @@ VLLM_FAULTS = {
 }
 
 
+# ---------------------------------------------------------------- teacher forcing through the fused norms
+
+class NormTeacher:
+    """Teacher forcing of a vLLM model (the local pass), through its fused add + RMSNorm.
+
+    vLLM's decoder layer ``i`` takes ``(positions, hidden_states, residual)`` and its ``input_layernorm`` computes
+    ``residual' = hidden_states + residual`` (layer ``i - 1``'s output) and ``normed = rmsnorm(residual')``; the
+    final ``model.norm`` does the same with the last layer's. While ``inputs`` is set (``{i: [rows, hidden]}``,
+    ``i = 1..L``, ``L`` the final norm's), the norm of entry ``i`` is called on ``(0, inputs[i])`` instead:
+    ``0 + t`` is ``t`` exactly in any dtype and any rounding mode (``t`` is already in the model's dtype), so the
+    layer runs on the teacher's input and the norm's output is the engine's own kernel's RMSNorm of it. Layer 0 is
+    never forced: it reads the embedding, which is the golden's rounded to the dtype (a lookup; a vocabulary-parallel
+    one all-reduces one nonzero partial).
+
+    The point ``layers.{i-1}.out`` (``VLLM_MAP``: the norm's second output) must stay the engine's own output of
+    layer ``i - 1`` on its own (forced) input, not the teacher's: the pre-hook first runs the norm on copies of its
+    real arguments (``forward``: the same kernel, no hooks; it updates its arguments in place) and keeps that
+    residual; a forward hook ahead of the capture's shows the capture that residual, and one after the capture's
+    hands the layer the forced one. ``install`` must therefore run after the capture's hooks are registered. Rows
+    past the teacher's (padding vLLM may add) keep their own input."""
+
+    def __init__(self, model):
+        self.inputs: dict[int, torch.Tensor] | None = None
+        layers = model.model.layers
+        norms = [(i, layers[i].input_layernorm) for i in range(1, len(layers))] + [(len(layers), model.model.norm)]
+        self._own: dict[int, torch.Tensor] = {}
+        self._forced: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for i, norm in norms:
+            self._handles += [norm.register_forward_pre_hook(self._pre(i), with_kwargs=True),
+                              norm.register_forward_hook(self._show_own(i), prepend=True),
+                              norm.register_forward_hook(self._pass_forced(i))]
+
+    @classmethod
+    def of(cls, model) -> "NormTeacher | None":
+        """The teacher of ``model``, or None where it lacks the decoder layers' ``input_layernorm`` or the final
+        ``model.norm`` (the local pass is then refused at its first step, naming them)."""
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None or not hasattr(inner, "norm") or not all(hasattr(m, "input_layernorm") for m in layers):
+            return None
+        return cls(model)
+
+    def _pre(self, i: int):
+        def hook(mod, args, kwargs):
+            if self.inputs is None or i not in self.inputs:
+                return None
+            if len(args) < 2 or args[1] is None:
+                raise RuntimeError(f"tpcheck: teacher forcing: the norm of decoder layer {i} was called without a "
+                                   "residual: not vLLM's fused add + RMSNorm")
+            x, res = args[0], args[1]
+            t = self.inputs[i].to(dtype=res.dtype, device=res.device)
+            if t.shape[0] > res.shape[0] or t.shape[1:] != res.shape[1:]:
+                raise RuntimeError(f"tpcheck: teacher forcing: the input of layer {i} is {tuple(t.shape)}, the "
+                                   f"step's residual {tuple(res.shape)}")
+            self._own[i] = mod.forward(x.clone(), res.clone())[1]  # layer i-1's own output, by vLLM's own add
+            fx, fr = x.clone(), res.clone()
+            fx[:t.shape[0]] = 0
+            fr[:t.shape[0]] = t
+            return (fx, fr, *args[2:]), kwargs
+        return hook
+
+    def _show_own(self, i: int):
+        def hook(mod, args, out):
+            if i not in self._own:
+                return None
+            self._forced[i] = out[1]
+            return out[0], self._own.pop(i)
+        return hook
+
+    def _pass_forced(self, i: int):
+        def hook(mod, args, out):
+            if i not in self._forced:
+                return None
+            return out[0], self._forced.pop(i)
+        return hook
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 # ---------------------------------------------------------------- inside each vLLM worker
 
 class TPCheckWorker:
@@ -156,6 +240,7 @@ class TPCheckWorker:
             model = runner.get_model()
             st = self._tpcheck = {"cap": install(model, VLLM_MAP, points=points), "points": points,
                                   "rank": get_tensor_model_parallel_rank(), "faults": [], "runner": runner}
+            st["teacher"] = NormTeacher.of(model)  # after the capture's hooks (NormTeacher)
             model.register_forward_pre_hook(lambda m, a, k: _force_inputs(st, a, k), with_kwargs=True)
             execute = runner.execute_model
 
@@ -169,7 +254,10 @@ class TPCheckWorker:
             runner.execute_model = execute_model
         elif st["points"] != points:  # another selection: the hooks of this one
             st["cap"].remove()
+            if st["teacher"] is not None:
+                st["teacher"].remove()
             st["cap"], st["points"] = install(runner.get_model(), VLLM_MAP, points=points), points
+            st["teacher"] = NormTeacher.of(runner.get_model())
         st.update(order=None, force=None, sched=None, batch=None, inputs=None, steps=0)
 
     def tpcheck_fault(self, name: str, layer: int, rank: int) -> None:
@@ -198,6 +286,16 @@ class TPCheckWorker:
     def tpcheck_force(self, tokens: list[list[int]] | None) -> None:
         """The tokens each sequence (by dump index) consumes at the next step (None: vLLM's own)."""
         self._tpcheck["force"] = tokens
+
+    def tpcheck_teach(self, inputs: dict[int, torch.Tensor] | None) -> None:
+        """The inputs of decoder layers ``1..L`` (``L``: the final norm) at the next step, rows in the sequences'
+        order (``NormTeacher``); None: the model's own."""
+        teacher = self._tpcheck["teacher"]
+        if teacher is None and inputs is not None:
+            raise RuntimeError("tpcheck: the local pass: this vLLM model's decoder layers have no input_layernorm "
+                               "(or no final model.norm) to force; run with --no-isolate")
+        if teacher is not None:
+            teacher.inputs = inputs
 
     def tpcheck_points(self, kv_lens: list[int] | None) -> dict:
         """The last step's points ``{name: (placement, tensor)}`` in the sequences' fixed order, with the

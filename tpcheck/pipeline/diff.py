@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from impl.config import parse_dtype
 from tpcheck.engines.pool import EnginePool
+from tpcheck.engines.rounding import local_pass_default_off
 from tpcheck.judge import judge
 from tpcheck.judge.coverage import Coverage
 from tpcheck.judge.tolerances import Tolerances
@@ -162,19 +163,11 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     return judge(DiffResult(table, {**run_meta(), **meta.to_dict()}), tolerances)  # stamped: made here, now
 
 
-# why a dump's local pass is not on by default: the one real-vLLM dump it has run on (small-hd32, tp 2, bfloat16)
-# passed every error but read a gain of about -0.3% at attn.q_rope, attn.context and attn.out, 1.03-1.53x its
-# threshold, not yet explained (a real shrink after vLLM's RoPE, or a threshold too tight for that engine)
-DUMP_LOCAL_OPT_IN = ("not the default yet: on a real vLLM dump its gain statistic reads about -0.3% after RoPE, "
-                     "not yet explained (README \"A dump's local pass\")")
-
-
 def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
     """Whether the run has the local (teacher-forced) pass: ``isolate`` when given (True on an engine that cannot be
     teacher-forced is refused), else whether the adapter says it can be (``teacher_forcing``). A replayed dump
-    (``lacking``) has it only when asked (``DUMP_LOCAL_OPT_IN``), and only where it recorded every layer's ``out``
-    at every row of every step: its local pass forces the golden and the references onto those
-    (``tpcheck.pipeline.forced``)."""
+    (``lacking``) has it where it recorded every layer's ``out`` at every row of every step: its local pass forces
+    the golden and the references onto those (``tpcheck.pipeline.forced``)."""
     can = bool(getattr(engine, "teacher_forcing", False))
     why = "this engine cannot be teacher-forced"
     if not can and getattr(engine, "lacking", None) is not None:
@@ -186,10 +179,9 @@ def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
         if isolate and not can:
             raise ValueError(f"--isolate: {why}")
     if isolate is None:
-        if getattr(engine, "lacking", None) is not None:  # a dump: its local pass on request (DUMP_LOCAL_OPT_IN)
-            logger.warning("tpcheck compare: note: the verdict is the propagated pass alone; --isolate adds the "
-                           "dump's local pass" + (" (this dump has what it needs)" if can else f" ({why})")
-                           + f": {DUMP_LOCAL_OPT_IN}")
+        off = local_pass_default_off(*_engine_rounding(engine)) if can else None
+        if off:
+            logger.warning(f"tpcheck diff: note: the verdict is the propagated pass alone: {off}")
             return False
         if not can:
             logger.warning(f"tpcheck diff: note: {why}: the verdict is the propagated "
@@ -197,6 +189,15 @@ def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
                            "margin; README \"A verdict whose margin does not decay with depth\")")
         return can
     return isolate
+
+
+def _engine_rounding(engine) -> tuple[str, str, str]:
+    """``(engine name, dtype, "live" | "dump")`` of an adapter, for ``engines.rounding.local_pass_default_off``."""
+    dump = getattr(engine, "dump", None)
+    if dump is not None and getattr(engine, "lacking", None) is not None:  # a replayed dump: what it recorded
+        return dump.engine, dump.dtype, "dump"
+    name = getattr(engine, "engine_name", None) or getattr(engine, "engine", None)  # a DumpingAdapter: its name
+    return name if isinstance(name, str) else "?", str(getattr(engine, "dtype", "?")), "live"
 
 
 def _step_fails(dtype: str, tolerances: Tolerances | None):

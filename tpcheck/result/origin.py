@@ -14,7 +14,7 @@ def origin_cause(fd: dict, dtype: str) -> str:
     err = f"rel_err {fd['rel_err']:.3g} vs HF {dtype} {fd['ref_rel_err']:.3g}" + \
         (f" ({fd['ref_by']})" if fd.get("ref_by") else "")
     where = f"max |diff| {fd['max_abs']:.3g} at (batch, token, feature) {fd['max_abs_index']}"
-    gain = f"; {_gain_note(fd)}" if _gain_failed(fd) else ""
+    gain = f"; {_gain_note(fd, dtype)}" if _gain_failed(fd) else ""
     causes = [fd["note"]] if fd["note"] else []
     if spread > thr:  # NaN (no replicas) is never a cause
         causes.append(f"ranks {fd.get('rank_spread_by') or '?'} disagree by {spread:.3g} "
@@ -37,7 +37,31 @@ def _gain_failed(fd: dict) -> bool:
     return isinstance(g, float) and isinstance(thr, float) and abs(g) > thr
 
 
-def _gain_note(fd: dict) -> str:
-    """``gain +0.0075 over its threshold 0.00079 (9.5x): a systematic relative error`` (the row's gain failed)."""
+# stored mantissa bits: rounding toward zero (truncation) to these loses on average half an ulp, a relative
+# -2^-(bits+2) .. -2^-(bits+1) by where the value sits in its binade
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10}
+
+
+def truncation_like(gain: float, dtype: str, se: float = 0.0) -> bool:
+    """Whether a gain is negative and of the size of rounding toward zero to ``dtype`` instead of to nearest, once
+    or twice in a row, within three of its standard errors ``se``: between -2^-bits (two truncations' mean at
+    most) and -2^-(bits+3) (half of one's least). vLLM's CPU kernels on a machine without AVX512-BF16 convert
+    float32 to bfloat16 so: its RoPE -0.22 to -0.33% a row, attention's output -0.27 to -0.80% on rows of 65
+    to 1,041 elements (README "A dump's local pass")."""
+    bits = MANTISSA_BITS.get(dtype)
+    if bits is None or not gain < 0:
+        return False
+    slack = 3 * se if se == se else 0.0  # NaN: not measured
+    return -gain - slack <= 2.0 ** -bits and -gain + slack >= 2.0 ** -(bits + 3)
+
+
+def _gain_note(fd: dict, dtype: str) -> str:
+    """``gain +0.0075 over its threshold 0.00079 (9.5x): a systematic relative error`` (the row's gain failed),
+    with what a truncating kernel would give where the gain has its sign and size (``truncation_like``)."""
     g, thr = fd["gain"], fd["gain_threshold"]
-    return f"gain {g:+.3g} over its threshold {thr:.3g} ({abs(g) / thr:.3g}x): a systematic relative error"
+    note = f"gain {g:+.3g} over its threshold {thr:.3g} ({abs(g) / thr:.3g}x): a systematic relative error"
+    if truncation_like(g, dtype, fd.get("gain_se", 0.0)):
+        bits = MANTISSA_BITS[dtype]
+        note += (f", of the sign and size of rounding toward zero to {dtype} instead of to nearest (-2^-{bits + 2} "
+                 f"to -2^-{bits + 1} on average): a kernel that truncates its {dtype} results")
+    return note

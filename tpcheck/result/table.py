@@ -225,6 +225,9 @@ class DiffResult:
                              f"{next(r['local_rel_err'] for r in g if r['layer'] == src):.3g}); later layers are locally "
                              f"{'clean' if local_bad == [src] else 'also failing: ' + str(local_bad[1:])}; growth: "
                              + (", ".join(amp) or "none"))
+            elif fd["mode"] == "isolated":  # the local pass failed inside a layer, at no layer's out
+                lines.append("isolate: every layer's output is locally within the noise floor; the local pass "
+                             "fails inside a layer (the origin's line)")
             else:
                 lines.append("isolate: every layer is locally within the noise floor (the error is in a point "
                              "outside the decoder layers, or only in the propagated run)")
