@@ -278,7 +278,6 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     local = local_pass_default_off("vllm", dtype) is None  # on by default unless vLLM truncates here
     assert set(result.table["mode"]) == ({"propagated", "isolated"} if local else {"propagated"})
     assert result.passed, result.summary()  # the default verdict of a clean vLLM: PASS
-    assert not truncated_only(result.table.to_dict("records"), dtype)
     assert {"layers.0.kv.k", "layers.1.kv.v", "logits", "layers.1.attn.k_rope"} <= set(result.table["point"])
     assert result.meta["coverage"]["rows_not_produced"] == {"logits": sum(len(p) - 1 for p in PROMPTS)}
     offline = compare_engine(DumpAdapter(read_dump(tmp_path / "dump"), Reductions(2)), str(ckpt), PROMPTS, dtype, 3)
