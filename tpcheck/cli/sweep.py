@@ -376,7 +376,8 @@ def write_sweep_html(out: Path, rows: list[dict], results: dict) -> None:
     links: list = [None] * len(rows)
     for i, r in results.items():
         row = rows[i]
-        links[i] = f"{i:03d}-{row['config']}-tp{row['tp']}-pp{row.get('pp', 1)}-{row['dtype']}-decode{row['decode_steps']}.html"
+        pp = f"-pp{row['pp']}" if row.get("pp", 1) > 1 else ""  # unpipelined reports keep their names
+        links[i] = f"{i:03d}-{row['config']}-tp{row['tp']}{pp}-{row['dtype']}-decode{row['decode_steps']}.html"
         write_html(r, out / links[i])
     (out / "index.html").write_text(render_sweep_html(sweep_index_rows(rows), links), encoding="utf-8")
 
