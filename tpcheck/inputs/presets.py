@@ -72,7 +72,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from impl.config import FAMILIES, HF_DTYPE_KEY, TRANSFORMERS_5
+from impl.config import _TF_VERSION, FAMILIES, HF_DTYPE_KEY, TRANSFORMERS_5
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -213,9 +213,13 @@ def preset_family(name: str) -> str:
 def preset_available(name: str) -> bool:
     """Whether the installed transformers can read preset ``name``'s family (Qwen3 needs transformers >= 4.51) and
     tpcheck can capture it: the MoE presets need transformers 5, whose router returns (logits, top-k weights, ids)
-    and whose experts are one module (``tpcheck.capture.maps.HF_MAP``; 4.x routes inside the block)."""
+    and whose experts are one module (``tpcheck.capture.maps.HF_MAP``; 4.x routes inside the block); the FP8 KV
+    cache presets need transformers >= 4.53."""
     family = FAMILIES[preset_family(name)]
-    return family.available and (family.moe is None or TRANSFORMERS_5)
+    # an FP8 KV cache's scales are calibrated, and its golden rounds, through transformers' pluggable attention and
+    # masks (AttentionInterface >= 4.51, masking_utils >= 4.53)
+    kv_cache = "kv" in QUANTIZED.get(name, ("", ""))[1]
+    return family.available and (family.moe is None or TRANSFORMERS_5) and (not kv_cache or _TF_VERSION >= (4, 53))
 
 
 def describe_preset(name: str) -> str:
