@@ -201,7 +201,7 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepO
 
     phases = [Phase.explicit, Phase.generate] + ([] if opts.no_shrink else [Phase.shrink])
 
-    @seed(_row_seed(opts.seed, source, tp, dtype, steps, *((pp,) if pp != 1 else ())))  # pp 1: the seeds it had
+    @seed(_row_seed(opts.seed, source, tp, dtype, steps, *((pp,) if pp != 1 else ())))  # pp 1: the same draws as before --pp existed
     @settings(max_examples=opts.examples, deadline=None, database=None, phases=phases, verbosity=Verbosity.quiet,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False)
     @given(_case_strategy(source, tp, dtype, steps, opts, pp))
