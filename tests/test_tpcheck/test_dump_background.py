@@ -96,3 +96,33 @@ def test_queue_size_from_the_environment(ckpt, tmp_path, monkeypatch):
         monkeypatch.setenv("TPCHECK_DUMP_QUEUE_MB", bad)
         with pytest.raises(ValueError, match="TPCHECK_DUMP_QUEUE_MB"):
             from_env(runner.model, IMPL_MAP, 0, 1, "float32", "impl")
+
+
+def test_a_process_that_exits_without_closing_writes_every_queued_step_and_exits(tmp_path):
+    """No hang at exit (the thread never outlives the interpreter) and no lost step (the queue is written first),
+    in a plain process and in a multiprocessing child (how vLLM runs its workers)."""
+    import subprocess
+    import sys
+    script = f"""
+import multiprocessing as mp, sys, time
+sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+from test_dump_background import _points
+from tpcheck.capture.dump import DumpWriter
+
+def run(root):
+    w = DumpWriter(root, 0, 1, "float32", "impl", background_bytes=2**20)
+    w.background.submit(lambda: time.sleep(0.3), 1)  # a slow disk: the steps below are still queued at exit
+    for s in range(3):
+        w.write(s, [[1, 2, 3]] if s == 0 else [[4 + s]], [0] if s == 0 else [2 + s], _points(s))
+
+if __name__ == "__main__":
+    run(sys.argv[1] + "/plain")
+    p = mp.get_context("fork").Process(target=run, args=(sys.argv[1] + "/child",))
+    p.start()
+    p.join(60)
+    sys.exit(p.exitcode)
+"""
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for where in ("plain", "child"):
+        assert len(read_dump(tmp_path / where).tokens) == 3, where

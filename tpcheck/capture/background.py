@@ -7,10 +7,15 @@ wait by this thread instead of inside the step. The tensors a job writes are alr
 Back-pressure rather than loss: ``submit`` blocks while ``bound`` bytes are queued and not yet written, so a
 disk slower than the engine slows the engine down (bounded memory) instead of dropping steps. A job's error is
 kept and raised by the next ``submit`` or by ``flush`` (the capture then stops, as it does on a synchronous
-error); no job runs after one failed, so a dump never holds a step written after a missing one. The thread is
-not a daemon: an interpreter that exits normally first waits for the queued steps to be written."""
+error); no job runs after one failed, so a dump never holds a step written after a missing one. A process that
+exits normally writes what is queued first: ``close`` is registered with ``threading``'s exit hooks, which run at
+the interpreter's exit and at the end of a ``multiprocessing`` child (a vLLM worker) before threads are joined
+(``atexit`` where that hook is missing; ``concurrent.futures`` uses the same); the thread itself is a daemon, so
+nothing else ever waits for it."""
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 from collections import deque
 from typing import Callable
@@ -27,8 +32,21 @@ class BackgroundWriter:
         self._queued = 0
         self._failed: str | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=False)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        at_exit = getattr(threading, "_register_atexit", None)
+        try:
+            (at_exit or atexit.register)(self._close_at_exit)
+        except RuntimeError:  # the interpreter is already shutting down: close() is the caller's
+            pass
+
+    def _close_at_exit(self) -> None:
+        if self._closed:  # closed by its owner, who was given its error
+            return
+        try:
+            self.close()
+        except Exception as e:  # the exit goes on; the dump's own check (compare) names what is missing
+            print(f"tpcheck: dump writer {self._thread.name}: {e}", file=sys.stderr)
 
     def submit(self, job: Callable[[], None], size: int) -> None:
         """Queue ``job`` (``size``: the bytes it holds); blocks while the queue is over its bound (a job larger than
