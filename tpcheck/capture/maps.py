@@ -207,6 +207,11 @@ the worker's ``model_runner.model``), with ``enforce_eager=True`` (SGLang: ``--d
   processor returns an object: ``Rule("logits_processor", "logits", index="next_token_logits")``.
 * ``step_done(step, tokens, starts)``: ``tokens`` per sequence in the order of the batch's rows, each
   sequence at the same index every step (vLLM may reorder requests between steps: map them back).
+* Mixture of experts: ``mlp.gate`` is the router (``moe.router``); ``mlp.route_probe`` is the module
+  ``tpcheck.capture.vllm_routes.attach_route_probes`` puts between the FusedMoE runner and its router's
+  ``select_experts`` (call it before ``install``): ``moe.topk_weights`` / ``moe.topk_ids``, what the experts
+  kernel receives; ``mlp.experts`` (the runner) gives the block's all-reduced output, ``mlp.out``. Not reported:
+  ``moe.experts`` (the kernel returns only the weighted sum).
 * Not reported: the KV cache (paged, engine-specific layout).""")
 
 VLLM_NORMS_ONLY_MAP = replace(
