@@ -6,8 +6,6 @@ The first two tests are pure (a stand-in of vLLM's sparse block, no vLLM); the o
 without it (``.ci/vllm`` runs them in ``.venv-vllm``)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -94,22 +92,16 @@ def test_a_taken_probe_name_is_refused_naming_the_layer():
 # ------------------------------------------------------------------ real vLLM
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200, 61, 13, 140, 77], [9, 250, 31, 64, 12, 180, 33]]
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def pool():
+    """The engines of this module: vLLM sets what its CPU build needs where unset (``tpcheck.engines.vllm.vllm_env``)."""
     pytest.importorskip("vllm")
-    old = {k: os.environ.get(k) for k in VLLM_ENV}
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
     from tpcheck.engines.pool import EnginePool
     p = EnginePool()
     yield p
     p.close()  # stops vLLM's workers
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
 
 
 @pytest.fixture(scope="module")
