@@ -148,3 +148,14 @@ def test_a_dump_never_changes_the_engines_numbers(ckpt, engines, tmp_path):
     assert torch.equal(llm.logits(prompts[0]), before)  # the hooks a dump leaves installed change nothing
     params = SamplingParams(max_tokens=5, temperature=0.8, seed=3)
     assert generate_dumped(llm, prompts, params, tmp_path / "g") == llm.generate(prompts, params)
+
+
+def test_a_moe_dump_keeps_the_routes_the_engine_took(ckpt, engines, tmp_path):
+    """A dump holds each layer's ``moe.topk_ids`` (integer ids in a floating-point dump); ``compare`` follows them as
+    the live run does: bfloat16 on tiny-moe-ties flips near-tie routes, and both give the same rows."""
+    from tpcheck.inputs.prompts import random_prompts
+    live, offline = _live_and_offline(ckpt, engines, tmp_path, "tiny-moe-ties", dtype="bfloat16",
+                                      prompts=random_prompts(256, 2, 32, 0))
+    assert live.passed and verdict_rows(live) == verdict_rows(offline)
+    ids = offline.table[offline.table["point"].str.endswith("moe.topk_ids")]
+    assert len(ids) == 6 and ids["route_flips"].sum() > 0, ids[["point", "step", "route_flips", "near_ties"]]

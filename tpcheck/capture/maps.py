@@ -169,9 +169,13 @@ VLLM_MAP = NameMap("vllm", (
     Rule(_L + r"mlp\.gate_up_proj", _P + "mlp.", vllm_gate_up_placement, index=0, parts=("gate", "up")),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.act", Shard(-1), input=True),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.out", index=0),
-    # mixture of experts: the router (a replicated linear: (logits, bias)); vLLM's FusedMoE selects the experts
-    # inside its kernel (no module gives the top-k) and all-reduces the block's output
+    # mixture of experts: the router (a replicated linear: (logits, bias)); the experts its router object chose,
+    # through the module tpcheck.capture.vllm_routes attaches (attach_route_probes: call it before install); the
+    # FusedMoE runner's output, all-reduced, is the sparse block's (no shared expert outside it)
     Rule(_L + r"mlp\.gate", _P + "moe.router", index=0),
+    Rule(_L + r"mlp\.route_probe", _P + "moe.topk_weights", index=0),
+    Rule(_L + r"mlp\.route_probe", _P + "moe.topk_ids", index=1),
+    Rule(_L + r"mlp\.experts", _P + "mlp.out"),
     Rule(r"model\.norm", "final_norm", index=0),
     Rule(r"model\.norm", "layers.{last}.out", index=1),
     Rule(r"logits_processor", "logits"),                                   # gathered, padding stripped
@@ -203,6 +207,11 @@ the worker's ``model_runner.model``), with ``enforce_eager=True`` (SGLang: ``--d
   processor returns an object: ``Rule("logits_processor", "logits", index="next_token_logits")``.
 * ``step_done(step, tokens, starts)``: ``tokens`` per sequence in the order of the batch's rows, each
   sequence at the same index every step (vLLM may reorder requests between steps: map them back).
+* Mixture of experts: ``mlp.gate`` is the router (``moe.router``); ``mlp.route_probe`` is the module
+  ``tpcheck.capture.vllm_routes.attach_route_probes`` puts between the FusedMoE runner and its router's
+  ``select_experts`` (call it before ``install``): ``moe.topk_weights`` / ``moe.topk_ids``, what the experts
+  kernel receives; ``mlp.experts`` (the runner) gives the block's all-reduced output, ``mlp.out``. Not reported:
+  ``moe.experts`` (the kernel returns only the weighted sum).
 * Not reported: the KV cache (paged, engine-specific layout).""")
 
 VLLM_NORMS_ONLY_MAP = replace(

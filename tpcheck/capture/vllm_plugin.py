@@ -217,8 +217,10 @@ def _install(worker) -> None:
 
     from tpcheck import capture
     from tpcheck.capture.maps import VLLM_MAP
+    from tpcheck.capture.vllm_routes import attach_route_probes
     runner = worker.model_runner
     model = runner.get_model()
+    attach_route_probes(model)  # the experts vLLM chose (moe.topk_ids), before the capture hooks
     dtype = str(worker.model_config.dtype).removeprefix("torch.")
     ckpt = str(worker.model_config.model)  # a local checkpoint directory: the dump records its fingerprint
     cap = capture.from_env(model, VLLM_MAP, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),

@@ -8,6 +8,7 @@ import re
 import torch
 
 from impl.placements import Shard
+from tpcheck.capture.vllm_routes import attach_route_probes, raise_expert
 
 # ---------------------------------------------------------------- the paged KV cache, read back (pure)
 
@@ -134,6 +135,8 @@ VLLM_FAULTS = {
     "qkv-head-swap": ("self_attn.qkv_proj", "hook", _swap_q_heads),  # two query heads swapped: attn.q
     "k-rope-shift": ("self_attn.attn", "prehook", _shift_k),  # the key reaching attention shifted: attn.k_rope
     "gate-up-up-zero": ("mlp.gate_up_proj", "hook", _zero_up),  # a rank's up half zeroed: mlp.up
+    # MoE: expert 0 chosen by every token of the rank (moe.topk_ids), the router logits themselves unchanged
+    "route-expert-raised": ("mlp.route_probe", "prehook", raise_expert),
 }
 
 
@@ -238,6 +241,7 @@ class TPCheckWorker:
         st = getattr(self, "_tpcheck", None)
         if st is None:
             model = runner.get_model()
+            attach_route_probes(model)  # the experts vLLM chose (moe.topk_ids), before the capture hooks
             st = self._tpcheck = {"cap": install(model, VLLM_MAP, points=points), "points": points,
                                   "rank": get_tensor_model_parallel_rank(), "faults": [], "runner": runner}
             st["teacher"] = NormTeacher.of(model)  # after the capture's hooks (NormTeacher)
