@@ -8,6 +8,7 @@ import re
 import torch
 
 from impl.placements import Shard
+from tpcheck.engines.vllm_quant_faults import QUANT_FAULTS
 
 # ---------------------------------------------------------------- the paged KV cache, read back (pure)
 
@@ -135,6 +136,8 @@ VLLM_FAULTS = {
     "k-rope-shift": ("self_attn.attn", "prehook", _shift_k),  # the key reaching attention shifted: attn.k_rope
     "gate-up-up-zero": ("mlp.gate_up_proj", "hook", _zero_up),  # a rank's up half zeroed: mlp.up
 }
+# "param": a quantized layer's live scale changed in place; the fault returns its undo
+VLLM_FAULTS.update(QUANT_FAULTS)
 
 
 # ---------------------------------------------------------------- teacher forcing through the fused norms
@@ -270,6 +273,8 @@ class TPCheckWorker:
         if how == "gemm":
             mod.quant_method = _ScaledGemm(mod.quant_method, what)
             st["faults"].append(("gemm", mod))
+        elif how == "param":
+            st["faults"].append(("undo", what(mod, self)))
         elif how == "hook":
             st["faults"].append(("handle", mod.register_forward_hook(what, prepend=True)))
         else:
@@ -279,6 +284,8 @@ class TPCheckWorker:
         for kind, obj in self._tpcheck["faults"]:
             if kind == "gemm":
                 obj.quant_method = obj.quant_method._inner
+            elif kind == "undo":
+                obj()
             else:
                 obj.remove()
         self._tpcheck["faults"] = []
