@@ -38,7 +38,7 @@ def vllm_acc(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def row(label: str, xq: torch.Tensor, w: torch.Tensor) -> str:
     got, ex, emu = vllm_acc(xq, w), exact_int8_gemm(xq, w), pair_saturating_gemm(xq, w)
     rel = ((got - ex).norm() / ex.norm()).item()
-    return (f"| {label} | {rel:.3g} | {(got != ex).float().mean().item():.3f} | {saturated_pairs(xq, w):.4f} | "
+    return (f"| {label} | {rel:.3g} | {(got != ex).float().mean().item():.4f} | {saturated_pairs(xq, w):.4f} | "
             f"{'yes' if torch.equal(got, emu) else 'NO'} |")
 
 

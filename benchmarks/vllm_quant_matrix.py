@@ -23,12 +23,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def _closest(result) -> tuple[str, float]:
-    """(point (step), excess): the origin of a failure, else the point closest to its threshold."""
+    """(point (step) [by what], excess): the origin of a failure, flagged by the noise floor (rel_err over its
+    threshold) or by the gain, else the point closest to its threshold."""
     fd = result.first_divergence
     if fd is not None:
-        t = result.table
-        hit = t[(t["point"] == fd["point"]) & (t["step"] == fd["step"]) & (t["mode"] == fd["mode"])]
-        return f"{fd['point']} (step {fd['step']})", float(hit["excess"].max())
+        by = "noise floor" if fd["rel_err"] > fd["threshold"] else "gain"
+        return f"{fd['point']} (step {fd['step']}) by {by}", fd["excess"]
     w = result.worst()
     return f"{w.point} (step {w.step})", float(w.excess)
 
