@@ -7,27 +7,12 @@ vLLM tests, skipped without vLLM (the main venv); ``.ci/vllm`` runs this file. T
 and the GEMM model without vLLM are in ``test_vllm_quant_faults.py``."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tpcheck.engines.vllm_int8 import exact_int8_gemm, pair_saturating_gemm
 
-PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [9, 250, 31, 64, 12]]
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
-    pytest.importorskip("vllm")
-    old = {k: os.environ.get(k) for k in VLLM_ENV}
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
+from test_vllm import PROMPTS, vllm_env  # noqa: F401 - the vLLM environment fixture (test_vllm.py's)
 
 
 def _onednn_acc(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -40,7 +25,7 @@ def _onednn_acc(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.double()
 
 
-def test_vllm_int8_gemm_is_the_pair_saturating_model(vllm_env):
+def test_vllm_int8_gemm_is_the_pair_saturating_model(vllm_env):  # noqa: F811 - the imported fixture
     """On a CPU without AVX512-VNNI vLLM's int8 GEMM is, bit for bit, int16-saturating sums of adjacent u8 x s8
     products: wrong against the exact int32 GEMM with weights of +-127, exact within +-64. With VNNI (``vpdpbusd``,
     int32 sums) it is exact everywhere."""
@@ -61,7 +46,7 @@ def test_vllm_int8_gemm_is_the_pair_saturating_model(vllm_env):
 
 
 @pytest.fixture(scope="module")
-def fp8(vllm_env, tmp_path_factory):
+def fp8(vllm_env, tmp_path_factory):  # noqa: F811 - the imported fixture
     """``small-fp8`` (FP8 W8A8, per-channel weight scales) on vLLM at tp 2, bfloat16: one engine for every fault."""
     from tpcheck.engines.pool import EnginePool
     from tpcheck.engines.vllm import start
