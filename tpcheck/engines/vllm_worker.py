@@ -9,6 +9,7 @@ import torch
 
 from impl.placements import Shard
 from tpcheck.capture.vllm_routes import attach_route_probes, raise_expert
+from tpcheck.engines.vllm_quant_faults import QUANT_FAULTS
 
 # ---------------------------------------------------------------- the paged KV cache, read back (pure)
 
@@ -138,6 +139,8 @@ VLLM_FAULTS = {
     # MoE: expert 0 chosen by every token of the rank (moe.topk_ids), the router logits themselves unchanged
     "route-expert-raised": ("mlp.route_probe", "prehook", raise_expert),
 }
+# "param": a quantized layer's live scale changed in place; the fault returns its undo
+VLLM_FAULTS.update(QUANT_FAULTS)
 
 
 # ---------------------------------------------------------------- teacher forcing through the fused norms
@@ -274,6 +277,8 @@ class TPCheckWorker:
         if how == "gemm":
             mod.quant_method = _ScaledGemm(mod.quant_method, what)
             st["faults"].append(("gemm", mod))
+        elif how == "param":
+            st["faults"].append(("undo", what(mod, self)))
         elif how == "hook":
             st["faults"].append(("handle", mod.register_forward_hook(what, prepend=True)))
         else:
@@ -283,6 +288,8 @@ class TPCheckWorker:
         for kind, obj in self._tpcheck["faults"]:
             if kind == "gemm":
                 obj.quant_method = obj.quant_method._inner
+            elif kind == "undo":
+                obj()
             else:
                 obj.remove()
         self._tpcheck["faults"] = []
