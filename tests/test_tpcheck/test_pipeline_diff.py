@@ -74,7 +74,7 @@ def test_silent_stage_is_a_coverage_error():
     (["--preset", "small", "--pp", "2", "--pp-partition", "3,2"], r"sums to 5 layers.*num_hidden_layers=4"),
     (["--preset", "small", "--pp", "2", "--pp-partition", "1,2"], r"sums to 3 layers.*num_hidden_layers=4"),
     (["--preset", "small", "--pp", "2", "--pp-partition", "4,0"], r"pp_partition \[4, 0\]: every stage needs"),
-    (["--preset", "small", "--pp", "2", "--engine", "hf-tp"], "--pp 2 applies to --engine impl only"),
+    (["--preset", "small", "--pp", "2", "--engine", "hf-tp"], "--pp 2 applies to --engine impl and vllm only"),
 ])
 def test_bad_pp_is_exit_2(argv, match, capsys):
     assert main(["diff", *argv]) == 2

