@@ -74,11 +74,12 @@ KIND_TABLE = (
     Kind("moe.shared", family="shared"), Kind("moe.shared_gate", family="shared"),
     Kind("mlp.gate", family="dense"), Kind("mlp.up", family="dense"), Kind("mlp.act", family="dense"),
     Kind("mlp.out", routed=True, exact_ops="input"),
-    Kind("out", routed=True, teacher=True, exact_ops="both"),
     # a pipeline stage boundary after this layer (impl.pipeline): the IntermediateTensors the next stage received,
     # [hidden_states | residual] along features (the layer's mlp.out, then its attn.residual); the engine also
-    # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.stage_points)
+    # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.stage_points). Before ``out``, the sum
+    # of its two parts: vLLM's next stage computes that sum from what it received (tpcheck.engines.vllm_pp)
     Kind("handoff", family="pp", routed=True),
+    Kind("out", routed=True, teacher=True, exact_ops="both"),
     Kind("final_norm", exact_ops="checked"),
     Kind("logits"),
 )
