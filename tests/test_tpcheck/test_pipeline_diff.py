@@ -32,14 +32,15 @@ def test_vllm_stage_of_a_point_and_its_pipeline_faults():
     """vLLM (no vLLM needed): the output of a stage's last layer is computed, and reported, by the next stage's fused
     add + RMSNorm, so it is taken from there, the rest as impl's; a pipeline fault away from every boundary is
     refused naming its layer and the boundaries."""
-    from tpcheck.engines.vllm_pp import check_pp_faults, vllm_point_stage
+    from tpcheck.capture.points import fused_out_stage
+    from tpcheck.engines.vllm_pp import check_pp_faults
     stages = ((0, 2), (2, 3), (3, 4))
-    assert [vllm_point_stage(n, stages) for n in ("embed", "layers.1.out", "layers.1.handoff", "layers.1.mlp.out",
+    assert [fused_out_stage(n, stages) for n in ("embed", "layers.1.out", "layers.1.handoff", "layers.1.mlp.out",
                                                   "layers.0.out", "layers.2.out", "layers.3.out", "logits")] == \
         [0, 1, 1, 0, 0, 2, 2, 2]
     # the local pass's teacher of a boundary layer's output is the next stage's: both ranks' stage 1 points
     s0, s1 = ["embed", "layers.1.handoff"], ["layers.1.handoff", "layers.1.out", "layers.2.out"]
-    pts = stage_points([_rank(s0, 0), _rank(s1, 1), _rank(["logits"], 2)], 1, stages, owner=vllm_point_stage)
+    pts = stage_points([_rank(s0, 0), _rank(s1, 1), _rank(["logits"], 2)], 1, stages, owner=fused_out_stage)
     assert [pts[n][1][0][0, 0].item() for n in ("embed", "layers.1.handoff", "layers.1.out")] == [0, 1, 1]
     check_pp_faults([("pp-residual-dropped", 1, 0), ("pp-positions-shifted", 2, 0), ("o-proj-partial", 0, 1)],
                     stages)

@@ -171,6 +171,18 @@ def point_stage(name: str, stages) -> int:
     return owner + 1 if kind == "handoff" else owner
 
 
+def fused_out_stage(name: str, stages) -> int:
+    """The stage whose ranks report point ``name`` in an engine that adds a layer's MLP output to its residual in
+    the *next* layer's fused add + RMSNorm (vLLM): as ``point_stage``, except the output of a stage's last layer
+    before the last stage (``layers.{end-1}.out``), which that add computes, and reports, on the next stage from
+    what it received."""
+    layer, kind = split_point(name)
+    owner = point_stage(name, stages)
+    if kind == "out" and layer is not None and owner < len(stages) - 1 and layer == stages[owner][1] - 1:
+        return owner + 1
+    return owner
+
+
 def kind_of(name: str) -> Kind:
     """The ``Kind`` of point ``name`` (``layers.3.kv.k`` -> ``kv.k``'s); a name of no known kind is a KeyError
     (names are checked against ``all_point_names`` where they enter: ``tpcheck.judge.coverage.check_known``)."""

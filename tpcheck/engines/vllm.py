@@ -48,7 +48,8 @@ from impl.config import ConfigError, ModelConfig
 from tpcheck.reference.reductions import Reductions
 from tpcheck.engines.adapter import by_point
 from tpcheck.engines.impl import stage_points
-from tpcheck.engines.vllm_pp import check_pp_faults, vllm_point_stage
+from tpcheck.engines.vllm_pp import check_pp_faults
+from tpcheck.capture.points import fused_out_stage
 from impl.pipeline import layer_partition
 from tpcheck.capture.vllm_plugin import cpu_bind
 
@@ -147,7 +148,7 @@ class VLLMAdapter:
     stages of ``tp`` ranks each (``pipeline_parallel_size``; ``tpcheck.engines.vllm_pp``), each point taken from the
     stage that reports it (``point_stage``)."""
 
-    point_stage = staticmethod(vllm_point_stage)  # the stage whose ranks report a point (the rows' stage column)
+    point_stage = staticmethod(fused_out_stage)  # the stage whose ranks report a point (the rows' stage column)
 
     def __init__(self, model_dir: str, tp: int = 2, dtype: str = "float32", faults=(), max_model_len: int = 256,
                  pp: int = 1, pp_partition: str | None = None, **llm_kwargs):
@@ -240,7 +241,7 @@ class VLLMAdapter:
         if self.stages is None:
             return by_point(per_rank)
         self.point_notes = {}
-        return stage_points(per_rank, self.tp, self.stages, self.expected, self.point_notes, owner=vllm_point_stage)
+        return stage_points(per_rank, self.tp, self.stages, self.expected, self.point_notes, owner=fused_out_stage)
 
     def close(self) -> None:
         """Finish the requests (abort) and undo the faults; the LLM stays loaded for another ``begin``."""

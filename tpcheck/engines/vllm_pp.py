@@ -11,32 +11,7 @@ their modules), so each rank captures only its stage's layers. A stage before th
 which the worker sends to the same TP rank of the next stage; that stage's model is called with them."""
 from __future__ import annotations
 
-import re
-
-import torch
-
-from impl.placements import Replicate
-from tpcheck.capture.core import handoff
-from tpcheck.capture.points import point_stage, split_point
-
-
-def stage_range(model) -> tuple[int, int]:
-    """The decoder layers ``[start, end)`` that this rank's pipeline stage holds (vLLM's ``get_pp_indices``, as
-    its model recorded them); every layer without pipeline parallelism."""
-    inner = model.model
-    return int(getattr(inner, "start_layer", 0)), int(getattr(inner, "end_layer", len(inner.layers)))
-
-
-def vllm_point_stage(name: str, stages) -> int:
-    """The stage whose ranks report point ``name`` in vLLM (``stages``: each stage's ``[start, end)``): as
-    ``tpcheck.capture.points.point_stage``, except the output of a stage's last layer before the last stage
-    (``layers.{end-1}.out``). vLLM never adds a layer's MLP output to its residual in that layer: the next layer's
-    fused add + RMSNorm does, so that sum is computed, and reported, by the next stage, from what it received."""
-    layer, kind = split_point(name)
-    owner = point_stage(name, stages)
-    if kind == "out" and layer is not None and owner < len(stages) - 1 and layer == stages[owner][1] - 1:
-        return owner + 1
-    return owner
+from tpcheck.capture.stages import stage_range
 
 
 def make_receive_buffers(runner) -> bool:
@@ -47,55 +22,12 @@ def make_receive_buffers(runner) -> bool:
     first step stops on ``assert self.intermediate_tensors is not None`` (``sync_and_gather_intermediate_tensors``).
     The buffers are only copied into before each forward (``sync_self``), so zeros are what vLLM's warm-up leaves
     too."""
-    from vllm.distributed import get_pp_group
+    from vllm.distributed import get_pp_group  # vLLM only inside its workers: tpcheck imports without it
     if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
         return False
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
     return True
-
-
-class StageHandoffs:
-    """A vLLM stage's side of its boundaries, as ``layers.{i}.handoff`` points (``tpcheck.capture.core.handoff``,
-    ``[hidden_states | residual]``, ``Replicate()``: every TP rank holds both whole): on a stage before the last, the
-    ``IntermediateTensors`` its model returns to send (``i`` its last layer); on a stage after the first, those its
-    model is called with (``i`` the previous stage's last layer), before any of its layers touches them. Which of
-    the two a point is, the harness tells by the stage that reported it (``tpcheck.engines.impl.stage_points``).
-    No hooks on a one-stage model, nor for a hand-off the ``points`` regex (``--points``) does not keep."""
-
-    def __init__(self, model, points: str | None = None):
-        start, end = stage_range(model)
-        num_layers = len(model.model.layers)
-        keep = None if points is None else re.compile(points)
-        wanted = lambda name: keep is None or keep.fullmatch(name) is not None  # noqa: E731
-        self._got: dict[str, torch.Tensor] = {}
-        self._handles = []
-        if start > 0 and wanted(f"layers.{start - 1}.handoff"):
-            self._handles.append(model.register_forward_pre_hook(self._received(start - 1), with_kwargs=True))
-        if end < num_layers and wanted(f"layers.{end - 1}.handoff"):
-            self._handles.append(model.register_forward_hook(self._sent(end - 1)))
-
-    def _received(self, layer: int):
-        def hook(module, args, kwargs):
-            inter = kwargs.get("intermediate_tensors", args[2] if len(args) > 2 else None)
-            if inter is not None:
-                self._got[f"layers.{layer}.handoff"] = handoff(inter["hidden_states"], inter["residual"]).cpu()
-        return hook
-
-    def _sent(self, layer: int):
-        def hook(module, args, out):
-            self._got[f"layers.{layer}.handoff"] = handoff(out["hidden_states"], out["residual"]).cpu()
-        return hook
-
-    def take(self) -> dict:
-        """This step's hand-off points ``{name: (Replicate(), tensor)}``; forgotten here."""
-        got, self._got = self._got, {}
-        return {n: (Replicate(), t) for n, t in got.items()}
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles, self._got = [], {}
 
 
 # ---------------------------------------------------------------- seeded pipeline faults (Python API only)

@@ -8,7 +8,8 @@ import re
 import torch
 
 from impl.placements import Shard
-from tpcheck.engines.vllm_pp import VLLM_PP_FAULTS, StageHandoffs, apply_pp_fault, make_receive_buffers, stage_range
+from tpcheck.capture.stages import StageHandoffs, stage_range
+from tpcheck.engines.vllm_pp import VLLM_PP_FAULTS, apply_pp_fault, make_receive_buffers
 
 # ---------------------------------------------------------------- the paged KV cache, read back (pure)
 

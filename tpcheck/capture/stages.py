@@ -1,0 +1,73 @@
+"""A pipeline stage's side of vLLM's stage boundaries, inside a rank (``tpcheck.engines.vllm_pp`` for
+``tpcheck diff --engine vllm --pp``, ``tpcheck.capture.vllm_plugin`` for ``TPCHECK_DUMP``): the stage's layers, the
+hand-off points it sends or receives, and the stage file of a pipelined dump (``tpcheck.engines.stage_dump`` reads
+it)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from impl.placements import Replicate
+from tpcheck.capture.core import handoff
+from tpcheck.inputs.step_store import write_json_atomic
+
+STAGE_FILE = "stage.json"
+
+
+def stage_range(model) -> tuple[int, int]:
+    """The decoder layers ``[start, end)`` that this rank's pipeline stage holds (vLLM's ``get_pp_indices``, as
+    its model recorded them); every layer without pipeline parallelism."""
+    inner = model.model
+    return int(getattr(inner, "start_layer", 0)), int(getattr(inner, "end_layer", len(inner.layers)))
+
+
+class StageHandoffs:
+    """A vLLM stage's side of its boundaries, as ``layers.{i}.handoff`` points (``tpcheck.capture.core.handoff``,
+    ``[hidden_states | residual]``, ``Replicate()``: every TP rank holds both whole): on a stage before the last, the
+    ``IntermediateTensors`` its model returns to send (``i`` its last layer); on a stage after the first, those its
+    model is called with (``i`` the previous stage's last layer), before any of its layers touches them. Which of
+    the two a point is, the harness tells by the stage that reported it (``tpcheck.engines.impl.stage_points``).
+    No hooks on a one-stage model, nor for a hand-off the ``points`` regex (``--points``) does not keep."""
+
+    def __init__(self, model, points: str | None = None):
+        start, end = stage_range(model)
+        num_layers = len(model.model.layers)
+        keep = None if points is None else re.compile(points)
+        wanted = lambda name: keep is None or keep.fullmatch(name) is not None  # noqa: E731
+        self._got: dict[str, torch.Tensor] = {}
+        self._handles = []
+        if start > 0 and wanted(f"layers.{start - 1}.handoff"):
+            self._handles.append(model.register_forward_pre_hook(self._received(start - 1), with_kwargs=True))
+        if end < num_layers and wanted(f"layers.{end - 1}.handoff"):
+            self._handles.append(model.register_forward_hook(self._sent(end - 1)))
+
+    def _received(self, layer: int):
+        def hook(module, args, kwargs):
+            inter = kwargs.get("intermediate_tensors", args[2] if len(args) > 2 else None)
+            if inter is not None:
+                self._got[f"layers.{layer}.handoff"] = handoff(inter["hidden_states"], inter["residual"]).cpu()
+        return hook
+
+    def _sent(self, layer: int):
+        def hook(module, args, out):
+            self._got[f"layers.{layer}.handoff"] = handoff(out["hidden_states"], out["residual"]).cpu()
+        return hook
+
+    def take(self) -> dict:
+        """This step's hand-off points ``{name: (Replicate(), tensor)}``; forgotten here."""
+        got, self._got = self._got, {}
+        return {n: (Replicate(), t) for n, t in got.items()}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._got = [], {}
+
+
+def write_stage(root: str | Path, stage: int, pp: int, layers: tuple[int, int]) -> None:
+    """Record stage ``stage`` of ``pp``, holding decoder layers ``[start, end)``, in ``root/stage{stage}``."""
+    d = Path(root) / f"stage{stage}"
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(d / STAGE_FILE, {"stage": stage, "pp": pp, "layers": [int(layers[0]), int(layers[1])]})
