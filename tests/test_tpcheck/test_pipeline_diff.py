@@ -51,6 +51,20 @@ def test_vllm_stage_of_a_point_and_its_pipeline_faults():
         check_pp_faults([("pp-positions-shifted", 0, 0)], None)
 
 
+def test_vllm_split_must_be_tpcheck_partition(monkeypatch):
+    """vLLM's own split (what its ranks hold) is checked against tpcheck's partition: equal passes, another (a
+    ``VLLM_PP_LAYER_PARTITION`` of the user's) is exit 2's ConfigError with both lists."""
+    from impl.config import ConfigError
+    from tpcheck.engines.vllm_pp import check_stages
+    check_stages(((0, 1), (1, 3), (3, 4)), 4, 3, None)  # vLLM's rule: 1,2,1
+    check_stages(((0, 3), (3, 4)), 4, 2, "3,1")
+    check_stages(None, 4, 1, None)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
+    with pytest.raises(ConfigError, match=r"--pp 2: vLLM split the 4 layers \[1, 3\] per stage, tpcheck's partition "
+                                          r"is \[2, 2\] \(VLLM_PP_LAYER_PARTITION='1,3', --pp-partition None\)"):
+        check_stages(((0, 1), (1, 4)), 4, 2, None)
+
+
 def _rank(names: list[str], value: float) -> dict:
     return {n: (Replicate(), torch.full((1, 2), value)) for n in names}
 

@@ -48,9 +48,8 @@ from impl.config import ConfigError, ModelConfig
 from tpcheck.reference.reductions import Reductions
 from tpcheck.engines.adapter import by_point
 from tpcheck.engines.impl import stage_points
-from tpcheck.engines.vllm_pp import check_pp_faults
+from tpcheck.engines.vllm_pp import check_pp_faults, check_stages
 from tpcheck.capture.points import fused_out_stage
-from impl.pipeline import layer_partition
 from tpcheck.capture.vllm_plugin import cpu_bind
 
 logger = logging.getLogger("tpcheck.engines.vllm")
@@ -121,12 +120,7 @@ def start(pool, plan):
                         close=VLLMAdapter.shutdown)
     adapter.points = plan.capture_points  # the ranks hook and send only the selected points
     adapter.expected = plan.expected  # a stage that reports none of its points is exit 3
-    want = layer_partition(plan.cfg.num_layers, opts.pp, opts.pp_partition)
-    got = tuple(end - start for start, end in adapter.stages or ((0, plan.cfg.num_layers),))
-    if got != want:  # vLLM's own split (get_pp_indices) is what its ranks hold: tpcheck must judge that one
-        raise ConfigError(f"--pp {opts.pp}: vLLM split the {plan.cfg.num_layers} layers {list(got)} per stage, "
-                          f"tpcheck's partition is {list(want)} (VLLM_PP_LAYER_PARTITION="
-                          f"{os.environ.get('VLLM_PP_LAYER_PARTITION')!r}; --pp-partition {opts.pp_partition})")
+    check_stages(adapter.stages, plan.cfg.num_layers, opts.pp, opts.pp_partition)
     return adapter
 
 

@@ -11,7 +11,23 @@ their modules), so each rank captures only its stage's layers. A stage before th
 which the worker sends to the same TP rank of the next stage; that stage's model is called with them."""
 from __future__ import annotations
 
+import os
+
+from impl.config import ConfigError
+from impl.pipeline import layer_partition
 from tpcheck.capture.stages import stage_range
+
+
+def check_stages(stages, num_layers: int, pp: int, partition: str | None) -> None:
+    """Refuse (``ConfigError``, exit 2, both lists) a split of vLLM's (``stages``: each stage's ``[start, end)``, as
+    its ranks hold them; None: one stage) other than tpcheck's (``impl.pipeline.layer_partition``: vLLM's rule, or
+    ``partition``): the points are judged by the stages tpcheck expects, so they must be the ones vLLM ran."""
+    want = layer_partition(num_layers, pp, partition)
+    got = tuple(end - start for start, end in stages or ((0, num_layers),))
+    if got != want:
+        raise ConfigError(f"--pp {pp}: vLLM split the {num_layers} layers {list(got)} per stage, tpcheck's partition "
+                          f"is {list(want)} (VLLM_PP_LAYER_PARTITION={os.environ.get('VLLM_PP_LAYER_PARTITION')!r}, "
+                          f"--pp-partition {partition})")
 
 
 def make_receive_buffers(runner) -> bool:
