@@ -1,6 +1,7 @@
 """vLLM under tpcheck: time to verdict of ``tpcheck diff --engine vllm`` vs ``--engine impl`` on the same preset,
 and vLLM's generate throughput with the ``TPCHECK_DUMP`` plugin off, on (every point) and on with a
-``TPCHECK_DUMP_POINTS`` selection. Runs in vLLM's own environment (``docs/vllm.md``)::
+``TPCHECK_DUMP_POINTS`` selection, each written off the step (the default) and inside it
+(``TPCHECK_DUMP_QUEUE_MB=0``): until ``generate`` returns, and until the last file is on disk. Runs in vLLM's own environment (``docs/vllm.md``)::
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py [--preset small-hd32] [--repeats 3] [--tokens 32]
 
@@ -39,7 +40,14 @@ GENERATE = textwrap.dedent("""
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
-    print("RESULT", json.dumps({"s": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+
+    def flush(worker):  # a dump's files are written off the step: wait until the last one is on disk
+        dump = getattr(worker, "_tpcheck_dump", None)
+        if dump is not None:
+            dump.cap.writer.flush()
+    llm.collective_rpc(flush)
+    written = time.perf_counter() - t0
+    print("RESULT", json.dumps({"s": dt, "written": written, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
     """)
 
 
@@ -58,8 +66,10 @@ def time_to_verdict(ckpt: Path, engine: str, tp: int, steps: int, seq: int) -> f
     return dt
 
 
-def generate(ckpt: Path, tp: int, tokens: int, batch: int, seq: int, dump: str | None, points: str | None) -> float:
-    """Generated tokens per second of one fresh vLLM process (dump: the TPCHECK_DUMP directory, or None)."""
+def generate(ckpt: Path, tp: int, tokens: int, batch: int, seq: int, dump: str | None,
+             points: str | None) -> tuple[float, float]:
+    """Generated tokens per second of one fresh vLLM process (dump: the TPCHECK_DUMP directory, or None): until
+    ``generate`` returns, and until the dump's last file is written (its writer threads flushed)."""
     env = dict(os.environ, **ENV)
     env.pop("TPCHECK_DUMP", None)
     if dump is not None:
@@ -72,7 +82,7 @@ def generate(ckpt: Path, tp: int, tokens: int, batch: int, seq: int, dump: str |
     if run.returncode != 0 or not line:
         raise SystemExit(f"generate (dump={dump}): exit {run.returncode}\n{run.stderr[-3000:]}")
     r = json.loads(line[-1][len("RESULT "):])
-    return r["tokens"] / r["s"]
+    return r["tokens"] / r["s"], r["tokens"] / r["written"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,31 +95,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--batch", type=int, default=4, help="requests per generate")
     ap.add_argument("--points", default=r"logits|layers\.\d+\.out", help="the TPCHECK_DUMP_POINTS selection")
+    ap.add_argument("--generate-only", action="store_true", help="skip the time-to-verdict diffs")
     a = ap.parse_args(argv)
     from tpcheck.engines.vllm import vllm_env
     from tpcheck.inputs.checkpoints import cached_checkpoint
     vllm_env(a.tp)  # what --engine vllm sets (OMP thread binding per rank, ...), for the generate runs too
     ckpt = cached_checkpoint(a.preset)
     verdict: dict[str, list[float]] = {"impl": [], "vllm": []}
-    gen: dict[str, list[float]] = {"off": [], "all points": [], "selection": []}
+    names = ("off", "all points", "selection", "all points, in the step", "selection, in the step")
+    gen: dict[str, list[float]] = {n: [] for n in names}
+    written: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.repeats):
-            for engine in verdict:
+            for engine in verdict if not a.generate_only else ():
                 verdict[engine].append(time_to_verdict(ckpt, engine, a.tp, a.decode_steps, a.seq_len))
                 log(f"repeat {r}: diff --engine {engine}: {verdict[engine][-1]:.1f}s")
             for name in gen:
-                dump = None if name == "off" else f"{tmp}/{name.replace(' ', '-')}-{r}"
-                pts = a.points if name == "selection" else None
-                gen[name].append(generate(ckpt, a.tp, a.tokens, a.batch, a.seq_len, dump, pts))
-                log(f"repeat {r}: generate, dump {name}: {gen[name][-1]:.1f} tokens/s")
+                dump = None if name == "off" else f"{tmp}/{len(gen[name])}-{names.index(name)}"
+                pts = a.points if name.startswith("selection") else None
+                os.environ["TPCHECK_DUMP_QUEUE_MB"] = "0" if name.endswith("in the step") else "256"
+                rate, rate_written = generate(ckpt, a.tp, a.tokens, a.batch, a.seq_len, dump, pts)
+                gen[name].append(rate)
+                written[name].append(rate_written)
+                log(f"repeat {r}: generate, dump {name}: {rate:.1f} tokens/s ({rate_written:.1f} until written)")
     print(f"\n{a.preset}, tp {a.tp}, {a.repeats} repeats: median (min..max)")
-    print_table(["diff (cold process, float32)", "time to verdict, s"],
-                [[f"--engine {e} ({a.seq_len} tokens x 2 prompts, {a.decode_steps} decode steps)", _median(v)]
-                 for e, v in verdict.items()])
+    if not a.generate_only:
+        print_table(["diff (cold process, float32)", "time to verdict, s"],
+                    [[f"--engine {e} ({a.seq_len} tokens x 2 prompts, {a.decode_steps} decode steps)", _median(v)]
+                     for e, v in verdict.items()])
     off = statistics.median(gen["off"])
-    print_table(["vLLM generate", "tokens/s", "vs off"],
-                [[f"dump {name}" + (f" ({a.points})" if name == "selection" else ""), _median(v),
-                  f"{statistics.median(v) / off:.2f}x"] for name, v in gen.items()])
+    print_table(["vLLM generate", "tokens/s", "vs off", "tokens/s until written", "vs off"],
+                [[f"dump {name}" + (f" ({a.points})" if name.startswith("selection") else ""), _median(v),
+                  f"{statistics.median(v) / off:.2f}x", _median(written[name]),
+                  f"{statistics.median(written[name]) / off:.2f}x"] for name, v in gen.items()])
     return 0
 
 

@@ -46,6 +46,8 @@ import torch.distributed as dist
 logger = logging.getLogger("tpcheck.capture")
 
 ENV_DIR, ENV_POINTS, ENV_BUDGET = "TPCHECK_DUMP", "TPCHECK_DUMP_POINTS", "TPCHECK_DUMP_BUDGET_MB"
+ENV_QUEUE = "TPCHECK_DUMP_QUEUE_MB"  # bytes of steps a rank's writer thread may hold unwritten (0: write in the step)
+QUEUE_MB = 256
 
 
 def _select(value, index: int | str, kwargs: dict | None = None):
@@ -244,11 +246,22 @@ class Capture:
         self._pending = {}
 
     def remove(self) -> None:
-        """Remove every hook this capture registered."""
+        """Remove every hook this capture registered; a writer with a thread of its own writes what it holds and
+        stops (its error: raised with ``on_error="raise"``, else logged and kept in ``error``)."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self._pending = {}
+        close = getattr(self.writer, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as e:
+                if self.on_error == "raise":
+                    raise
+                if self.error is None:  # else already logged, where it stopped the capture
+                    self.error = f"closing the dump: {e}"
+                    logger.error(f"tpcheck.capture: {self.error}")
 
 
 def install(model: nn.Module, name_map: NameMap, writer=None, points: str | None = None,
@@ -308,6 +321,19 @@ def install(model: nn.Module, name_map: NameMap, writer=None, points: str | None
     return cap
 
 
+def _mib(env: str, value: str | None) -> int | None:
+    """An environment variable's MiB as bytes (None: unset); not a number, or negative, is a ValueError naming it."""
+    if value is None:
+        return None
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = -1.0
+    if not mib >= 0:
+        raise ValueError(f"{env}={value!r} is not a number of MiB") from None
+    return int(mib * 2**20)
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -317,7 +343,8 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
              stage: int | None = None) -> Capture | None:
     """``install`` with a ``tpcheck.capture.dump.DumpWriter`` when ``TPCHECK_DUMP=DIR`` is set; None (and no hook)
     otherwise. ``TPCHECK_DUMP_POINTS``: the ``points`` regex; ``TPCHECK_DUMP_BUDGET_MB``: the writer's budget
-    (past it the capture stops and logs why). ``rank`` / ``tp`` default to torch.distributed's. ``checkpoint``:
+    (past it the capture stops and logs why); ``TPCHECK_DUMP_QUEUE_MB``: the files are written by a thread of the
+    writer's own, off the step, with at most that many MiB queued (default 256; ``0``: written inside the step). ``rank`` / ``tp`` default to torch.distributed's. ``checkpoint``:
     the checkpoint directory the engine loaded, whose fingerprint the dump records (``tpcheck compare`` then
     refuses a ``--model`` of another checkpoint). ``stage``: the pipeline stage of this rank (``rank`` / ``tp`` then
     within the stage), whose ranks write a dump of their own under ``DIR/stage{stage}`` (``tpcheck.engines.stage_dump``)."""
@@ -332,17 +359,14 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
             re.compile(points)
         except re.error as e:
             raise ValueError(f"{ENV_POINTS}={points!r} is not a regular expression: {e}") from None
-    budget = os.environ.get(ENV_BUDGET) or None
-    if budget is not None:
-        try:
-            budget = int(float(budget) * 2**20)
-        except ValueError:
-            raise ValueError(f"{ENV_BUDGET}={budget!r} is not a number of MiB") from None
+    budget, queue = (_mib(env, os.environ.get(env) or None) for env in (ENV_BUDGET, ENV_QUEUE))
+    queue = QUEUE_MB * 2**20 if queue is None else queue or None  # 0: no thread, each step written in the step
     if rank is None or tp is None:
         on = dist.is_available() and dist.is_initialized()
         rank = rank if rank is not None else (dist.get_rank() if on else 0)
         tp = tp if tp is not None else (dist.get_world_size() if on else 1)
-    writer = DumpWriter(root, rank, tp, _dtype_name(dtype), engine, budget_bytes=budget, model=checkpoint)
+    writer = DumpWriter(root, rank, tp, _dtype_name(dtype), engine, budget_bytes=budget, model=checkpoint,
+                        background_bytes=queue)
     cap = install(model, name_map, writer, points=points, on_error="stop")
     logger.info(f"tpcheck.capture: {name_map.name} dump of rank {rank}/{tp} to {root} "
                 f"({len(cap.sites)} sites{', points ' + points if points else ''})")

@@ -34,7 +34,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from impl.placements import Fused, Partial, Replicate, Shard
+from impl.placements import Fused, Shard
+from tpcheck.capture.background import BackgroundWriter
+from tpcheck.capture.dump_format import DumpError, check_fits as _check_fits, placement_from_json, placement_to_json
 from tpcheck.capture.batches import RequestLog, StepBatch, UnknownPrefix
 from tpcheck.inputs.step_store import load_step, save_step, write_json_atomic
 from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, token_lists, verify_tensor
@@ -47,58 +49,16 @@ _STEP = re.compile(r"step(\d+)\.json")
 _RANK = re.compile(r"rank(\d+)")
 
 
-class DumpError(ValueError):
-    """A dump directory that is incomplete, inconsistent or unreadable (names the file at fault)."""
-
-
-def placement_to_json(p) -> dict:
-    if isinstance(p, Replicate):
-        return {"type": "replicate"}
-    if isinstance(p, Partial):
-        return {"type": "partial"}
-    if isinstance(p, Shard):
-        return {"type": "shard", "dim": p.dim, "replicas": p.replicas}
-    if isinstance(p, Fused):
-        return {"type": "fused", "parts": [[name, width, placement_to_json(sub)] for name, width, sub in p.parts]}
-    raise TypeError(f"unknown placement {p!r}")
-
-
-def placement_from_json(d: dict, where: str):
-    kind = d.get("type") if isinstance(d, dict) else None
-    if kind == "replicate":
-        return Replicate()
-    if kind == "partial":
-        return Partial()
-    if kind == "shard":
-        return Shard(int_in(d.get("dim", -1), -8, 7, f"{where}: shard dim", DumpError),
-                     int_in(d.get("replicas", 1), 1, MAX_TP, f"{where}: shard replicas", DumpError))
-    if kind == "fused":
-        parts = field(d, "parts", "list", where, DumpError)
-        if not all(isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) for x in parts):
-            raise DumpError(f"{where}: fused parts must be [name, width, placement] triples")
-        return Fused(tuple((n, int_in(w, 1, 2**40, f"{where}: {n} width", DumpError), placement_from_json(s, where))
-                           for n, w, s in parts))
-    raise DumpError(f"{where}: unknown placement {str(d)[:80]}")
-
-
-def _check_fits(t, p, where: str) -> None:
-    """The placement must fit the tensor: a Shard dim inside it, Fused widths summing to its last dim."""
-    if isinstance(p, Shard) and not -t.dim() <= p.dim < t.dim():
-        raise DumpError(f"{where}: Shard dim {p.dim} is outside the tensor's {t.dim()} dims {list(t.shape)}")
-    if isinstance(p, Fused):
-        total = sum(w for _, w, _ in p.parts)
-        if t.dim() == 0 or total != t.shape[-1]:
-            raise DumpError(f"{where}: Fused widths sum to {total}, the tensor's last dim is "
-                            f"{list(t.shape)[-1:] or 'absent'}")
-
-
 class DumpWriter:
     """Writes one rank's points, step by step, into ``root/rank{rank}``. ``points``: a regex of canonical
     point names to keep (None: all); ``budget_bytes``: refuse (DumpError, before writing) a step that would
-    take the directory's written bytes past it."""
+    take the directory's written bytes past it. ``background_bytes``: write the files on a thread of their own
+    (``tpcheck.capture.background``: in order, at most that many bytes queued, back-pressure, an error raised by
+    a later ``write``); ``flush`` / ``close`` wait for them. None: each ``write`` writes before it returns."""
 
     def __init__(self, root: str | Path, rank: int, tp: int, dtype: str, engine: str = "impl",
-                 points: str | None = None, budget_bytes: int | None = None, model: str | None = None):
+                 points: str | None = None, budget_bytes: int | None = None, model: str | None = None,
+                 background_bytes: int | None = None):
         self.fingerprint = None if model is None else fingerprint(model)  # compare checks it against --model
         self.dir = Path(root) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +67,8 @@ class DumpWriter:
         self.rank, self.tp, self.dtype, self.engine = rank, tp, dtype, engine
         self.keep = re.compile(points) if points else None
         self.budget, self.written = budget_bytes, 0
+        self.background = None if background_bytes is None else BackgroundWriter(f"tpcheck-dump-rank{rank}",
+                                                                                  background_bytes, DumpError)
 
     def write(self, step: int, tokens: list[list[int]], starts: list[int], points: dict,
               ids: list[str] | None = None, rows: dict[str, list[int]] | None = None,
@@ -130,18 +92,31 @@ class DumpWriter:
             raise DumpError(f"dump {self.dir}: step {step} needs {size / 2**20:.1f} MiB more, past the budget of "
                             f"{self.budget / 2**20:.1f} MiB ({self.written / 2**20:.1f} MiB written); narrow "
                             "--dump-points or raise --dump-budget-mb")
-        records = save_step(self.dir / f"step{step}.safetensors",
-                            {n: t.detach().contiguous().cpu() for n, (_, t) in kept.items()})
+        tensors = {n: t.detach().contiguous().cpu() for n, (_, t) in kept.items()}
         ids = [str(i) for i in range(len(tokens))] if ids is None else [str(i) for i in ids]
         rows = {n: list(r) for n, r in (rows or {}).items() if n in kept}
         meta = {"format": FORMAT, "rank": self.rank, "tp": self.tp, "step": step, "ids": ids, "tokens": tokens,
                 "starts": starts, "rows": rows, "dtype": self.dtype, "engine": self.engine,
                 "placements": {n: placement_to_json(p) for n, (p, _) in kept.items()},
-                "model_fingerprint": self.fingerprint, "tensors": records}
+                "model_fingerprint": self.fingerprint}
         if prompts:
             meta["prompts"] = {str(r): [int(t) for t in p] for r, p in prompts.items()}
-        write_json_atomic(self.dir / f"step{step}.json", meta)
+
+        def commit() -> None:  # the tensors first: a step's JSON names only a file that is complete
+            meta["tensors"] = save_step(self.dir / f"step{step}.safetensors", tensors)
+            write_json_atomic(self.dir / f"step{step}.json", meta)
+        self.background.submit(commit, size) if self.background is not None else commit()
         self.written += size
+
+    def flush(self) -> None:
+        """Every step written so far is on disk (a background writer's queue drained); its error, if one failed."""
+        if self.background is not None:
+            self.background.flush()
+
+    def close(self) -> None:
+        """``flush``, then stop the background writer's thread."""
+        if self.background is not None:
+            self.background.close()
 
 
 @dataclass
