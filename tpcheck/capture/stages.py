@@ -23,29 +23,25 @@ def stage_range(model) -> tuple[int, int]:
     return int(getattr(inner, "start_layer", 0)), int(getattr(inner, "end_layer", len(inner.layers)))
 
 
-class StageHandoffs:
-    """A vLLM stage's side of its boundaries, as ``layers.{i}.handoff`` points (``tpcheck.capture.core.handoff``,
-    ``[hidden_states | residual]``, ``Replicate()``: every TP rank holds both whole): on a stage before the last, the
-    ``IntermediateTensors`` its model returns to send (``i`` its last layer); on a stage after the first, those its
-    model is called with (``i`` the previous stage's last layer), before any of its layers touches them. Which of
-    the two a point is, the harness tells by the stage that reported it (``tpcheck.engines.impl.stage_points``).
-    No hooks on a one-stage model, nor for a hand-off the ``points`` regex (``--points``) does not keep."""
+class HandoffHooks:
+    """A pipeline stage's side of its boundaries as ``layers.{i}.handoff`` points (``tpcheck.capture.core.handoff``,
+    ``[hidden_states | residual]``, ``Replicate()``: every TP rank holds both whole), hooked on the stage's model
+    (``module``): after layer ``received`` (the previous stage's last), the ``IntermediateTensors`` the model is
+    called with (its ``kwarg``, or its third argument), before any of its layers touches them; after layer ``sent``
+    (its own last), the ones it returns to send. None: no such boundary (or not selected). Which of the two a
+    point is, the harness tells by the stage that reported it (``tpcheck.engines.impl.stage_points``)."""
 
-    def __init__(self, model, points: str | None = None):
-        start, end = stage_range(model)
-        num_layers = len(model.model.layers)
-        keep = None if points is None else re.compile(points)
-        wanted = lambda name: keep is None or keep.fullmatch(name) is not None  # noqa: E731
+    def __init__(self, module, received: int | None, sent: int | None, kwarg: str):
         self._got: dict[str, torch.Tensor] = {}
         self._handles = []
-        if start > 0 and wanted(f"layers.{start - 1}.handoff"):
-            self._handles.append(model.register_forward_pre_hook(self._received(start - 1), with_kwargs=True))
-        if end < num_layers and wanted(f"layers.{end - 1}.handoff"):
-            self._handles.append(model.register_forward_hook(self._sent(end - 1)))
+        if received is not None:
+            self._handles.append(module.register_forward_pre_hook(self._received(received, kwarg), with_kwargs=True))
+        if sent is not None:
+            self._handles.append(module.register_forward_hook(self._sent(sent)))
 
-    def _received(self, layer: int):
+    def _received(self, layer: int, kwarg: str):
         def hook(module, args, kwargs):
-            inter = kwargs.get("intermediate_tensors", args[2] if len(args) > 2 else None)
+            inter = kwargs.get(kwarg, args[2] if len(args) > 2 else None)
             if inter is not None:
                 self._got[f"layers.{layer}.handoff"] = handoff(inter["hidden_states"], inter["residual"]).cpu()
         return hook
@@ -64,6 +60,21 @@ class StageHandoffs:
         for h in self._handles:
             h.remove()
         self._handles, self._got = [], {}
+
+
+class StageHandoffs(HandoffHooks):
+    """A vLLM stage's hand-offs (``HandoffHooks``) on its model (``Qwen2ForCausalLM`` and the like: called with
+    ``intermediate_tensors``, a stage before the last returning them), for the stage's own boundaries
+    (``stage_range``); none on a one-stage model, nor for a hand-off the ``points`` regex (``--points``) does not
+    keep."""
+
+    def __init__(self, model, points: str | None = None):
+        start, end = stage_range(model)
+        keep = None if points is None else re.compile(points)
+        wanted = lambda i: keep is None or keep.fullmatch(f"layers.{i}.handoff") is not None  # noqa: E731
+        super().__init__(model, start - 1 if start > 0 and wanted(start - 1) else None,
+                         end - 1 if end < len(model.model.layers) and wanted(end - 1) else None,
+                         "intermediate_tensors")
 
 
 def write_stage(root: str | Path, stage: int, pp: int, layers: tuple[int, int]) -> None:
