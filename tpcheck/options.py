@@ -41,7 +41,7 @@ class DiffOptions:
                                                         "inputs", type=int_list, action="append")
     ep: int = _opt(1, "--ep", "expert-parallel size of a mixture-of-experts model (with --tp: tp %% ep == 0; the "
                    "tp ranks form ep groups, each holding E/ep experts split tp/ep ways)", "engine", type=int)
-    pp: int = _opt(1, "--pp", "pipeline stages (--engine impl): pp x tp ranks, each stage a TP group of --tp ranks "
+    pp: int = _opt(1, "--pp", "pipeline stages (--engine impl, vllm): pp x tp ranks, each stage a TP group of --tp ranks "
                    "holding a contiguous run of layers (vLLM's split unless --pp-partition)", "engine", type=int)
     pp_partition: str | None = _opt(None, "--pp-partition", "layers per pipeline stage, e.g. 3,3,2 (as many as --pp, "
                                     "summing to the model's layers)", "engine", metavar="LIST")

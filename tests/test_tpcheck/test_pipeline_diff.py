@@ -28,6 +28,43 @@ def test_point_stage():
     assert stage_handoffs((3, 1)) == (2,) and stage_handoffs((1, 2, 1)) == (0, 2) and stage_handoffs((4,)) == ()
 
 
+def test_vllm_stage_of_a_point_and_its_pipeline_faults():
+    """vLLM (no vLLM needed): the output of a stage's last layer is computed, and reported, by the next stage's fused
+    add + RMSNorm, so it is taken from there, the rest as impl's; a pipeline fault away from every boundary is
+    refused naming its layer and the boundaries."""
+    from tpcheck.capture.points import fused_out_stage
+    from tpcheck.engines.vllm_pp import check_pp_faults
+    stages = ((0, 2), (2, 3), (3, 4))
+    assert [fused_out_stage(n, stages) for n in ("embed", "layers.1.out", "layers.1.handoff", "layers.1.mlp.out",
+                                                  "layers.0.out", "layers.2.out", "layers.3.out", "logits")] == \
+        [0, 1, 1, 0, 0, 2, 2, 2]
+    # the local pass's teacher of a boundary layer's output is the next stage's: both ranks' stage 1 points
+    s0, s1 = ["embed", "layers.1.handoff"], ["layers.1.handoff", "layers.1.out", "layers.2.out"]
+    pts = stage_points([_rank(s0, 0), _rank(s1, 1), _rank(["logits"], 2)], 1, stages, owner=fused_out_stage)
+    assert [pts[n][1][0][0, 0].item() for n in ("embed", "layers.1.handoff", "layers.1.out")] == [0, 1, 1]
+    check_pp_faults([("pp-residual-dropped", 1, 0), ("pp-positions-shifted", 2, 0), ("o-proj-partial", 0, 1)],
+                    stages)
+    with pytest.raises(ValueError, match=r"pp-residual-dropped at layer 0: .* boundaries are after layer\(s\) "
+                                         r"\[1, 2\]"):
+        check_pp_faults([("pp-residual-dropped", 0, 0)], stages)
+    with pytest.raises(ValueError, match="none \\(one stage\\)"):
+        check_pp_faults([("pp-positions-shifted", 0, 0)], None)
+
+
+def test_vllm_split_must_be_tpcheck_partition(monkeypatch):
+    """vLLM's own split (what its ranks hold) is checked against tpcheck's partition: equal passes, another (a
+    ``VLLM_PP_LAYER_PARTITION`` of the user's) is exit 2's ConfigError with both lists."""
+    from impl.config import ConfigError
+    from tpcheck.engines.vllm_pp import check_stages
+    check_stages(((0, 1), (1, 3), (3, 4)), 4, 3, None)  # vLLM's rule: 1,2,1
+    check_stages(((0, 3), (3, 4)), 4, 2, "3,1")
+    check_stages(None, 4, 1, None)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
+    with pytest.raises(ConfigError, match=r"--pp 2: vLLM split the 4 layers \[1, 3\] per stage, tpcheck's partition "
+                                          r"is \[2, 2\] \(VLLM_PP_LAYER_PARTITION='1,3', --pp-partition None\)"):
+        check_stages(((0, 1), (1, 4)), 4, 2, None)
+
+
 def _rank(names: list[str], value: float) -> dict:
     return {n: (Replicate(), torch.full((1, 2), value)) for n in names}
 
@@ -74,7 +111,7 @@ def test_silent_stage_is_a_coverage_error():
     (["--preset", "small", "--pp", "2", "--pp-partition", "3,2"], r"sums to 5 layers.*num_hidden_layers=4"),
     (["--preset", "small", "--pp", "2", "--pp-partition", "1,2"], r"sums to 3 layers.*num_hidden_layers=4"),
     (["--preset", "small", "--pp", "2", "--pp-partition", "4,0"], r"pp_partition \[4, 0\]: every stage needs"),
-    (["--preset", "small", "--pp", "2", "--engine", "hf-tp"], "--pp 2 applies to --engine impl only"),
+    (["--preset", "small", "--pp", "2", "--engine", "hf-tp"], "--pp 2 applies to --engine impl and vllm only"),
 ])
 def test_bad_pp_is_exit_2(argv, match, capsys):
     assert main(["diff", *argv]) == 2

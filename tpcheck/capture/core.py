@@ -339,16 +339,20 @@ def _dtype_name(dtype) -> str:
 
 
 def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: int | None = None,
-             dtype: str | torch.dtype = "float32", engine: str = "?", checkpoint: str | None = None) -> Capture | None:
+             dtype: str | torch.dtype = "float32", engine: str = "?", checkpoint: str | None = None,
+             stage: int | None = None) -> Capture | None:
     """``install`` with a ``tpcheck.capture.dump.DumpWriter`` when ``TPCHECK_DUMP=DIR`` is set; None (and no hook)
     otherwise. ``TPCHECK_DUMP_POINTS``: the ``points`` regex; ``TPCHECK_DUMP_BUDGET_MB``: the writer's budget
     (past it the capture stops and logs why); ``TPCHECK_DUMP_QUEUE_MB``: the files are written by a thread of the
     writer's own, off the step, with at most that many MiB queued (default 256; ``0``: written inside the step). ``rank`` / ``tp`` default to torch.distributed's. ``checkpoint``:
     the checkpoint directory the engine loaded, whose fingerprint the dump records (``tpcheck compare`` then
-    refuses a ``--model`` of another checkpoint)."""
+    refuses a ``--model`` of another checkpoint). ``stage``: the pipeline stage of this rank (``rank`` / ``tp`` then
+    within the stage), whose ranks write a dump of their own under ``DIR/stage{stage}`` (``tpcheck.engines.stage_dump``)."""
     root = os.environ.get(ENV_DIR, "")
     if not root:
         return None
+    if stage is not None:
+        root = os.path.join(root, f"stage{stage}")
     points = os.environ.get(ENV_POINTS) or None
     if points is not None:
         try:

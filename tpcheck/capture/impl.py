@@ -11,8 +11,9 @@ import re
 
 import torch
 
-from impl.placements import Replicate, Shard
-from tpcheck.capture.core import as_rows, handoff, install
+from impl.placements import Shard
+from tpcheck.capture.core import as_rows, install
+from tpcheck.capture.stages import HandoffHooks
 from tpcheck.capture.maps import IMPL_MAP
 from tpcheck.capture.teacher import Teacher
 from impl.distributed import get_tp_rank, get_tp_size
@@ -77,44 +78,17 @@ def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None =
     return points
 
 
-class Handoffs:
-    """A pipeline stage's side of its boundaries (``impl.pipeline``), as ``layers.{i}.handoff`` points
-    (``tpcheck.capture.core.handoff``): on a stage before the last, the ``IntermediateTensors`` its model returns
-    to send (``i`` its last layer); on a stage after the first, those its model was called with (``i`` the previous
-    stage's last layer), before anything of the stage touches them. Which of the two a point is, the harness
-    tells by the stage that reported it (``tpcheck.engines.impl.stage_points``). No hooks without stages."""
+class Handoffs(HandoffHooks):
+    """impl's pipeline stage's side of its boundaries (``impl.pipeline``; ``HandoffHooks`` on its decoder stack,
+    called with ``intermediate``): the ``IntermediateTensors`` a stage before the last returns to send, those a stage
+    after the first is called with. No hooks without stages."""
 
     def __init__(self, runner, points: str | None = None):
-        st, model = runner.stage, runner.model.model
+        st = runner.stage
         keep = None if points is None else re.compile(points)
         wanted = lambda i: keep is None or keep.fullmatch(f"layers.{i}.handoff") is not None  # noqa: E731
-        self._got: dict[str, torch.Tensor] = {}
-        self._handles = []
-        if not st.is_first and wanted(st.start - 1):
-            self._handles.append(model.register_forward_pre_hook(self._received(st.start - 1), with_kwargs=True))
-        if not st.is_last and wanted(st.end - 1):
-            self._handles.append(model.register_forward_hook(self._sent(st.end - 1)))
-
-    def _received(self, layer: int):
-        def hook(module, args, kwargs):
-            inter = args[2] if len(args) > 2 else kwargs.get("intermediate")
-            self._got[f"layers.{layer}.handoff"] = handoff(inter["hidden_states"], inter["residual"]).cpu()
-        return hook
-
-    def _sent(self, layer: int):
-        def hook(module, args, out):
-            self._got[f"layers.{layer}.handoff"] = handoff(out["hidden_states"], out["residual"]).cpu()
-        return hook
-
-    def take(self) -> dict:
-        """This step's handoff points ``{name: (Replicate(), tensor)}``; forgotten here."""
-        got, self._got = self._got, {}
-        return {n: (Replicate(), t) for n, t in got.items()}
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles, self._got = [], {}
+        super().__init__(runner.model.model, st.start - 1 if not st.is_first and wanted(st.start - 1) else None,
+                         st.end - 1 if not st.is_last and wanted(st.end - 1) else None, "intermediate")
 
 
 def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:

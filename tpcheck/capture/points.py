@@ -74,11 +74,12 @@ KIND_TABLE = (
     Kind("moe.shared", family="shared"), Kind("moe.shared_gate", family="shared"),
     Kind("mlp.gate", family="dense"), Kind("mlp.up", family="dense"), Kind("mlp.act", family="dense"),
     Kind("mlp.out", routed=True, exact_ops="input"),
-    Kind("out", routed=True, teacher=True, exact_ops="both"),
     # a pipeline stage boundary after this layer (impl.pipeline): the IntermediateTensors the next stage received,
     # [hidden_states | residual] along features (the layer's mlp.out, then its attn.residual); the engine also
-    # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.stage_points)
+    # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.stage_points). Before ``out``, the sum
+    # of its two parts: vLLM's next stage computes that sum from what it received (tpcheck.engines.vllm_pp)
     Kind("handoff", family="pp", routed=True),
+    Kind("out", routed=True, teacher=True, exact_ops="both"),
     Kind("final_norm", exact_ops="checked"),
     Kind("logits"),
 )
@@ -168,6 +169,18 @@ def point_stage(name: str, stages) -> int:
         return 0 if name == "embed" else len(stages) - 1
     owner = next(s for s, (start, end) in enumerate(stages) if start <= layer < end)
     return owner + 1 if kind == "handoff" else owner
+
+
+def fused_out_stage(name: str, stages) -> int:
+    """The stage whose ranks report point ``name`` in an engine that adds a layer's MLP output to its residual in
+    the *next* layer's fused add + RMSNorm (vLLM): as ``point_stage``, except the output of a stage's last layer
+    before the last stage (``layers.{end-1}.out``), which that add computes, and reports, on the next stage from
+    what it received."""
+    layer, kind = split_point(name)
+    owner = point_stage(name, stages)
+    if kind == "out" and layer is not None and owner < len(stages) - 1 and layer == stages[owner][1] - 1:
+        return owner + 1
+    return owner
 
 
 def kind_of(name: str) -> Kind:

@@ -120,6 +120,7 @@ class StepDump:
         self.seen: set[str] = set()                # the requests of the steps written so far
         self.warned = False                        # a prefix-cache hit without token ids has been reported
         self.stopped = False
+        self.handoffs = None                       # a pipeline stage's hand-offs (tpcheck.engines.vllm_pp)
 
     def pre_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -143,6 +144,7 @@ class StepDump:
             points = self.cap.step_done(self.step)
         finally:
             self.cap.writer = writer
+        points.update(self.handoffs.take() if self.handoffs is not None else {})
         points, rows = step_rows(points, bounds, ids.shape[0])
         tokens = [ids[a:b].tolist() for a, b in bounds]
         starts = [int(pos[a]) for a, _ in bounds]
@@ -213,7 +215,7 @@ def step_rows(points: dict, bounds: list[tuple[int, int]], padded: int) -> tuple
 
 
 def _install(worker) -> None:
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     from tpcheck import capture
     from tpcheck.capture.maps import VLLM_MAP
@@ -223,11 +225,19 @@ def _install(worker) -> None:
     attach_route_probes(model)  # the experts vLLM chose (moe.topk_ids), before the capture hooks
     dtype = str(worker.model_config.dtype).removeprefix("torch.")
     ckpt = str(worker.model_config.model)  # a local checkpoint directory: the dump records its fingerprint
+    pp = get_pp_group()  # pipeline stages: each stage's ranks write DIR/stage{s} (tpcheck.engines.stage_dump)
+    stage = pp.rank_in_group if pp.world_size > 1 else None
     cap = capture.from_env(model, VLLM_MAP, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
-                           dtype, "vllm", ckpt if os.path.isdir(ckpt) else None)
+                           dtype, "vllm", ckpt if os.path.isdir(ckpt) else None, stage=stage)
     if cap is None:
         return
     dump = StepDump(cap, runner)
+    if stage is not None:
+        from tpcheck.capture.core import ENV_DIR, ENV_POINTS
+        from tpcheck.capture.stages import StageHandoffs, stage_range, write_stage
+        dump.handoffs = StageHandoffs(model, os.environ.get(ENV_POINTS) or None)
+        if get_tensor_model_parallel_rank() == 0:
+            write_stage(os.environ[ENV_DIR], stage, pp.world_size, stage_range(model))
     model.register_forward_pre_hook(dump.pre_forward, with_kwargs=True)
     execute = runner.execute_model
 
@@ -235,6 +245,8 @@ def _install(worker) -> None:
         if dump.stopped or cap.error is not None:
             return execute(scheduler_output, *args, **kwargs)
         cap.clear()  # a warm-up or profiling forward since the last step
+        if dump.handoffs is not None:
+            dump.handoffs.take()
         dump.inputs, dump.batch, dump.sched = None, None, scheduler_output
         try:
             dump.prompts = new_prompts(scheduler_output)

@@ -146,22 +146,22 @@ def _cmd_diff(a, argv: list[str]) -> int:
 
 
 def _cmd_compare(a, argv: list[str]) -> int:
-    from tpcheck.capture.dump import DumpAdapter, read_dump
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.result.meta import RunOrigin
     from tpcheck.reference.reductions import Reductions
     from tpcheck.judge.tolerances import load_tolerances
+    from tpcheck.engines.stage_dump import open_dump, stage_options
     tol = load_tolerances(a.tolerances)
-    dump = read_dump(a.dump_dir)
+    dump, engine, stages = open_dump(a.dump_dir, lambda tp: Reductions(tp, a.reduce_dtype))  # stages: pipelined
     dump.check_model(str(a.model))  # another checkpoint's dump, or token ids outside its vocab: exit 2
-    engine = DumpAdapter(dump, Reductions(dump.tp, a.reduce_dtype))
-    print(f"engine:     {dump.engine} tp={dump.tp} {dump.dtype}, replayed from the dump {a.dump_dir}\n"
-          f"golden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
+    print(f"engine:     {dump.engine} tp={dump.tp}{f' pp={len(stages)}' if stages else ''} {dump.dtype}, replayed "
+          f"from the dump {a.dump_dir}\ngolden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
     opts = DiffOptions(model=str(a.model), dtype=dump.dtype, prompts=engine.prompts,
                        decode_steps=engine.decode_steps, exact_ops=a.exact_ops, require_points=a.require_points,
-                       isolate=a.isolate)
-    origin = RunOrigin(tp=dump.tp, engine=dump.engine, dump=str(a.dump_dir), command=shlex.join(["tpcheck", *argv]))
+                       isolate=a.isolate, **stage_options(engine, stages, str(a.model)))
+    origin = RunOrigin(tp=dump.tp, stages=stages, engine=dump.engine, dump=str(a.dump_dir), command=shlex.join(
+        ["tpcheck", *argv]))
     return _show(compare(engine, opts, tol, origin), a)
 
 

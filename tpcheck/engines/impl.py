@@ -109,18 +109,18 @@ class ImplAdapter:
 
 
 def stage_points(per_rank: list[dict], tp: int, stages: tuple[tuple[int, int], ...],
-                 expected: tuple[str, ...] = (), notes: dict[str, str] | None = None) -> Points:
+                 expected: tuple[str, ...] = (), notes: dict[str, str] | None = None, owner=point_stage) -> Points:
     """The points of a pipelined step, each from the ``tp`` ranks of the stage that computes it (global ranks
-    ``stage * tp ..``), so a point is unsharded within its own stage's TP group; a point reported by a stage that
-    does not compute it is not taken. A stage that reported none of the ``expected`` points it computes is a
-    ``CoverageError`` naming the stage (exit 3). A boundary's ``handoff`` is what the receiving stage got; what the
-    sending stage sent, TP rank by TP rank, must equal it bit for bit (``handoff_mismatch``: a finding written to
-    ``notes[name]``, which fails its row)."""
+    ``stage * tp ..``; ``owner(name, stages)``, impl's ``point_stage`` by default), so a point is unsharded within its
+    own stage's TP group; a point reported by a stage that does not compute it is not taken. A stage that reported
+    none of the ``expected`` points it computes is a ``CoverageError`` naming the stage (exit 3). A boundary's
+    ``handoff`` is what the receiving stage got; what the sending stage sent, TP rank by TP rank, must equal it bit
+    for bit (``handoff_mismatch``: a finding written to ``notes[name]``, which fails its row)."""
     points: Points = {}
     for s, (start, end) in enumerate(stages):
         got = by_point(per_rank[s * tp:(s + 1) * tp])
-        own = {n: v for n, v in got.items() if point_stage(n, stages) == s}
-        if not own and any(point_stage(n, stages) == s for n in expected):
+        own = {n: v for n, v in got.items() if owner(n, stages) == s}
+        if not own and any(owner(n, stages) == s for n in expected):
             raise CoverageError(f"pipeline stage {s} (layers {start}-{end - 1}, ranks {s * tp}-{(s + 1) * tp - 1}) "
                                 "reported no point")
         for name in [n for n in own if split_point(n)[1] == "handoff"]:

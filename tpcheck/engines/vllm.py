@@ -47,6 +47,9 @@ import torch
 from impl.config import ConfigError, ModelConfig
 from tpcheck.reference.reductions import Reductions
 from tpcheck.engines.adapter import by_point
+from tpcheck.engines.impl import stage_points
+from tpcheck.engines.vllm_pp import check_pp_faults, check_stages
+from tpcheck.capture.points import fused_out_stage
 from tpcheck.capture.vllm_plugin import cpu_bind
 
 logger = logging.getLogger("tpcheck.engines.vllm")
@@ -101,34 +104,56 @@ def start(pool, plan):
     """The adapter of one diff (``tpcheck.engines.registry``): the pool's ``VLLMAdapter`` (kept across diffs; a
     new checkpoint, dtype or length starts another); ``--dump`` is written from the driver (the registry's)."""
     opts, model_dir = plan.opts, plan.model_dir
-    set_here = vllm_env(opts.tp)
+    set_here = vllm_env(opts.tp * opts.pp)
     if set_here:
         logger.info("tpcheck diff: --engine vllm: set " + " ".join(f"{k}={v}" for k, v in set_here.items()))
     max_len, batched = _lengths(opts, plan.cfg)
-    key = (str(model_dir), opts.dtype, max_len, batched)
-    adapter = pool.acquire("vllm", opts.tp, key,
+    key = (str(model_dir), opts.dtype, max_len, batched, opts.pp_partition)
+    # a pipelined engine has another world size: a pool slot of its own per pp
+    adapter = pool.acquire("vllm" if opts.pp == 1 else f"vllm-pp{opts.pp}", opts.tp, key,
                         lambda: VLLMAdapter(model_dir, opts.tp, opts.dtype, max_model_len=max_len,
-                                            max_num_batched_tokens=batched, max_num_seqs=max(len(opts.prompts), 8)),
+                                            max_num_batched_tokens=batched, max_num_seqs=max(len(opts.prompts), 8),
+                                            pp=opts.pp, pp_partition=opts.pp_partition),
                         lambda a: a.restart(model_dir, opts.dtype, max_model_len=max_len,
                                             max_num_batched_tokens=batched,
-                                            max_num_seqs=max(len(opts.prompts), 8)),
+                                            max_num_seqs=max(len(opts.prompts), 8), pp_partition=opts.pp_partition),
                         close=VLLMAdapter.shutdown)
     adapter.points = plan.capture_points  # the ranks hook and send only the selected points
+    adapter.expected = plan.expected  # a stage that reports none of its points is exit 3
+    check_stages(adapter.stages, plan.cfg.num_layers, opts.pp, opts.pp_partition)
     return adapter
+
+
+def one_batch_at_a_time(engine) -> None:
+    """Make one ``LLMEngine.step()`` one schedule + forward + sample again under pipeline parallelism. vLLM gives a
+    pipelined engine core a batch queue of ``pp`` batches in flight (``step_with_batch_queue``): a step may only
+    schedule, the next only collect, so a harness step would not be one forward. The harness's batch is the same
+    every step, so nothing fills a pipeline anyway: the plain ``EngineCore.step`` runs it, through the same
+    executor, workers and stage-to-stage sends."""
+    core = engine.engine_core.engine_core  # the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    core.batch_queue, core.batch_queue_size, core.step_fn = None, 1, core.step
 
 
 class VLLMAdapter:
     """A real ``vllm.LLM`` on the checkpoint ``model_dir`` at tensor parallelism ``tp`` (eager, no prefix
     caching, no tokenizer), driven one engine step per harness step. ``faults``: ``(name, layer, rank)``
     triples of ``FAULTS``, applied at ``begin`` and removed at ``close``. ``llm_kwargs`` go to ``LLM``.
-    vLLM all-reduces row-parallel partial products in the activations' dtype: ``Reductions(tp)``."""
+    vLLM all-reduces row-parallel partial products in the activations' dtype: ``Reductions(tp)``. ``pp``: pipeline
+    stages of ``tp`` ranks each (``pipeline_parallel_size``; ``tpcheck.engines.vllm_pp``), each point taken from the
+    stage that reports it (``point_stage``)."""
+
+    point_stage = staticmethod(fused_out_stage)  # the stage whose ranks report a point (the rows' stage column)
 
     def __init__(self, model_dir: str, tp: int = 2, dtype: str = "float32", faults=(), max_model_len: int = 256,
-                 **llm_kwargs):
-        vllm_env(tp)
+                 pp: int = 1, pp_partition: str | None = None, **llm_kwargs):
+        vllm_env(tp * pp)
         self.reductions = Reductions(tp)
         self.teacher_forcing = True  # the local pass: through the fused norms (vllm_worker.NormTeacher)
-        self.tp, self.faults = tp, list(faults)
+        self.tp, self.pp, self.faults = tp, pp, list(faults)
+        # pipeline stages' layers [start, end), as vLLM split them (None: one stage); the points the run expects
+        self.stages: tuple[tuple[int, int], ...] | None = None
+        self.expected: tuple[str, ...] = ()
+        self.point_notes: dict[str, str] = {}  # a step's findings about a point (a hand-off that arrived changed)
         self.llm = None
         self.ids: list[str] = []
         self.lens: list[int] = []
@@ -136,15 +161,32 @@ class VLLMAdapter:
         self.points: str | None = None  # a regex of the points the ranks capture (None: every point)
         self.restart(model_dir, dtype, max_model_len, **llm_kwargs)
 
-    def restart(self, model_dir: str, dtype: str, max_model_len: int = 256, **llm_kwargs) -> None:
-        """Stop the running ``LLM`` (if any) and start one on ``model_dir`` (vLLM cannot swap a model in place)."""
+    def restart(self, model_dir: str, dtype: str, max_model_len: int = 256, pp_partition: str | None = None,
+                **llm_kwargs) -> None:
+        """Stop the running ``LLM`` (if any) and start one on ``model_dir`` (vLLM cannot swap a model in place).
+        ``pp_partition`` (layers per stage, ``"3,1"``) reaches vLLM's ``get_pp_indices`` as its workers read it:
+        ``VLLM_PP_LAYER_PARTITION``, set while they start."""
         from vllm import LLM
         self.shutdown()
         self.engine_name, self.dtype = "vllm", dtype  # whether the local pass is on by default (engines.rounding)
-        self.llm = LLM(model=str(model_dir), tensor_parallel_size=self.tp, dtype=dtype, enforce_eager=True,
-                       skip_tokenizer_init=True, enable_prefix_caching=False, max_model_len=max_model_len,
-                       worker_extension_cls="tpcheck.engines.vllm_worker.TPCheckWorker", seed=0, **llm_kwargs)
+        old = os.environ.get("VLLM_PP_LAYER_PARTITION")
+        if pp_partition is not None:
+            os.environ["VLLM_PP_LAYER_PARTITION"] = pp_partition
+        try:
+            self.llm = LLM(model=str(model_dir), tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
+                           dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, enable_prefix_caching=False,
+                           max_model_len=max_model_len, seed=0,
+                           worker_extension_cls="tpcheck.engines.vllm_worker.TPCheckWorker", **llm_kwargs)
+        finally:
+            if pp_partition is not None and old is None:
+                del os.environ["VLLM_PP_LAYER_PARTITION"]
+            elif pp_partition is not None:
+                os.environ["VLLM_PP_LAYER_PARTITION"] = old
         self.engine = self.llm.llm_engine
+        if self.pp > 1:
+            ranges = [tuple(r) for r in self._rpc("tpcheck_stage")]  # global rank stage * tp + tp rank
+            self.stages = tuple(ranges[s * self.tp] for s in range(self.pp))
+            one_batch_at_a_time(self.engine)
 
     @property
     def executor(self) -> "VLLMAdapter":
@@ -162,6 +204,7 @@ class VLLMAdapter:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         self._rpc("tpcheck_setup", self.points)
+        check_pp_faults(self.faults, self.stages)
         for name, layer, rank in self.faults:
             self._rpc("tpcheck_fault", name, layer, rank)
         params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -181,15 +224,18 @@ class VLLMAdapter:
         self.started = True
         self.lens = [n + len(t) for n, t in zip(self.lens, new_tokens)]
         per_rank = self._rpc("tpcheck_points", self.lens if capture_kv else None)
-        toks, starts = per_rank[0].pop("__inputs__")
-        self.point_rows = per_rank[0].pop("__rows__")
-        for pts in per_rank[1:]:
-            pts.pop("__inputs__")
-            pts.pop("__rows__")
+        toks, starts = per_rank[0].pop("__inputs__")  # the first stage's: the one that reads the tokens
+        self.point_rows = {}
+        for pts in per_rank:  # under --pp, logits come from the last stage
+            pts.pop("__inputs__", None)
+            self.point_rows.update(pts.pop("__rows__"))
         want_starts = [n - len(t) for n, t in zip(self.lens, new_tokens)]
         if toks != [list(t) for t in new_tokens] or starts != want_starts:
             raise RuntimeError(f"vLLM consumed {toks} at {starts}, the harness gave {new_tokens} at {want_starts}")
-        return by_point(per_rank)
+        if self.stages is None:
+            return by_point(per_rank)
+        self.point_notes = {}
+        return stage_points(per_rank, self.tp, self.stages, self.expected, self.point_notes, owner=fused_out_stage)
 
     def close(self) -> None:
         """Finish the requests (abort) and undo the faults; the LLM stays loaded for another ``begin``."""

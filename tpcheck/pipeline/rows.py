@@ -40,13 +40,14 @@ class RowMaker:
         a point with only some of the step's rows (``subsets``) against those rows of the golden. The engine's own
         findings about a point this step (its adapter's ``point_notes``: a pipeline hand-off that arrived changed)
         come first in its row's note (a note fails the row); under ``--pp`` each row names the stage that reported
-        its point (the adapter's ``stages``)."""
+        its point (the adapter's ``stages``, and its ``point_stage`` where it reports a point elsewhere)."""
         rows = self._rows(step, points, gold, batch, order, eng_teacher, subsets)
         notes = getattr(self.ctx.engine, "point_notes", None)
         stages = getattr(self.ctx.engine, "stages", None)  # --pp: each stage's [start, end) layers
+        owner = getattr(self.ctx.engine, "point_stage", point_stage)  # vLLM: a stage's last output on the next
         for row in rows:
             if stages:
-                row.stage = point_stage(row.point, stages)
+                row.stage = owner(row.point, stages)
             found = (notes or {}).get(row.point)
             if found:
                 row.note = found + (f"; {row.note}" if row.note else "")

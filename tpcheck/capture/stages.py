@@ -1,0 +1,84 @@
+"""A pipeline stage's side of vLLM's stage boundaries, inside a rank (``tpcheck.engines.vllm_pp`` for
+``tpcheck diff --engine vllm --pp``, ``tpcheck.capture.vllm_plugin`` for ``TPCHECK_DUMP``): the stage's layers, the
+hand-off points it sends or receives, and the stage file of a pipelined dump (``tpcheck.engines.stage_dump`` reads
+it)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from impl.placements import Replicate
+from tpcheck.capture.core import handoff
+from tpcheck.inputs.step_store import write_json_atomic
+
+STAGE_FILE = "stage.json"
+
+
+def stage_range(model) -> tuple[int, int]:
+    """The decoder layers ``[start, end)`` that this rank's pipeline stage holds (vLLM's ``get_pp_indices``, as
+    its model recorded them); every layer without pipeline parallelism."""
+    inner = model.model
+    return int(getattr(inner, "start_layer", 0)), int(getattr(inner, "end_layer", len(inner.layers)))
+
+
+class HandoffHooks:
+    """A pipeline stage's side of its boundaries as ``layers.{i}.handoff`` points (``tpcheck.capture.core.handoff``,
+    ``[hidden_states | residual]``, ``Replicate()``: every TP rank holds both whole), hooked on the stage's model
+    (``module``): after layer ``received`` (the previous stage's last), the ``IntermediateTensors`` the model is
+    called with (its ``kwarg``, or its third argument), before any of its layers touches them; after layer ``sent``
+    (its own last), the ones it returns to send. None: no such boundary (or not selected). Which of the two a
+    point is, the harness tells by the stage that reported it (``tpcheck.engines.impl.stage_points``)."""
+
+    def __init__(self, module, received: int | None, sent: int | None, kwarg: str):
+        self._got: dict[str, torch.Tensor] = {}
+        self._handles = []
+        if received is not None:
+            self._handles.append(module.register_forward_pre_hook(self._received(received, kwarg), with_kwargs=True))
+        if sent is not None:
+            self._handles.append(module.register_forward_hook(self._sent(sent)))
+
+    def _received(self, layer: int, kwarg: str):
+        def hook(module, args, kwargs):
+            inter = kwargs.get(kwarg, args[2] if len(args) > 2 else None)
+            if inter is not None:
+                self._got[f"layers.{layer}.handoff"] = handoff(inter["hidden_states"], inter["residual"]).cpu()
+        return hook
+
+    def _sent(self, layer: int):
+        def hook(module, args, out):
+            self._got[f"layers.{layer}.handoff"] = handoff(out["hidden_states"], out["residual"]).cpu()
+        return hook
+
+    def take(self) -> dict:
+        """This step's hand-off points ``{name: (Replicate(), tensor)}``; forgotten here."""
+        got, self._got = self._got, {}
+        return {n: (Replicate(), t) for n, t in got.items()}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._got = [], {}
+
+
+class StageHandoffs(HandoffHooks):
+    """A vLLM stage's hand-offs (``HandoffHooks``) on its model (``Qwen2ForCausalLM`` and the like: called with
+    ``intermediate_tensors``, a stage before the last returning them), for the stage's own boundaries
+    (``stage_range``); none on a one-stage model, nor for a hand-off the ``points`` regex (``--points``) does not
+    keep."""
+
+    def __init__(self, model, points: str | None = None):
+        start, end = stage_range(model)
+        keep = None if points is None else re.compile(points)
+        wanted = lambda i: keep is None or keep.fullmatch(f"layers.{i}.handoff") is not None  # noqa: E731
+        super().__init__(model, start - 1 if start > 0 and wanted(start - 1) else None,
+                         end - 1 if end < len(model.model.layers) and wanted(end - 1) else None,
+                         "intermediate_tensors")
+
+
+def write_stage(root: str | Path, stage: int, pp: int, layers: tuple[int, int]) -> None:
+    """Record stage ``stage`` of ``pp``, holding decoder layers ``[start, end)``, in ``root/stage{stage}``."""
+    d = Path(root) / f"stage{stage}"
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(d / STAGE_FILE, {"stage": stage, "pp": pp, "layers": [int(layers[0]), int(layers[1])]})
