@@ -71,16 +71,17 @@ def test_every_fault_has_a_smallest_config(ckpt):
     assert len(layouts) == 2 * 5 and {c["dtype"] for c in layouts} == {"float32", "bfloat16"}
 
 
-def readme_excess() -> dict[str, float]:
-    """The fault catalog table of README.md: {fault: its excess over threshold} where the figure is a number."""
+def readme_excess() -> dict[str, list[float]]:
+    """The fault catalog table of README.md: {fault: its excess over threshold} where the figure is a number; a
+    cell of two (``8.40e5x / 8.71e5x``) holds the figures of two CPUs (README: their kernels round differently)."""
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = text[text.index("| fault | config | detected | origin found | flagged by | excess over threshold |"):]
     out = {}
     for line in table.split("\n\n", 1)[0].splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        m = re.fullmatch(r"([\d.]+)(?:e(\d+))?x", cells[-1])
-        if m:
-            out[cells[0]] = float(m.group(1)) * 10 ** int(m.group(2) or 0)
+        figs = [re.fullmatch(r"([\d.]+)(?:e(\d+))?x", f) for f in cells[-1].split(" / ")]
+        if all(figs):
+            out[cells[0]] = [float(m.group(1)) * 10 ** int(m.group(2) or 0) for m in figs]
     return out
 
 
@@ -102,7 +103,8 @@ def test_fault_detected_at_expected_origin(name, ckpt, engines):
     assert row["ok"]
     assert row["by"] == BY.get(name, "noise floor"), row
     if name in README_EXCESS:  # the README's figure (tpcheck faults matrix) still holds, within its stated 3%
-        assert math.isclose(row["excess"], README_EXCESS[name], rel_tol=0.03), (row["excess"], README_EXCESS[name])
+        assert any(math.isclose(row["excess"], f, rel_tol=0.03) for f in README_EXCESS[name]), \
+            (row["excess"], README_EXCESS[name])
 
 
 def test_memory_fault_flagged_by_memory_check_not_by_diff(ckpt, engines):

@@ -34,11 +34,15 @@ differently: chunks of 16384 rows give 4-12 differing logits per chunk in float6
 multiple of its column block (12 in float64 with AVX-512) give none. Chunks are therefore a multiple of
 ``HEAD_ROW_ALIGN`` (3072, a multiple of every block size seen: 4, 8, 12, 16, 24, 32, 48, 64), so they start
 where the full matrix's blocks start and the last chunk ends with the full matrix's own remainder; measured
-bit-identical here for float64/float32/bfloat16/float16, 1-129 tokens, 1-8 threads, vocab 250-151936. A BLAS
-that blocks columns differently (another CPU or library) may differ: ``tests/test_tpcheck/test_golden_streamed.py``
-(a 4-chunk head) and ``benchmarks/golden_memory.py`` (qwen2.5-0.5b, a 50-chunk head) check it where they run,
-and ``head_chunk_rows >= vocab`` reads the head whole (the full matmul, exactly HF's, at the cost of holding
-the whole head).
+bit-identical on an AVX-512 CPU without AMX for float64/float32/bfloat16/float16, 1-129 tokens, 1-8 threads,
+vocab 250-151936. A BLAS that blocks columns differently (another CPU or library) may differ, and one does: on a
+CPU with AMX and AVX512-FP16, MKL picks the kernel of a GEMM of a few rows by the matrix's width, so a chunk's
+logits differ from the whole matmul's in the last bits (measured with random data, 5-8 rows: ~90% of them, up to
+4.6e-7 of the largest in float32 and 1.2e-15 in float64; 1 row: 3-4 of 12,500). The logits are then equal within
+a few ulps, not bit for bit; every other point still is. ``tests/test_tpcheck/test_golden_streamed.py`` (a 4-chunk
+head: bit for bit, or within 8 ulps where it measures this BLAS to differ) and ``benchmarks/golden_memory.py``
+(qwen2.5-0.5b, a 50-chunk head) check it where they run, and ``head_chunk_rows >= vocab`` reads the head whole
+(the full matmul, exactly HF's, at the cost of holding the whole head).
 
 Cost: every forward reads every matrix it uses from the checkpoint (from the page cache when it fits there),
 and ``HFCapture.step`` runs each prompt as its own forward, so a step of B prompts reads the checkpoint B times.
