@@ -7,21 +7,29 @@ verdict was before the local pass). In bfloat16 on a CPU whose vLLM kernels trun
 that truncation (``layers.0.attn.q_rope`` by the gain: README "A dump's local pass"); the fault's point is read
 apart from it, and so is the first failure past the truncation-like gains (``past_truncation``).
 
+With ``--dump``, each run also writes its dump (``tpcheck diff --dump``'s wrapper) and ``tpcheck compare``'s
+default verdict on it is reported beside the live one: the dump's origin and the excess at the fault's point in the
+dump's local pass (the golden forced onto the engine's recorded inputs).
+
     .venv-vllm/bin/python benchmarks/vllm_local_pass.py [--preset deep-sink] [--tp 2] [--dtype bfloat16]
-        [--faults o-proj-partial,down-proj-partial,...] [--layers 0,12,23]
+        [--faults o-proj-partial,down-proj-partial,...] [--layers 0,12,23] [--dump]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pandas as pd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
 from common import make_log, print_table  # noqa: E402
-from dump_local_pass import excess_at, origin  # noqa: E402
+from dump_local_pass import compare_dump, excess_at, origin  # noqa: E402
+
+from tpcheck.capture.dump import DumpingAdapter  # noqa: E402
 
 from tpcheck.engines.pool import EnginePool  # noqa: E402
 from tpcheck.engines.vllm import start  # noqa: E402
@@ -56,32 +64,49 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--faults", default=",".join(POINT))
     ap.add_argument("--layers", default="0,12,23")
+    ap.add_argument("--dump", action="store_true", help="also dump each run and judge the dump as tpcheck compare")
     a = ap.parse_args()
     model = str(cached_checkpoint(a.preset))
     opts = DiffOptions.of(model=model, tp=a.tp, dtype=a.dtype, prompts=PROMPT, isolate=True)  # both passes, always
     pool = EnginePool()
-    rows = []
+    rows, tmp = [], tempfile.TemporaryDirectory(prefix="vllm-local-pass-")
+
+    def diff(adapter, name: str, point: str | None):
+        """The live result, and with --dump the dump's columns: its origin and its local excess at ``point``."""
+        if not a.dump:
+            return compare(adapter, opts, origin=RunOrigin(tp=a.tp, engine="vllm", command="vllm_local_pass")), []
+        d = Path(tmp.name) / name
+        wrapper = DumpingAdapter(adapter, d, a.dtype, "vllm", model=model)
+        r = compare(wrapper, opts, origin=RunOrigin(tp=a.tp, engine="vllm", command="vllm_local_pass"))
+        for w in wrapper.writers:  # every queued step on disk before it is read
+            w.close()
+        dumped, _, _ = compare_dump(d, model, a.dtype, a.tp, None)
+        return r, [origin(dumped), "-" if point is None else f"{excess_at(dumped, point, 'isolated'):.3g}"]
+
     try:
         adapter = start(pool, RunPlan.of(opts))
-        clean = compare(adapter, opts, origin=RunOrigin(tp=a.tp, engine="vllm", command="vllm_local_pass"))
+        clean, extra = diff(adapter, "clean", None)
         bad = clean.table[~clean.table["passed"]]
         rows.append(["(none)", "-", origin(clean), past_truncation(clean, a.dtype), f"{len(bad)} rows failed",
-                     ", ".join(sorted(set(bad["kind"])))])
+                     ", ".join(sorted(set(bad["kind"])))] + extra)
         log(f"clean: {rows[-1][2:]}")
         for fault in a.faults.split(","):
             for layer in [int(x) for x in a.layers.split(",")]:
                 t0 = time.monotonic()
                 adapter.faults = [(fault, layer, 1)]
-                r = compare(adapter, opts, origin=RunOrigin(tp=a.tp, engine="vllm", command="vllm_local_pass"))
                 point = f"layers.{layer}.{POINT[fault]}"
+                r, extra = diff(adapter, f"{fault}-{layer}", point)
                 rows.append([fault, str(layer), origin(r), past_truncation(r, a.dtype),
-                             f"{excess_at(r, point, 'isolated'):.3g}", f"{excess_at(r, point, 'propagated'):.3g}"])
+                             f"{excess_at(r, point, 'isolated'):.3g}", f"{excess_at(r, point, 'propagated'):.3g}"]
+                            + extra)
                 log(f"{fault} layer {layer}: {rows[-1][2:]} ({time.monotonic() - t0:.0f} s)")
         adapter.faults = []
     finally:
         pool.close()
+        tmp.cleanup()
     print(f"{a.preset} tp {a.tp} {a.dtype}, one prompt of {len(PROMPT[0])} tokens, prefill; fault inside rank 1")
-    print_table(["fault", "layer", "origin", "past truncation", "local excess", "propagated excess"], rows)
+    print_table(["fault", "layer", "origin", "past truncation", "local excess", "propagated excess"]
+                + (["dump origin", "dump local excess"] if a.dump else []), rows)
 
 
 if __name__ == "__main__":

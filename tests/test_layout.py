@@ -47,6 +47,8 @@ LAZY_IMPORTS = {
     "tpcheck/__init__.py": "import tpcheck stays cheap: tpcheck.diff and friends import the pipeline on first use",
     "tpcheck/capture/vllm_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: vLLM and the capture "
                                       "are imported only once TPCHECK_DUMP asks for a dump",
+    "tpcheck/engines/vllm_fault_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: nothing is "
+                                            "imported unless TPCHECK_DUMP_FAULT asks for a fault",
     "tpcheck/engines/vllm.py": "vLLM is optional (its own virtual environment): imported when --engine vllm runs",
     "tpcheck/engines/vllm_worker.py": "runs in vLLM's worker processes: vLLM's modules, and the capture once "
                                       "tpcheck sets a rank up",

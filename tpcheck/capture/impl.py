@@ -85,10 +85,8 @@ class Handoffs(HandoffHooks):
 
     def __init__(self, runner, points: str | None = None):
         st = runner.stage
-        keep = None if points is None else re.compile(points)
-        wanted = lambda i: keep is None or keep.fullmatch(f"layers.{i}.handoff") is not None  # noqa: E731
-        super().__init__(runner.model.model, st.start - 1 if not st.is_first and wanted(st.start - 1) else None,
-                         st.end - 1 if not st.is_last and wanted(st.end - 1) else None, "intermediate")
+        super().__init__(runner.model.model, None if st.is_first else st.start - 1, None if st.is_last else st.end - 1,
+                         "intermediate", points)
 
 
 def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:

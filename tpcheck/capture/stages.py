@@ -28,12 +28,16 @@ class HandoffHooks:
     ``[hidden_states | residual]``, ``Replicate()``: every TP rank holds both whole), hooked on the stage's model
     (``module``): after layer ``received`` (the previous stage's last), the ``IntermediateTensors`` the model is
     called with (its ``kwarg``, or its third argument), before any of its layers touches them; after layer ``sent``
-    (its own last), the ones it returns to send. None: no such boundary (or not selected). Which of the two a
-    point is, the harness tells by the stage that reported it (``tpcheck.engines.impl.stage_points``)."""
+    (its own last), the ones it returns to send. None: no such boundary; nor one the ``points`` regex (``--points``)
+    does not keep. Which of the two a point is, the harness tells by the stage that reported it
+    (``tpcheck.engines.impl.stage_points``)."""
 
-    def __init__(self, module, received: int | None, sent: int | None, kwarg: str):
+    def __init__(self, module, received: int | None, sent: int | None, kwarg: str, points: str | None = None):
         self._got: dict[str, torch.Tensor] = {}
         self._handles = []
+        keep = None if points is None else re.compile(points)
+        received, sent = (None if i is None or (keep is not None and not keep.fullmatch(f"layers.{i}.handoff"))
+                          else i for i in (received, sent))
         if received is not None:
             self._handles.append(module.register_forward_pre_hook(self._received(received, kwarg), with_kwargs=True))
         if sent is not None:
@@ -70,11 +74,8 @@ class StageHandoffs(HandoffHooks):
 
     def __init__(self, model, points: str | None = None):
         start, end = stage_range(model)
-        keep = None if points is None else re.compile(points)
-        wanted = lambda i: keep is None or keep.fullmatch(f"layers.{i}.handoff") is not None  # noqa: E731
-        super().__init__(model, start - 1 if start > 0 and wanted(start - 1) else None,
-                         end - 1 if end < len(model.model.layers) and wanted(end - 1) else None,
-                         "intermediate_tensors")
+        super().__init__(model, start - 1 if start > 0 else None, end - 1 if end < len(model.model.layers) else None,
+                         "intermediate_tensors", points)
 
 
 def write_stage(root: str | Path, stage: int, pp: int, layers: tuple[int, int]) -> None:

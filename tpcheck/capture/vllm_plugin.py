@@ -27,6 +27,9 @@ its token ids from position 0 (the scheduler's ``scheduled_new_reqs``: ``prompt_
 request's ``prefill_token_ids``), so a request that starts past 0 on blocks another request computed (its
 ``num_computed_tokens``, the step's ``starts``) is rebuilt by ``compare``'s golden. Where the scheduler gives no
 token ids (prompt embeddings), the first such step logs a warning at once: ``compare`` will refuse the request.
+
+``AFTER_LOAD`` lets another plugin act on the loaded model first: ``TPCHECK_DUMP_FAULT``'s seeded fault
+(``tpcheck.engines.vllm_fault_plugin``).
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ import os
 logger = logging.getLogger("tpcheck.capture.vllm_plugin")
 
 _PATCHED = "_tpcheck_patched"
+#: callables run on each worker once its model is loaded, before the dump installs (a seeded fault:
+#: ``tpcheck.engines.vllm_fault_plugin``); their errors stop the worker, as asked-for work should
+AFTER_LOAD: list = []
 
 
 def register() -> None:
@@ -53,6 +59,8 @@ def register() -> None:
 
         def load_model(*a, **k):
             out = load(*a, **k)
+            for fn in AFTER_LOAD:
+                fn(self)
             try:
                 _install(self)
             except Exception:  # a debugging dump must never stop the serving run

@@ -3,7 +3,9 @@ tensor-parallel ones on a decoder layer's modules, a mixture-of-experts route, q
 (``tpcheck.engines.vllm_quant_faults``); the pipeline's (``tpcheck.engines.vllm_pp``) act on a stage boundary."""
 from __future__ import annotations
 
+from tpcheck.capture.stages import stage_range
 from tpcheck.capture.vllm_routes import raise_expert
+from tpcheck.engines.vllm_pp import VLLM_PP_FAULTS, apply_pp_fault
 from tpcheck.engines.vllm_quant_faults import QUANT_FAULTS
 
 # ---------------------------------------------------------------- faults, applied inside one rank
@@ -58,3 +60,36 @@ VLLM_FAULTS = {
 }
 # "param": a quantized layer's live scale changed in place; the fault returns its undo
 VLLM_FAULTS.update(QUANT_FAULTS)
+
+
+def apply_fault(model, worker, name: str, layer: int) -> list[tuple[str, object]]:
+    """Fault ``name`` (``VLLM_FAULTS``, or a pipeline one of ``tpcheck.engines.vllm_pp.VLLM_PP_FAULTS``) applied to
+    decoder layer ``layer`` of this rank's ``model`` (none where the layer is another pipeline stage's); what
+    ``undo_faults`` takes to undo it. ``worker``: the vLLM worker (a quantization scale fault reads its device)."""
+    if name in VLLM_PP_FAULTS:  # a stage boundary's, on the side it acts on
+        return apply_pp_fault(model, name, layer)
+    if name not in VLLM_FAULTS:
+        raise ValueError(f"unknown vLLM fault {name!r}; known: {', '.join([*VLLM_FAULTS, *VLLM_PP_FAULTS])}")
+    if layer not in range(*stage_range(model)):  # another pipeline stage's layer
+        return []
+    path, how, what = VLLM_FAULTS[name]
+    mod = model.model.layers[layer].get_submodule(path)
+    if how == "gemm":
+        mod.quant_method = ScaledGemm(mod.quant_method, what)
+        return [("gemm", mod)]
+    if how == "param":
+        return [("undo", what(mod, worker))]
+    if how == "hook":
+        return [("handle", mod.register_forward_hook(what, prepend=True))]
+    return [("handle", mod.register_forward_pre_hook(what, prepend=True, with_kwargs=True))]
+
+
+def undo_faults(applied: list[tuple[str, object]]) -> None:
+    """Undo what ``apply_fault`` returned."""
+    for kind, obj in applied:
+        if kind == "gemm":
+            obj.quant_method = obj.quant_method._inner
+        elif kind == "undo":
+            obj()
+        else:
+            obj.remove()

@@ -25,25 +25,28 @@ def exact_int8_gemm(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (xq.long() @ w.long()).double()
 
 
-def pair_saturating_gemm(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The int32 accumulator of oneDNN's non-VNNI int8 GEMM (module docstring): ``xq`` int8 ``[M, K]``, ``w`` int8
-    ``[K, N]``, ``K`` even; float64 ``[M, N]`` (exact: integers below 2^53)."""
+def _pair_sums(xq: torch.Tensor, w: torch.Tensor):
+    """Each pair ``(k, k + 1)``'s unclamped ``[M, N]`` sum ``(x[k] + 128) w[k] + (x[k+1] + 128) w[k+1]`` (int64),
+    one pair at a time; ``xq`` int8 ``[M, K]``, ``w`` int8 ``[K, N]``, ``K`` even."""
     if xq.dtype != torch.int8 or w.dtype != torch.int8:
         raise ValueError(f"pair_saturating_gemm: int8 operands, got {xq.dtype} and {w.dtype}")
     if xq.shape[1] != w.shape[0] or xq.shape[1] % 2:
         raise ValueError(f"pair_saturating_gemm: x {tuple(xq.shape)} @ w {tuple(w.shape)}: K must agree and be even")
     a, wl = xq.long() + 128, w.long()
+    for k in range(0, xq.shape[1], 2):
+        yield a[:, k, None] * wl[k] + a[:, k + 1, None] * wl[k + 1]
+
+
+def pair_saturating_gemm(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The int32 accumulator of oneDNN's non-VNNI int8 GEMM (module docstring): ``xq`` int8 ``[M, K]``, ``w`` int8
+    ``[K, N]``, ``K`` even; float64 ``[M, N]`` (exact: integers below 2^53)."""
     acc = torch.zeros(xq.shape[0], w.shape[1], dtype=torch.long)
-    for k in range(0, xq.shape[1], 2):  # one pair of input columns at a time: [M, N] int16 sums, clamped
-        acc += (a[:, k, None] * wl[k] + a[:, k + 1, None] * wl[k + 1]).clamp(*SAT16)
-    return (acc - 128 * wl.sum(0)).double()
+    for s in _pair_sums(xq, w):  # int16 sums, clamped
+        acc += s.clamp(*SAT16)
+    return (acc - 128 * w.long().sum(0)).double()
 
 
 def saturated_pairs(xq: torch.Tensor, w: torch.Tensor) -> float:
     """The fraction of ``(token, pair, output)`` int16 sums that saturate."""
-    a, wl = xq.long() + 128, w.long()
-    hit = 0
-    for k in range(0, xq.shape[1], 2):
-        s = a[:, k, None] * wl[k] + a[:, k + 1, None] * wl[k + 1]
-        hit += int(((s < SAT16[0]) | (s > SAT16[1])).sum())
+    hit = sum(int(((s < SAT16[0]) | (s > SAT16[1])).sum()) for s in _pair_sums(xq, w))
     return hit / (xq.shape[0] * (xq.shape[1] // 2) * w.shape[1])

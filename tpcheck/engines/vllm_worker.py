@@ -10,9 +10,9 @@ import torch
 
 from impl.placements import Shard
 from tpcheck.capture.vllm_routes import attach_route_probes
-from tpcheck.engines.vllm_faults import VLLM_FAULTS, ScaledGemm
+from tpcheck.engines.vllm_faults import VLLM_FAULTS, ScaledGemm, apply_fault, undo_faults  # noqa: F401 - re-exported
 from tpcheck.capture.stages import StageHandoffs, stage_range
-from tpcheck.engines.vllm_pp import VLLM_PP_FAULTS, apply_pp_fault, make_receive_buffers
+from tpcheck.engines.vllm_pp import make_receive_buffers
 
 # ---------------------------------------------------------------- the paged KV cache, read back (pure)
 
@@ -224,37 +224,15 @@ class TPCheckWorker:
 
     def tpcheck_fault(self, name: str, layer: int, rank: int) -> None:
         """Apply fault ``name`` (``VLLM_FAULTS``) to decoder layer ``layer`` on tp rank ``rank`` (no-op elsewhere)."""
-        st, model = self._tpcheck, self.model_runner.get_model()
-        if st["rank"] != rank:
-            return
-        if name in VLLM_PP_FAULTS:  # a stage boundary's, on the side it acts on (tpcheck.engines.vllm_pp)
-            st["faults"] += apply_pp_fault(model, name, layer)
-            return
-        if layer not in range(*stage_range(model)):  # another pipeline stage's layer
-            return
-        path, how, what = VLLM_FAULTS[name]
-        mod = model.model.layers[layer].get_submodule(path)
-        if how == "gemm":
-            mod.quant_method = ScaledGemm(mod.quant_method, what)
-            st["faults"].append(("gemm", mod))
-        elif how == "param":
-            st["faults"].append(("undo", what(mod, self)))
-        elif how == "hook":
-            st["faults"].append(("handle", mod.register_forward_hook(what, prepend=True)))
-        else:
-            st["faults"].append(("handle", mod.register_forward_pre_hook(what, prepend=True, with_kwargs=True)))
+        st = self._tpcheck
+        if st["rank"] == rank:
+            st["faults"] += apply_fault(self.model_runner.get_model(), self, name, layer)
 
     def tpcheck_stage(self) -> tuple[int, int]:  # this rank's pipeline stage's layers [start, end), vLLM's split
         return stage_range(self.model_runner.get_model())
 
     def tpcheck_unfault(self) -> None:
-        for kind, obj in self._tpcheck["faults"]:
-            if kind == "gemm":
-                obj.quant_method = obj.quant_method._inner
-            elif kind == "undo":
-                obj()
-            else:
-                obj.remove()
+        undo_faults(self._tpcheck["faults"])
         self._tpcheck["faults"] = []
 
     def tpcheck_force(self, tokens: list[list[int]] | None) -> None:

@@ -1,0 +1,121 @@
+"""False alarms of a clean vLLM through a zero-code dump: ``benchmarks/engine_floor.py``'s prompts (the same
+seeded draws: one prompt per ``LLM.generate``, then the two-prompt batches), run by a plain vLLM script with
+nothing of tpcheck in it under ``TPCHECK_DUMP``, then ``tpcheck compare`` of the dump with its default verdict.
+Needs the vLLM environment (``.ci/vllm`` makes ``.venv-vllm``).
+
+    python benchmarks/vllm_floor_dump.py [--preset deep-sink] [--tp 1,2] [--dtype float32,float16] [--prompts 20]
+        [--pairs 2] [--pair-len 400] [--decode 2] [--seed 0] [--json reports/vllm_floor_dump.json]
+
+Per (tp, dtype): the dump's size, the verdict, the comparisons, the passes judged (the local pass is on by default
+where ``tpcheck.engines.rounding`` says so), the inherited points and the closest point with its excess. Ranks
+outnumbering the cores run unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
+from common import check_json_arg, make_log, print_table  # noqa: E402
+from engine_floor import pairs, prompts  # noqa: E402
+
+from tpcheck.inputs.checkpoints import cached_checkpoint  # noqa: E402
+
+# a plain vLLM script (vLLM's defaults, eager): one generate per prompt, then each batch; greedy
+PLAIN = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":
+        ckpt, tp, dtype, batches, tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.load(open(sys.argv[4])), int(sys.argv[5])
+        llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+                  max_model_len=1024, seed=0)
+        sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        for b in batches:
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in b], sp, use_tqdm=False)
+    """)
+
+
+def dump_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="deep-sink")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--dtype", default="float32,float16")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-len", type=int, default=40)
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--pair-len", type=int, default=400)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    check_json_arg(ap, a)
+    log = make_log("vllm_floor_dump")
+    ckpt = cached_checkpoint(a.preset)
+    vocab = json.load(open(ckpt / "config.json"))["vocab_size"]
+    batches = [[p] for p in prompts(a.prompts, a.max_len, vocab, a.seed)] + pairs(a.pairs, a.pair_len, vocab, a.seed)
+    rows, out, t0 = [], [], time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="vllm-floor-dump-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "plain.py").write_text(PLAIN)
+        (tmp / "batches.json").write_text(json.dumps(batches))
+        for tp in (int(x) for x in a.tp.split(",")):
+            for dtype in a.dtype.split(","):
+                dump, rep = tmp / f"dump-tp{tp}-{dtype}", tmp / f"r-tp{tp}-{dtype}.json"
+                env = dict(os.environ, TPCHECK_DUMP=str(dump), VLLM_CPU_KVCACHE_SPACE=os.environ.get(
+                    "VLLM_CPU_KVCACHE_SPACE", "1"))
+                if tp > (os.cpu_count() or 1):
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+                s = time.monotonic()
+                gen = subprocess.run([sys.executable, str(tmp / "plain.py"), str(ckpt), str(tp), dtype,
+                                      str(tmp / "batches.json"), str(a.decode + 1)], env=env, capture_output=True,
+                                     text=True)
+                if gen.returncode != 0:
+                    log(f"tp={tp} {dtype}: the vLLM script failed ({gen.returncode}): {gen.stderr[-1500:]}")
+                    return 1
+                size, t_gen = dump_size(dump), time.monotonic() - s
+                s = time.monotonic()
+                cmp = subprocess.run([sys.executable, "-m", "tpcheck", "compare", str(dump), "--model", str(ckpt),
+                                      "--json", str(rep)], capture_output=True, text=True)
+                if not rep.is_file():
+                    log(f"tp={tp} {dtype}: compare wrote no result ({cmp.returncode}): {cmp.stdout[-1500:]}")
+                    return 1
+                doc = json.loads(rep.read_text())
+                r = doc["rows"]
+                worst = max(r, key=lambda x: x["excess"] if x["excess"] == x["excess"] else -1)
+                rec = {"tp": tp, "dtype": dtype, "passed": doc["passed"], "exit": cmp.returncode,
+                       "comparisons": len(r), "modes": sorted({x["mode"] for x in r}),
+                       "inherited": sum(bool(x["inherited"]) for x in r), "closest": worst["excess"],
+                       "closest_at": f"{worst['point']} ({worst['mode']})", "dump_mb": size / 2**20,
+                       "generate_s": t_gen, "compare_s": time.monotonic() - s}
+                out.append(rec)
+                log(f"tp={tp} {dtype}: {'PASS' if doc['passed'] else 'FAIL'}, {rec['comparisons']} comparisons "
+                    f"({'+'.join(rec['modes'])}), {rec['inherited']} inherited, closest {rec['closest']:.3g}x at "
+                    f"{rec['closest_at']}, {rec['dump_mb']:.0f} MB")
+                rows.append([str(tp), dtype, "PASS" if doc["passed"] else "FAIL", str(rec["comparisons"]),
+                             "+".join(rec["modes"]), str(rec["inherited"]), f"{rec['closest']:.3g}x",
+                             rec["closest_at"], f"{rec['dump_mb']:.0f}", f"{rec['generate_s']:.0f}",
+                             f"{rec['compare_s']:.0f}"])
+                subprocess.run(["rm", "-rf", str(dump)])
+    print_table(["tp", "dtype", "verdict", "comparisons", "passes", "inherited", "closest", "at", "dump MB",
+                 "generate s", "compare s"], rows)
+    print(f"total {time.monotonic() - t0:.0f}s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"dumps": out}, f, indent=1)
+    return 0 if all(x["passed"] for x in out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
