@@ -242,10 +242,13 @@ class DiffResult:
         t = self.table[self.table["by_rounding"].astype(bool)] if "by_rounding" in self.table else self.table[:0]
         if r.get("mode", "nearest") == "nearest" and t.empty:
             return ""
+        line = f"\nrounding: declared {r.get('mode')} ({r.get('why') or '?'})"
+        if not rounding_allowance(self.meta):
+            return line
         pts = list(dict.fromkeys(t["point"]))
         pts = ", ".join(pts[:6]) + (f" and {len(pts) - 6} more points" if len(pts) > 6 else "")
-        return (f"\nrounding: declared {r.get('mode')} ({r.get('why') or '?'}); {len(t)} rows' gain within its bound "
-                f"only by it (negative, up to {rounding_allowance(self.meta):.3g} more){': ' + pts if pts else ''}")
+        return line + (f"; {len(t)} rows' gain within its bound only by it (negative, up to "
+                       f"{rounding_allowance(self.meta):.3g} more){': ' + pts if pts else ''}")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DiffResult":
