@@ -7,7 +7,7 @@ Needs the vLLM environment (``.ci/vllm`` makes ``.venv-vllm``).
         [--pairs 2] [--pair-len 400] [--decode 2] [--seed 0] [--json reports/vllm_floor_dump.json]
 
 Per (tp, dtype): the dump's size, the verdict, the comparisons, the passes judged (the local pass is on by default
-where ``tpcheck.engines.rounding`` says so), the inherited points and the closest point with its excess. Ranks
+where ``tpcheck.capture.rounding`` says so), the inherited points and the closest point with its excess. Ranks
 outnumbering the cores run unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``)."""
 from __future__ import annotations
 

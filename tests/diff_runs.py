@@ -1,10 +1,11 @@
 """``run_diff``: ``tpcheck.diff`` of a synthetic preset on the session's engines, with ragged seeded prompts
-(shared by the diff and exact-ops tests)."""
+(shared by the diff and exact-ops tests); what vLLM declares of its rounding here, and a run failing by it alone."""
 from __future__ import annotations
 
 import random
 
 import tpcheck
+from tpcheck.capture.rounding import cpu_has_bf16_rounding, declared_rounding
 
 VOCAB = {"tiny": 250, "small": 1000, "tiny-mqa": 203, "tiny-untied": 301}
 LAYERS = {"tiny": 2, "small": 4, "tiny-mqa": 2, "tiny-untied": 3}
@@ -34,3 +35,28 @@ def propagated_rows(r) -> list[list]:
     """``verdict_rows`` of the propagated pass: what a live run and its dump share when both have a local pass (they
     force differently: the engine onto the golden's inputs, the golden onto the engine's)."""
     return [row for row in verdict_rows(r) if row[COLS.index("mode")] == "propagated"]
+
+
+# vLLM's CPU kernels on a machine without AVX512-BF16 truncate RoPE's (and attention's) bfloat16 results: a gain
+# of -2^-9..-2^-8 after RoPE that the local pass finds (README "A dump's local pass")
+TRUNCATING = ("attn.q_rope", "attn.k_rope", "kv.k", "attn.context", "attn.out", "attn.residual")
+
+
+def declared(dtype: str):  # what vLLM on this CPU declares: truncate in bfloat16 without AVX512-BF16, else nearest
+    return declared_rounding("vllm", dtype, cpu_has_bf16_rounding())
+
+
+def truncated_only(rows: list[dict], dtype: str) -> bool:
+    """Whether a run's failing rows (``rows``: the result's, as dicts) are vLLM's bfloat16 truncation and nothing
+    else, asserting it: every failing row is of the local pass, after RoPE, within its rel_err threshold, and
+    failed by a gain of truncation's sign and size; on a CPU without AVX512-BF16 in bfloat16 there is such a row
+    at ``attn.q_rope`` (measured: every run). False where nothing failed."""
+    from tpcheck.result.origin import truncation_like
+    bad = [r for r in rows if not r["passed"]]
+    for r in bad:
+        assert r["mode"] == "isolated" and r["point"].split(".", 2)[-1] in TRUNCATING, r
+        assert r["rel_err"] <= r["threshold"] and abs(r["gain"]) > r["gain_threshold"], r
+        assert truncation_like(r["gain"], dtype, r["gain_se"]), r
+    if dtype == "bfloat16" and not cpu_has_bf16_rounding():
+        assert any(r["point"].endswith("attn.q_rope") for r in bad), "no truncation found after RoPE"
+    return bool(bad)

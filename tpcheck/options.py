@@ -52,6 +52,11 @@ class DiffOptions:
                                 "is judged against a floor that does not grow with depth (default: on where the "
                                 "engine can be teacher-forced; --no-isolate: the propagated pass alone, about 0.6x "
                                 "the time)", "run", action=argparse.BooleanOptionalAction)
+    rounding: str | None = _opt(None, "--rounding", "how the engine rounds its float32 results to the dtype, "
+                                "overriding what it declares (tpcheck.capture.rounding: vLLM in bfloat16 on a CPU "
+                                "without AVX512-BF16 declares truncate, whose shrink the local pass's gain rule then "
+                                "allows; nearest judges it as rounding to nearest)", "run",
+                                choices=["nearest", "truncate"])
     exact_ops: bool = _opt(False, "--exact-ops", "also fail any RMSNorm or residual add whose output is not "
                            "bit-identical to HF's module applied to the engine's own input (catches arithmetic that "
                            "departs from HF's yet is as accurate, e.g. rmsnorm_weight_before_cast; see "
@@ -201,6 +206,8 @@ class DiffOptions:
         extra = [w for w, on in (("isolate", self.isolate), ("exact-ops", self.exact_ops)) if on]
         if self.isolate is False:
             extra.append("no local pass (--no-isolate)")
+        if self.rounding:
+            extra.append(f"rounding declared {self.rounding} (--rounding)")
         if self.inject:
             extra.append("inject " + ",".join(self.inject)
                          + (f" (layer {self.inject_layer})" if self.inject_layer is not None else ""))

@@ -14,7 +14,8 @@ import textwrap
 
 import pytest
 
-from tpcheck.engines.rounding import local_pass_default_off
+from diff_runs import TRUNCATING, declared, truncated_only
+from tpcheck.capture.rounding import cpu_has_bf16_rounding
 from tpcheck.engines.vllm_worker import VLLM_FAULTS as FAULTS
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [9, 250, 31, 64, 12]]
@@ -77,29 +78,6 @@ def test_plugin_binds_cpu_threads_where_vllm_auto_binding_fails(monkeypatch, cap
 
 
 # ------------------------------------------------------------------ real vLLM
-
-# vLLM's CPU kernels on a machine without AVX512-BF16 truncate RoPE's (and attention's) bfloat16 results: a gain
-# of -2^-9..-2^-8 after RoPE that the local pass finds (README "A dump's local pass")
-TRUNCATING = ("attn.q_rope", "attn.k_rope", "kv.k", "attn.context", "attn.out", "attn.residual")
-
-
-def truncated_only(rows: list[dict], dtype: str) -> bool:
-    """Whether a run's failing rows (``rows``: the result's, as dicts) are vLLM's bfloat16 truncation and nothing
-    else, asserting it: every failing row is of the local pass, after RoPE, within its rel_err threshold, and
-    failed by a gain of truncation's sign and size; on a CPU without AVX512-BF16 in bfloat16 there is such a row
-    at ``attn.q_rope`` (measured: every run). False where nothing failed."""
-    from tpcheck.result.origin import truncation_like
-    bad = [r for r in rows if not r["passed"]]
-    for r in bad:
-        assert r["mode"] == "isolated" and r["point"].split(".", 2)[-1] in TRUNCATING, r
-        assert r["rel_err"] <= r["threshold"] and abs(r["gain"]) > r["gain_threshold"], r
-        assert truncation_like(r["gain"], dtype, r["gain_se"]), r
-    with open("/proc/cpuinfo") as f:
-        rounds = "avx512_bf16" in f.read()
-    if dtype == "bfloat16" and not rounds:
-        assert any(r["point"].endswith("attn.q_rope") for r in bad), "no truncation found after RoPE"
-    return bool(bad)
-
 
 @pytest.fixture(scope="module")
 def vllm_env():
@@ -198,13 +176,14 @@ def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, 
     doc = json.loads(out.read_text())
     assert cmp.returncode == 0, cmp.stdout[-3000:] + cmp.stderr[-2000:]  # clean by the default verdict
     assert "logits" in doc["meta"]["coverage"]["rows_not_produced"]
-    # a vLLM bfloat16 dump keeps the propagated pass by default (engines.rounding); --isolate adds the local pass,
-    # which fails by vLLM's truncating RoPE alone where the CPU had no AVX512-BF16
-    assert doc["meta"]["isolate"] == (local_pass_default_off("vllm", dtype, "dump") is None)
-    cmp = subprocess.run([sys.executable, "-m", "tpcheck", "compare", str(dump), "--model", str(ckpt), "--isolate",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    # the plugin recorded the CPU's flags: compare declares from them and keeps the local pass; judged as rounding
+    # to nearest, it fails by truncation alone where the CPU had no AVX512-BF16
+    assert doc["meta"]["isolate"] and doc["meta"]["rounding"]["mode"] == declared(dtype).mode
+    assert read_dump(dump).cpu_bf16_rounding is cpu_has_bf16_rounding()
+    cmp = subprocess.run([sys.executable, "-m", "tpcheck", "compare", str(dump), "--model", str(ckpt), "--rounding",
+                          "nearest", "--json", str(out)], capture_output=True, text=True, timeout=300)
     doc = json.loads(out.read_text())
-    assert doc["meta"]["isolate"]
+    assert doc["meta"]["isolate"] and doc["meta"]["rounding"]["mode"] == "nearest"
     assert cmp.returncode == (1 if truncated_only(doc["rows"], dtype) else 0), cmp.stdout[-3000:] + cmp.stderr[-2000:]
     assert read_dump(dump).fingerprint is not None  # the plugin recorded the checkpoint vLLM loaded
 
@@ -275,8 +254,9 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     from tpcheck.reference.reductions import Reductions
     result = tpcheck.diff(str(ckpt), tp=2, dtype=dtype, prompts=PROMPTS, decode_steps=3, engine="vllm", pool=pool,
                           dump=str(tmp_path / "dump"))
-    local = local_pass_default_off("vllm", dtype) is None  # on by default unless vLLM truncates here
-    assert set(result.table["mode"]) == ({"propagated", "isolated"} if local else {"propagated"})
+    # the local pass on by default: a truncating CPU's shrink is declared (capture.rounding), not a failure
+    assert set(result.table["mode"]) == {"propagated", "isolated"}
+    assert result.meta["rounding"]["mode"] == declared(dtype).mode
     assert result.passed, result.summary()  # the default verdict of a clean vLLM: PASS
     assert {"layers.0.kv.k", "layers.1.kv.v", "logits", "layers.1.attn.k_rope"} <= set(result.table["point"])
     assert result.meta["coverage"]["rows_not_produced"] == {"logits": sum(len(p) - 1 for p in PROMPTS)}
@@ -285,6 +265,23 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     assert offline.passed, offline.summary()
     from tpcheck.inputs.fingerprint import fingerprint  # compare refuses another checkpoint's dump by it
     assert read_dump(tmp_path / "dump").fingerprint == fingerprint(ckpt)
+
+
+def test_engine_vllm_bfloat16_passes_with_the_local_pass_by_its_declared_rounding(pool, ckpt):
+    """tp 2 bfloat16, 16-token prompts, 2 decode steps: the local pass on, clean by the rounding this CPU declares;
+    judged by the other mode, a truncating CPU's run fails by truncation alone, a rounding one's still passes."""
+    import tpcheck
+    run = dict(tp=2, dtype="bfloat16", seq_len=16, decode_steps=2, engine="vllm", pool=pool)
+    r = tpcheck.diff(str(ckpt), **run)
+    assert r.meta["isolate"] and r.meta["rounding"]["mode"] == declared("bfloat16").mode
+    assert r.passed, r.summary()
+    if r.meta["rounding"]["mode"] == "truncate":
+        assert "rounding: declared truncate" in r.summary()
+        assert r.table[r.table["by_rounding"]]["point"].str.endswith(TRUNCATING).all()
+    other = {"truncate": "nearest", "nearest": "truncate"}[r.meta["rounding"]["mode"]]
+    o = tpcheck.diff(str(ckpt), rounding=other, **run)
+    rows = o.table.to_dict(orient="records")
+    assert o.passed == (not truncated_only(rows, "bfloat16")), o.summary()
 
 
 def test_engine_vllm_points_are_selected_inside_the_ranks(pool, ckpt, monkeypatch):

@@ -340,14 +340,15 @@ def _dtype_name(dtype) -> str:
 
 def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: int | None = None,
              dtype: str | torch.dtype = "float32", engine: str = "?", checkpoint: str | None = None,
-             stage: int | None = None) -> Capture | None:
+             stage: int | None = None, cpu_bf16_rounding: bool | None = None) -> Capture | None:
     """``install`` with a ``tpcheck.capture.dump.DumpWriter`` when ``TPCHECK_DUMP=DIR`` is set; None (and no hook)
     otherwise. ``TPCHECK_DUMP_POINTS``: the ``points`` regex; ``TPCHECK_DUMP_BUDGET_MB``: the writer's budget
     (past it the capture stops and logs why); ``TPCHECK_DUMP_QUEUE_MB``: the files are written by a thread of the
     writer's own, off the step, with at most that many MiB queued (default 256; ``0``: written inside the step). ``rank`` / ``tp`` default to torch.distributed's. ``checkpoint``:
     the checkpoint directory the engine loaded, whose fingerprint the dump records (``tpcheck compare`` then
     refuses a ``--model`` of another checkpoint). ``stage``: the pipeline stage of this rank (``rank`` / ``tp`` then
-    within the stage), whose ranks write a dump of their own under ``DIR/stage{stage}`` (``tpcheck.engines.stage_dump``)."""
+    within the stage), whose ranks write a dump of their own under ``DIR/stage{stage}`` (``tpcheck.engines.stage_dump``).
+    ``cpu_bf16_rounding``: recorded in every step (``DumpWriter``; None: not recorded)."""
     root = os.environ.get(ENV_DIR, "")
     if not root:
         return None
@@ -366,7 +367,7 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
         rank = rank if rank is not None else (dist.get_rank() if on else 0)
         tp = tp if tp is not None else (dist.get_world_size() if on else 1)
     writer = DumpWriter(root, rank, tp, _dtype_name(dtype), engine, budget_bytes=budget, model=checkpoint,
-                        background_bytes=queue)
+                        background_bytes=queue, cpu_bf16_rounding=cpu_bf16_rounding)
     cap = install(model, name_map, writer, points=points, on_error="stop")
     logger.info(f"tpcheck.capture: {name_map.name} dump of rank {rank}/{tp} to {root} "
                 f"({len(cap.sites)} sites{', points ' + points if points else ''})")

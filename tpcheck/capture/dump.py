@@ -4,7 +4,8 @@ Layout of a dump directory (local, or a shared filesystem for ranks on several n
 
     DIR/rank{r}/step{s}.safetensors   rank r's local tensors of step s, keyed by canonical point name
     DIR/rank{r}/step{s}.json          {"format": 2, "rank", "tp", "step", "ids", "tokens", "starts", "rows",
-                                       "prompts", "placements", "dtype", "engine", "model_fingerprint", "tensors"}
+                                       "prompts", "placements", "dtype", "engine", "model_fingerprint", "tensors",
+                                       "cpu_bf16_rounding"}
 
 A step is the requests it ran, in the batch's row order (``tpcheck.capture.batches``): ``ids[i]`` (the engine's
 request id, stable over the run) consumed the token ids ``tokens[i]`` at positions ``starts[i]..``; a point's rows
@@ -19,7 +20,9 @@ hashes, no request ids) is refused: write the dump again. Safetensors and JSON o
 
 Integrity (format 2): ``tensors`` records per point the dtype, shape and sha256 of the bytes written, and
 ``model_fingerprint`` the checkpoint's (``tpcheck.inputs.fingerprint``; null when the writer was not
-told the checkpoint). Reading checks every field's type and bounds (``tpcheck.inputs.validate``), that a rank's
+told the checkpoint). ``cpu_bf16_rounding`` (optional: older dumps and writers that do not know lack it): whether
+the CPU the rank ran on converts float32 to bfloat16 in hardware (``tpcheck.capture.rounding``: without it vLLM's
+CPU kernels truncate, and ``tpcheck compare`` declares so). Reading checks every field's type and bounds (``tpcheck.inputs.validate``), that a rank's
 JSON names the rank and step of the file it sits in, every tensor against its record (a floating-point tensor,
 the rows all ranks agree on, a placement that fits it), and ``Dump.check_model`` the recorded checkpoint and
 token ids against ``--model``: a mismatch is a DumpError (exit 2) naming the file and the tensor.
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from impl.placements import Fused, Shard
+from tpcheck.capture.rounding import declared_rounding
 from tpcheck.capture.background import BackgroundWriter
 from tpcheck.capture.dump_format import DumpError, check_fits as _check_fits, placement_from_json, placement_to_json
 from tpcheck.capture.batches import RequestLog, StepBatch, UnknownPrefix
@@ -58,7 +62,8 @@ class DumpWriter:
 
     def __init__(self, root: str | Path, rank: int, tp: int, dtype: str, engine: str = "impl",
                  points: str | None = None, budget_bytes: int | None = None, model: str | None = None,
-                 background_bytes: int | None = None):
+                 background_bytes: int | None = None, cpu_bf16_rounding: bool | None = None):
+        self.cpu_bf16_rounding = cpu_bf16_rounding  # None: not recorded (the writer does not know its kernels' CPU)
         self.fingerprint = None if model is None else fingerprint(model)  # compare checks it against --model
         self.dir = Path(root) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +104,8 @@ class DumpWriter:
                 "starts": starts, "rows": rows, "dtype": self.dtype, "engine": self.engine,
                 "placements": {n: placement_to_json(p) for n, (p, _) in kept.items()},
                 "model_fingerprint": self.fingerprint}
+        if self.cpu_bf16_rounding is not None:
+            meta["cpu_bf16_rounding"] = bool(self.cpu_bf16_rounding)
         if prompts:
             meta["prompts"] = {str(r): [int(t) for t in p] for r, p in prompts.items()}
 
@@ -132,6 +139,12 @@ class Dump:
     batches: list[StepBatch] | None = None  # per step
     fingerprint: str | None = None  # the checkpoint's, as the writer recorded it
     point_names: list[frozenset[str]] | None = None  # per step, the points rank 0 recorded
+    cpu_bf16_rounding: bool | None = None  # the ranks' CPUs round float32 to bfloat16 in hardware; None: not recorded
+
+    @property
+    def rounding(self):
+        """The dumped engine's declared rounding (``tpcheck.capture.rounding``), from the CPU flags it recorded."""
+        return declared_rounding(self.engine, self.dtype, self.cpu_bf16_rounding, "the CPU the dump ran on")
 
     def __post_init__(self):
         if self.batches is None:
@@ -214,6 +227,8 @@ def _read_meta(path: Path, rank: int, step: int) -> dict:
     fp = meta.get("model_fingerprint")
     if fp is not None and not isinstance(fp, str):
         raise DumpError(f"{path}: model_fingerprint must be a string or null")
+    if meta.get("cpu_bf16_rounding") is not None and not isinstance(meta["cpu_bf16_rounding"], bool):
+        raise DumpError(f"{path}: cpu_bf16_rounding must be true, false or absent")
     return meta
 
 
@@ -263,7 +278,13 @@ def read_dump(root: str | Path) -> Dump:
                                     f"{m0.get(key)!r}")
     return Dump(root, tp, first["dtype"], str(first.get("engine", "?")), [b.tokens for b in batches],
                 [b.starts for b in batches], batches=batches, fingerprint=first.get("model_fingerprint"),
-                point_names=[frozenset(metas[0][s]["placements"]) for s in steps])
+                point_names=[frozenset(metas[0][s]["placements"]) for s in steps],
+                cpu_bf16_rounding=_all_or_none([m.get("cpu_bf16_rounding") for ms in metas.values() for m in ms.values()]))
+
+
+def _all_or_none(flags: list) -> bool | None:
+    """Whether every rank's CPU rounds to bfloat16 in hardware; None where a step does not record it."""
+    return None if any(f is None for f in flags) else all(flags)
 
 
 def _batch(meta: dict) -> StepBatch:
@@ -281,7 +302,7 @@ class DumpAdapter:
 
     def __init__(self, dump: Dump, reductions=None):
         self.dump, self.step_index = dump, 0
-        self.reductions = reductions
+        self.reductions, self.rounding = reductions, dump.rounding
         self.point_rows: dict[str, list[int]] = {}
 
     @property
@@ -344,6 +365,7 @@ class DumpingAdapter:
         self.inner, self.root, self.dtype, self.engine, self.model = inner, Path(root), dtype, engine, model
         self.keep, self.budget, self.reductions = points, budget_bytes, getattr(inner, "reductions", None)
         self.teacher_forcing = getattr(inner, "teacher_forcing", False)  # dumping does not take the local pass away
+        self.rounding, self.cpu_bf16 = getattr(inner, "rounding", None), getattr(inner, "cpu_bf16_rounding", None)
         self.writers: list[DumpWriter] = []
 
     @property
@@ -360,8 +382,8 @@ class DumpingAdapter:
             tp = max((len(ranks) for _, ranks in points.values()), default=1)
             if not self.writers:
                 per_rank = None if self.budget is None else self.budget // tp
-                self.writers = [DumpWriter(self.root, r, tp, self.dtype, self.engine, self.keep, per_rank, self.model)
-                                for r in range(tp)]
+                self.writers = [DumpWriter(self.root, r, tp, self.dtype, self.engine, self.keep, per_rank, self.model,
+                                           cpu_bf16_rounding=self.cpu_bf16) for r in range(tp)]
             rows = getattr(self.inner, "point_rows", {})
             for r, w in enumerate(self.writers):
                 w.write(self.step_index, [list(t) for t in new_tokens], list(self.starts),

@@ -222,6 +222,15 @@ def step_rows(points: dict, bounds: list[tuple[int, int]], padded: int) -> tuple
     return kept, rows
 
 
+def cpu_rounds_bf16() -> bool | None:
+    """What the dump records of how this rank's kernels round to bfloat16 (``tpcheck.capture.rounding``): on vLLM's
+    CPU platform whether the CPU has the hardware conversion (its flags); None elsewhere (a GPU: not recorded)."""
+    from vllm.platforms import current_platform
+
+    from tpcheck.capture.rounding import cpu_has_bf16_rounding
+    return cpu_has_bf16_rounding() if current_platform.is_cpu() else None
+
+
 def _install(worker) -> None:
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -236,7 +245,8 @@ def _install(worker) -> None:
     pp = get_pp_group()  # pipeline stages: each stage's ranks write DIR/stage{s} (tpcheck.engines.stage_dump)
     stage = pp.rank_in_group if pp.world_size > 1 else None
     cap = capture.from_env(model, VLLM_MAP, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
-                           dtype, "vllm", ckpt if os.path.isdir(ckpt) else None, stage=stage)
+                           dtype, "vllm", ckpt if os.path.isdir(ckpt) else None, stage=stage,
+                           cpu_bf16_rounding=cpu_rounds_bf16())
     if cap is None:
         return
     dump = StepDump(cap, runner)

@@ -16,11 +16,9 @@ from tpcheck.cli.exit_codes import Exit, verdict
 from tpcheck.inputs.arg_types import int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
 
-
 options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
 checkpoints = Lazy("tpcheck.inputs.checkpoints")
 coverage = Lazy("tpcheck.judge.coverage")
-
 
 DESCRIPTION = f"""``tpcheck`` command line.
 
@@ -111,6 +109,8 @@ def _add_compare(sub) -> None:
                     help="the local pass: the golden and the noise-floor references run each layer on the engine's "
                          "recorded input of it (every layer's out); default: on where the dump records them; "
                          "--no-isolate: the propagated pass alone")
+    cp.add_argument("--rounding", choices=["nearest", "truncate"], help="as tpcheck diff --rounding: overrides the "
+                    "rounding the dump declares (a vLLM bfloat16 dump: by the flags of the CPU it ran on)")
     cp.add_argument("--require-points", type=regex, default=coverage.DEFAULT_REQUIRE, metavar="REGEX",
                     help="canonical points the engine must report, else exit 3 (default: %(default)s)")
     cp.add_argument("--tolerances", type=Path, metavar="FILE.toml",
@@ -159,7 +159,7 @@ def _cmd_compare(a, argv: list[str]) -> int:
           f"from the dump {a.dump_dir}\ngolden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
     opts = DiffOptions(model=str(a.model), dtype=dump.dtype, prompts=engine.prompts,
                        decode_steps=engine.decode_steps, exact_ops=a.exact_ops, require_points=a.require_points,
-                       isolate=a.isolate, **stage_options(engine, stages, str(a.model)))
+                       isolate=a.isolate, rounding=a.rounding, **stage_options(engine, stages, str(a.model)))
     origin = RunOrigin(tp=dump.tp, stages=stages, engine=dump.engine, dump=str(a.dump_dir), command=shlex.join(
         ["tpcheck", *argv]))
     return _show(compare(engine, opts, tol, origin), a)

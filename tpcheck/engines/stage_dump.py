@@ -95,6 +95,8 @@ class PipelineDumpAdapter:
         self.parts = [DumpAdapter(d, reductions) for d in dumps]
         self.dump, self.stages, self.reductions = dumps[0], stages, reductions
         self.tp = dumps[0].tp
+        # the stages' declared rounding: any stage's unknown, else any stage's truncation (capture.rounding)
+        self.rounding = min((d.rounding for d in dumps), key=lambda r: ("unknown", "truncate", "nearest").index(r.mode))
         # vLLM adds a stage's last output in the next stage's fused norm: that stage reports it
         self.point_stage = fused_out_stage if self.dump.engine == "vllm" else point_stage
         self.expected: tuple[str, ...] = ()

@@ -47,6 +47,7 @@ import torch
 from impl.config import ConfigError, ModelConfig
 from tpcheck.reference.reductions import Reductions
 from tpcheck.engines.adapter import by_point
+from tpcheck.capture.rounding import cpu_has_bf16_rounding, declared_rounding
 from tpcheck.engines.impl import stage_points
 from tpcheck.engines.vllm_pp import check_pp_faults, check_stages
 from tpcheck.capture.points import fused_out_stage
@@ -168,7 +169,9 @@ class VLLMAdapter:
         ``VLLM_PP_LAYER_PARTITION``, set while they start."""
         from vllm import LLM
         self.shutdown()
-        self.engine_name, self.dtype = "vllm", dtype  # whether the local pass is on by default (engines.rounding)
+        # how its CPU kernels round to the dtype (capture.rounding): this CPU's flags, recorded by --dump too
+        self.dtype, self.cpu_bf16_rounding = dtype, cpu_has_bf16_rounding()
+        self.rounding = declared_rounding("vllm", dtype, self.cpu_bf16_rounding)
         old = os.environ.get("VLLM_PP_LAYER_PARTITION")
         if pp_partition is not None:
             os.environ["VLLM_PP_LAYER_PARTITION"] = pp_partition

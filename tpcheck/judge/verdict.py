@@ -48,7 +48,13 @@ prompts of 32 and of 1 token, 2 decode steps) the propagated gain came to 0.95x 
 tp 4 float16, ``mlp.gate`` of a 2-row decode step; 1.11x with a fixed z = 6), against 0.57x in the local pass,
 where every layer's input is the golden's and what is left is the layer's own rounding. A gain the local pass
 cannot see is one applied between layers, after a layer's ``out`` and before the next layer's norm, which removes
-it again: only the residual carries it (the next ``attn.residual``); not judged."""
+it again: only the residual carries it (the next ``attn.residual``); not judged.
+
+**A declared rounding** (``meta["rounding"]``, ``tpcheck.capture.rounding``): where the engine is declared to
+truncate its bfloat16 / float16 results (vLLM's CPU kernels without AVX512-BF16), a negative gain passes up to
+``gain_threshold + rounding_allowance`` (``tpcheck.result.origin``: 2^-bits, 2^-7 in bfloat16), and such a row's
+excess is ``|gain|`` over that widened bound; a positive gain is judged against ``gain_threshold`` alone, as
+everywhere. A row within its gain bound only by the allowance is marked ``by_rounding``."""
 from __future__ import annotations
 
 import numpy as np
@@ -58,6 +64,7 @@ from tpcheck.capture.points import point_order, split_point
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure import own_input
 from tpcheck.measure.gain import gain_z, gain_z_cols
+from tpcheck.result.origin import rounding_allowance
 from tpcheck.result.table import DiffResult
 
 GAIN_MODES = ("isolated",)  # the passes whose gain is judged (module docstring)
@@ -93,16 +100,19 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
     thr = np.array([tol.threshold(k, dtype, r) for k, r in zip(t["kind"], ref)], dtype=float)
     bound = np.array([np.nan if (b := tol.abs_max(k, dtype)) is None else b for k in t["kind"]], dtype=float)
     gthr = gain_thresholds(t, dtype, tol)
-    gain = np.abs(_col(t, "gain"))
+    signed = _col(t, "gain")
+    gain = np.abs(signed)
+    # a declared truncating engine: the negative side widened by what truncation explains (``rounding_allowance``)
+    glim = np.where(signed < 0, gthr + rounding_allowance(result.meta), gthr)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel_excess = np.where(thr > 0, rel / thr, np.where(rel > 0, np.inf, 0.0))
         abs_excess = np.where(np.isnan(bound), 0.0, np.where(bound > 0, mx / bound, np.where(mx > 0, np.inf, 0.0)))
         rank_excess = np.where(np.isnan(spread), 0.0,
                                np.where(thr > 0, spread / thr, np.where(spread > 0, np.inf, 0.0)))
-        gain_excess = np.where(np.isnan(gthr), 0.0, np.where(gthr > 0, gain / gthr, np.where(gain > 0, np.inf, 0.0)))
+        gain_excess = np.where(np.isnan(gthr), 0.0, np.where(glim > 0, gain / glim, np.where(gain > 0, np.inf, 0.0)))
     excess = np.where(np.isnan(rel), np.nan, np.maximum.reduce(
         [rel_excess, np.nan_to_num(abs_excess, nan=np.inf), rank_excess, gain_excess]))
-    others_ok = (np.isnan(bound) | (mx <= bound)) & ~(spread > thr) & (np.isnan(gthr) | (gain <= gthr)) & ~structural
+    others_ok = (np.isnan(bound) | (mx <= bound)) & ~(spread > thr) & (np.isnan(gthr) | (gain <= glim)) & ~structural
     ok = (rel <= thr) & others_ok
     own = _col(t, "own_err") if "own_err" in t else np.full(len(t), np.nan)
     inherited = _inherited(t, ok, (own <= thr) & others_ok, result.meta.get("num_layers"))
@@ -111,6 +121,7 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
     ok, excess = ok | inherited, np.where(inherited, own_excess, excess)
     t["threshold"], t["gain_threshold"], t["excess"] = thr, gthr, excess
     t["passed"], t["inherited"] = ok.astype(bool), inherited
+    t["by_rounding"] = (gain > gthr) & (gain <= glim)  # within the gain's threshold only by the declared rounding
     return DiffResult(t, {**result.meta, "tolerances": tol.source})
 
 

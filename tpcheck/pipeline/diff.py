@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from impl.config import parse_dtype
 from tpcheck.engines.pool import EnginePool
-from tpcheck.engines.rounding import local_pass_default_off
+from tpcheck.capture.rounding import NEAREST, Rounding, local_pass_default_off, overridden
 from tpcheck.judge import judge
 from tpcheck.judge.coverage import Coverage
 from tpcheck.judge.tolerances import Tolerances
@@ -140,9 +140,10 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
             cap.quant_shards = reductions.tp
     writer = GoldenWriter(opts.save_golden, model_dir, prompts, steps, steps > 0, cfg.num_layers) \
         if opts.save_golden else None
-    stop_when = _step_fails(dtype, tolerances) if opts.fail_fast else None
-    isolate = local_pass(engine, opts.isolate, cfg.num_layers)
+    rounding = engine_rounding(engine, opts.rounding)
+    isolate = local_pass(engine, opts.isolate, cfg.num_layers, rounding)
     modes = [False] + ([True] if isolate else [])
+    stop_when = _step_fails(dtype, rounding, tolerances) if opts.fail_fast else None
     # a replayed dump: its local pass runs the golden again, forced onto the engine's recorded inputs
     forced = isolate and not getattr(engine, "teacher_forcing", False)
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
@@ -157,13 +158,13 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
                     isolate=isolate, exact_ops=opts.exact_ops, select=select, stopped_at_step=stopped,
                     golden=str(opts.golden) if opts.golden else None,
                     reductions={"tp": reductions.tp, "dtype": reductions.dtype or dtype}, num_layers=cfg.num_layers,
-                    prompt_lens=[len(p) for p in prompts], notes=tuple(notes.notes))
+                    prompt_lens=[len(p) for p in prompts], notes=tuple(notes.notes), rounding=rounding.as_meta())
     table = DiffResult.from_rows(rows, {}, stamp=False).table
     meta = replace(meta, effective_precision=effective_precision(table, dtype))  # informational, not the verdict
     return judge(DiffResult(table, {**run_meta(), **meta.to_dict()}), tolerances)  # stamped: made here, now
 
 
-def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
+def local_pass(engine, isolate: bool | None, num_layers: int, rounding: Rounding = NEAREST) -> bool:
     """Whether the run has the local (teacher-forced) pass: ``isolate`` when given (True on an engine that cannot be
     teacher-forced is refused), else whether the adapter says it can be (``teacher_forcing``). A replayed dump
     (``lacking``) has it where it recorded every layer's ``out`` at every row of every step: its local pass forces
@@ -179,7 +180,7 @@ def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
         if isolate and not can:
             raise ValueError(f"--isolate: {why}")
     if isolate is None:
-        off = local_pass_default_off(*_engine_rounding(engine)) if can else None
+        off = local_pass_default_off(rounding) if can else None
         if off:
             logger.warning(f"tpcheck diff: note: the verdict is the propagated pass alone: {off}")
             return False
@@ -191,18 +192,16 @@ def local_pass(engine, isolate: bool | None, num_layers: int) -> bool:
     return isolate
 
 
-def _engine_rounding(engine) -> tuple[str, str, str]:
-    """``(engine name, dtype, "live" | "dump")`` of an adapter, for ``engines.rounding.local_pass_default_off``."""
-    dump = getattr(engine, "dump", None)
-    if dump is not None and getattr(engine, "lacking", None) is not None:  # a replayed dump: what it recorded
-        return dump.engine, dump.dtype, "dump"
-    name = getattr(engine, "engine_name", None) or getattr(engine, "engine", None)  # a DumpingAdapter: its name
-    return name if isinstance(name, str) else "?", str(getattr(engine, "dtype", "?")), "live"
+def engine_rounding(engine, mode: str | None = None) -> Rounding:
+    """The adapter's declared rounding (its ``rounding`` attribute: ``tpcheck.capture.rounding``; none declared:
+    to nearest), or ``mode`` where ``--rounding`` names one."""
+    declared = getattr(engine, "rounding", None)
+    return overridden(declared if isinstance(declared, Rounding) else NEAREST, mode)
 
 
-def _step_fails(dtype: str, tolerances: Tolerances | None):
+def _step_fails(dtype: str, rounding: Rounding, tolerances: Tolerances | None):
     """``--fail-fast``: does a step's rows hold a failing point (judged as the whole run will be)?"""
-    step_meta = {"dtype": dtype}
+    step_meta = {"dtype": dtype, "rounding": rounding.as_meta()}
     return lambda step_rows: bool(step_rows) and not judge(
         DiffResult.from_rows(step_rows, step_meta, stamp=False), tolerances).table["passed"].all()
 

@@ -49,7 +49,8 @@ class DiffMeta:
     figures; ``select``: the compared points' regex (None: every point); ``stopped_at_step``: where ``--fail-fast``
     stopped (None: it did not); ``golden``: the saved golden replayed (None: computed live); ``reductions``: the TP
     rounding the noise floor emulated (tp, dtype); ``effective_precision``: the engine's arithmetic per point kind
-    (informational, ``tpcheck.measure.precision``); ``notes``: what the run warned about (the pipeline's
+    (informational, ``tpcheck.measure.precision``); ``rounding``: how the engine rounds to the dtype, declared
+    (``mode`` and ``why``: ``tpcheck.capture.rounding``; the judge reads it); ``notes``: what the run warned about (the pipeline's
     ``tpcheck diff: note:`` lines), kept with the result and not only in the log."""
 
     origin: RunOrigin | None                     # None: a bare ``compare_engine`` call that named no engine side
@@ -67,6 +68,7 @@ class DiffMeta:
     prompt_lens: list[int]
     effective_precision: dict | None = None
     notes: tuple[str, ...] = ()
+    rounding: dict | None = None                 # the engine's declared rounding (tpcheck.capture.rounding)
 
     def to_dict(self) -> dict:
         """The result's ``meta`` (the schema's ``diff_meta``): the run's keys, then the origin's, then the effective
@@ -76,6 +78,8 @@ class DiffMeta:
                "stopped_at_step": self.stopped_at_step, "golden": self.golden, "reductions": self.reductions,
                "num_layers": self.num_layers, "prompt_lens": list(self.prompt_lens),
                **(self.origin.to_dict() if self.origin is not None else {})}
+        if self.rounding is not None:
+            out["rounding"] = self.rounding
         if self.effective_precision is not None:
             out["effective_precision"] = self.effective_precision
         if self.notes:

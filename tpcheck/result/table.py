@@ -14,7 +14,7 @@ from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, 
 from tpcheck.measure.metrics import K_FACTOR
 from tpcheck.capture.points import point_order, split_point
 from tpcheck.inputs.validate import MAX_LAYERS, int_in, read_json
-from tpcheck.result.origin import origin_cause
+from tpcheck.result.origin import origin_cause, rounding_allowance
 
 NAN = math.nan
 
@@ -76,6 +76,9 @@ class Row:
     # because that is within its threshold and the op's inputs passed (its excess came in through its inputs)
     own_err: float = NAN
     inherited: bool = False
+    # the gain within its bound only by the declared rounding's allowance (meta.rounding: a truncating engine's
+    # negative gain, tpcheck.judge.verdict)
+    by_rounding: bool = False
     passed: bool = False
     note: str = ""                 # a structural finding (shapes, ranks holding other shapes, exact ops): always fails
     stage: int | None = None       # --pp: the pipeline stage whose ranks reported the point (None: one stage)
@@ -211,9 +214,9 @@ class DiffResult:
             n_inh = int(self.table["inherited"].sum()) if "inherited" in self.table else 0
             inh = "" if not n_inh else (f" ({n_inh} as inherited: over the floor only through their inputs, their "
                                         "own op within it on the engine's inputs)")
-            return head + ", every point within the noise floor" + inh + ops + tail
+            return head + ", every point within the noise floor" + inh + ops + tail + self._by_rounding()
         lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
-                       + origin_cause(fd, m["dtype"])]
+                       + origin_cause(fd, m["dtype"], rounding_allowance(m))]
         if m.get("isolate"):
             g = self.growth()
             local_bad = [r["layer"] for r in g if r.get("local_passed") is False]
@@ -231,7 +234,21 @@ class DiffResult:
             else:
                 lines.append("isolate: every layer is locally within the noise floor (the error is in a point "
                              "outside the decoder layers, or only in the propagated run)")
-        return "\n".join(lines)
+        return "\n".join(lines) + self._by_rounding()
+
+    def _by_rounding(self) -> str:
+        """The line naming the declared rounding and the rows whose gain passed only by it (none: nothing)."""
+        r = self.meta.get("rounding") if isinstance(self.meta.get("rounding"), dict) else {}
+        t = self.table[self.table["by_rounding"].astype(bool)] if "by_rounding" in self.table else self.table[:0]
+        if r.get("mode", "nearest") == "nearest" and t.empty:
+            return ""
+        line = f"\nrounding: declared {r.get('mode')} ({r.get('why') or '?'})"
+        if not rounding_allowance(self.meta):
+            return line
+        pts = list(dict.fromkeys(t["point"]))
+        pts = ", ".join(pts[:6]) + (f" and {len(pts) - 6} more points" if len(pts) > 6 else "")
+        return line + (f"; {len(t)} rows' gain within its bound only by it (negative, up to "
+                       f"{rounding_allowance(self.meta):.3g} more){': ' + pts if pts else ''}")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DiffResult":
@@ -315,7 +332,7 @@ def result_from_dict(data, source: str = "<result>") -> DiffResult:
         for c in FLOAT_COLUMNS:
             if c in r and not _num(r[c]):
                 raise ResultFormatError(f"{source}: rows[{i}].{c} must be a number or null, got {r[c]!r}")
-        for c in ("passed", "inherited"):
+        for c in ("passed", "inherited", "by_rounding"):
             if c in r and not isinstance(r[c], bool):
                 raise ResultFormatError(f"{source}: rows[{i}].{c} must be true or false, got {r[c]!r}")
         _check_row_fields(r, f"{source}: rows[{i}]")
