@@ -44,6 +44,27 @@ def pairs(n: int, max_len: int, vocab: int, seed: int = 0) -> list[list[list[int
     return [[[rng.randrange(vocab) for _ in range(k)] for k in pair] for pair in lens]
 
 
+def add_prompt_args(ap: argparse.ArgumentParser, dtype: str, pairs_default: int) -> None:
+    """The preset, tp, dtype and prompt options this script and ``vllm_floor_dump.py`` share."""
+    ap.add_argument("--preset", default="deep-sink")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--dtype", default=dtype)
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-len", type=int, default=40)
+    ap.add_argument("--pairs", type=int, default=pairs_default)
+    ap.add_argument("--pair-len", type=int, default=400)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="prompt seed: another seed draws other tokens at the same lengths")
+    ap.add_argument("--json")
+
+
+def batches_of(a) -> tuple[str, list[list[list[int]]]]:
+    """The preset's checkpoint and the runs' batches: one prompt each, then the pairs."""
+    ckpt = cached_checkpoint(a.preset)
+    vocab = json.load(open(os.path.join(ckpt, "config.json")))["vocab_size"]
+    return ckpt, [[p] for p in prompts(a.prompts, a.max_len, vocab, a.seed)] + pairs(a.pairs, a.pair_len, vocab, a.seed)
+
+
 def judge_run(r) -> dict:
     """One run's figures: the floor alone and the verdict; the closest point; the inherited points."""
     t = r.table
@@ -59,22 +80,11 @@ def judge_run(r) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="impl")
-    ap.add_argument("--preset", default="deep-sink")
-    ap.add_argument("--tp", default="1,2")
-    ap.add_argument("--dtype", default="float32,bfloat16")
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--max-len", type=int, default=40)
-    ap.add_argument("--pairs", type=int, default=0)
-    ap.add_argument("--pair-len", type=int, default=400)
-    ap.add_argument("--decode", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0, help="prompt seed: another seed draws other tokens at the same lengths")
-    ap.add_argument("--json")
+    add_prompt_args(ap, "float32,bfloat16", 0)
     a = ap.parse_args(argv)
     check_json_arg(ap, a)
     log = make_log("engine_floor")
-    ckpt = cached_checkpoint(a.preset)
-    vocab = json.load(open(os.path.join(ckpt, "config.json")))["vocab_size"]
-    batches = [[p] for p in prompts(a.prompts, a.max_len, vocab, a.seed)] + pairs(a.pairs, a.pair_len, vocab, a.seed)
+    ckpt, batches = batches_of(a)
     pool, rows, runs = EnginePool(), [], []
     t0 = time.monotonic()
     try:

@@ -23,9 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
 from common import check_json_arg, make_log, print_table  # noqa: E402
-from engine_floor import pairs, prompts  # noqa: E402
-
-from tpcheck.inputs.checkpoints import cached_checkpoint  # noqa: E402
+from engine_floor import add_prompt_args, batches_of  # noqa: E402
 
 # a plain vLLM script (vLLM's defaults, eager): one generate per prompt, then each batch; greedy
 PLAIN = textwrap.dedent("""
@@ -49,22 +47,11 @@ def dump_size(path: Path) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="deep-sink")
-    ap.add_argument("--tp", default="1,2")
-    ap.add_argument("--dtype", default="float32,float16")
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--max-len", type=int, default=40)
-    ap.add_argument("--pairs", type=int, default=2)
-    ap.add_argument("--pair-len", type=int, default=400)
-    ap.add_argument("--decode", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json")
+    add_prompt_args(ap, "float32,float16", 2)
     a = ap.parse_args(argv)
     check_json_arg(ap, a)
     log = make_log("vllm_floor_dump")
-    ckpt = cached_checkpoint(a.preset)
-    vocab = json.load(open(ckpt / "config.json"))["vocab_size"]
-    batches = [[p] for p in prompts(a.prompts, a.max_len, vocab, a.seed)] + pairs(a.pairs, a.pair_len, vocab, a.seed)
+    ckpt, batches = batches_of(a)
     rows, out, t0 = [], [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="vllm-floor-dump-") as tmp:
         tmp = Path(tmp)
