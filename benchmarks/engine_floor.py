@@ -10,8 +10,9 @@ Prompts: ``--prompts`` random token-id prompts (seeded), of lengths 1, 2, 3 and 
 one per run; then ``--pairs`` runs of two prompts each (one batch, different lengths), the longer of the last
 pair ``--pair-len`` tokens.
 One engine per (tp, dtype), reused for every prompt (``tpcheck.engines.pool.EnginePool``). Per configuration it
-prints the runs, the false alarms under each rule, the closest point (its excess) and how many points passed as
-inherited (and their largest raw excess)."""
+prints the runs, the false alarms under each rule, the closest point (its excess), how many points passed as
+inherited (and their largest raw excess), and the runs whose replicas somewhere differ by more than the threshold
+(each replica is judged against the golden; where the spread itself was judged, these runs failed)."""
 from __future__ import annotations
 
 import argparse
@@ -68,12 +69,15 @@ def batches_of(a) -> tuple[str, list[list[list[int]]]]:
 def judge_run(r) -> dict:
     """One run's figures: the floor alone and the verdict; the closest point; the inherited points."""
     t = r.table
-    raw = t["rel_err"] / t["threshold"]
+    worst = t[["rel_err", "replica_rel_err"]].max(axis=1)  # every replica's error (tpcheck.judge.verdict)
+    raw = worst / t["threshold"]
     inh = t[t["inherited"]]
     return {"floor_alone_fails": bool((raw > 1).any() | (t["note"] != "").any()), "passed": bool(r.passed),
             "closest": float(t["excess"].max()), "closest_at": str(t.loc[t["excess"].idxmax(), "point"]),
             "inherited": int(len(inh)),
-            "inherited_raw": float((inh["rel_err"] / inh["threshold"]).max()) if len(inh) else 0.0,
+            "inherited_raw": float(raw[t["inherited"]].max()) if len(inh) else 0.0,
+            # replicas further apart than the threshold: a failure while the spread itself was judged
+            "spread_beyond": int((t["rank_spread"] > t["threshold"]).sum()),
             "origin": (r.first_divergence or {}).get("point", "-")}
 
 
@@ -104,11 +108,12 @@ def main(argv=None) -> int:
                 rows.append([f"{a.engine} {a.preset}", str(tp), dtype, str(len(res)),
                              str(sum(x["floor_alone_fails"] for x in res)), str(sum(not x["passed"] for x in res)),
                              f"{worst['closest']:.3g}x ({worst['len']} tok)", str(sum(x["inherited"] for x in res)),
-                             f"{max(x['inherited_raw'] for x in res):.3g}x"])
+                             f"{max(x['inherited_raw'] for x in res):.3g}x",
+                             str(sum(x["spread_beyond"] > 0 for x in res))])
     finally:
         pool.close()
     print_table(["engine", "tp", "dtype", "runs", "floor alone: fail", "verdict: fail", "closest",
-                 "inherited points", "their worst raw excess"], rows)
+                 "inherited points", "their worst raw excess", "runs with replicas apart > threshold"], rows)
     print(f"total {time.monotonic() - t0:.0f}s")
     if a.json:
         with open(a.json, "w") as f:

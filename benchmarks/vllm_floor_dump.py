@@ -7,7 +7,8 @@ Needs the vLLM environment (``.ci/vllm`` makes ``.venv-vllm``).
         [--pairs 2] [--pair-len 400] [--decode 2] [--seed 0] [--json reports/vllm_floor_dump.json]
 
 Per (tp, dtype): the dump's size, the verdict, the comparisons, the passes judged (the local pass is on by default
-where ``tpcheck.capture.rounding`` says so), the inherited points and the closest point with its excess. Ranks
+where ``tpcheck.capture.rounding`` says so), the inherited points, the closest point with its excess and the rows whose replicas are further apart than the
+threshold (each replica is judged against the golden; where the spread itself was judged they failed). Ranks
 outnumbering the cores run unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``)."""
 from __future__ import annotations
 
@@ -85,7 +86,10 @@ def main(argv=None) -> int:
                        "comparisons": len(r), "modes": sorted({x["mode"] for x in r}),
                        "inherited": sum(bool(x["inherited"]) for x in r), "closest": worst["excess"],
                        "closest_at": f"{worst['point']} ({worst['mode']})", "dump_mb": size / 2**20,
-                       "generate_s": t_gen, "compare_s": time.monotonic() - s}
+                       "generate_s": t_gen, "compare_s": time.monotonic() - s,
+                       # replicas further apart than the threshold (each replica is judged against the golden)
+                       "spread_beyond": sum(x["rank_spread"] is not None and x["threshold"] is not None
+                                            and x["rank_spread"] > x["threshold"] for x in r)}
                 out.append(rec)
                 log(f"tp={tp} {dtype}: {'PASS' if doc['passed'] else 'FAIL'}, {rec['comparisons']} comparisons "
                     f"({'+'.join(rec['modes'])}), {rec['inherited']} inherited, closest {rec['closest']:.3g}x at "
@@ -93,10 +97,10 @@ def main(argv=None) -> int:
                 rows.append([str(tp), dtype, "PASS" if doc["passed"] else "FAIL", str(rec["comparisons"]),
                              "+".join(rec["modes"]), str(rec["inherited"]), f"{rec['closest']:.3g}x",
                              rec["closest_at"], f"{rec['dump_mb']:.0f}", f"{rec['generate_s']:.0f}",
-                             f"{rec['compare_s']:.0f}"])
+                             f"{rec['compare_s']:.0f}", str(rec["spread_beyond"])])
                 subprocess.run(["rm", "-rf", str(dump)])
     print_table(["tp", "dtype", "verdict", "comparisons", "passes", "inherited", "closest", "at", "dump MB",
-                 "generate s", "compare s"], rows)
+                 "generate s", "compare s", "rows: replicas apart > threshold"], rows)
     print(f"total {time.monotonic() - t0:.0f}s")
     if a.json:
         with open(a.json, "w") as f:

@@ -45,7 +45,7 @@ def validator():
 def valid(validator, doc: dict, kind: str) -> dict:
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
-    assert doc["schema_version"] == documents.SCHEMA_VERSION == 2 and doc["kind"] == kind
+    assert doc["schema_version"] == documents.SCHEMA_VERSION == 3 and doc["kind"] == kind
     meta = doc["meta"]
     assert set(documents.RUN_META_KEYS) <= set(meta)
     assert meta["versions"]["tpcheck"] and meta["versions"]["torch"] and meta["versions"]["python"]

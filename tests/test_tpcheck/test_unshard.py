@@ -158,7 +158,7 @@ def test_a_saved_result_round_trips_rank_spread_and_gates_the_same(tmp_path, mon
     path = tmp_path / "r.json"
     r.to_json(path)
     doc = json.loads(path.read_text())
-    assert doc["schema_version"] == documents.SCHEMA_VERSION == 2
+    assert doc["schema_version"] == documents.SCHEMA_VERSION == 3
     assert doc["first_divergence"]["rank_spread_by"] == "0 vs 2"
     assert sum(row["rank_spread"] is not None for row in doc["rows"]) == 2
     jsonschema = pytest.importorskip("jsonschema")
@@ -187,3 +187,82 @@ def test_a_version_1_result_still_reads_and_fails_for_its_rank_note(tmp_path, mo
     assert back.table["rank_spread"].isna().all() and (back.table["rank_spread_by"] == "").all()
     code, msg = gate.regate(path)
     assert code == 1 and "ranks 0 vs 1 differ by up to 2.38e-07" in msg
+
+
+# ---------------------------------------------------------------------------------------------- each replica judged
+
+def test_replicas_that_differ_are_kept_to_be_judged():
+    t = _t()
+    (u,) = unshard("layers.0.out", Replicate(), [t, t.clone(), _ulp(t)])
+    assert list(u.replicas) == [2] and torch.equal(u.replicas[2], _ulp(t))
+    (same,) = unshard("layers.0.out", Replicate(), [t, t.clone()])
+    assert same.replicas == {}
+    a, b = _t(0, (4, 16)), _t(1, (4, 16))
+    (k,) = unshard("layers.0.attn.k", Shard(-1, 2), [a, a.clone(), b, b * 1.01])  # group 1's second rank differs
+    assert list(k.replicas) == [3] and torch.equal(k.replicas[3], torch.cat([a, b * 1.01], dim=-1))
+    (s,) = unshard("layers.0.out", Replicate(), [t, t[:, :32]])  # structural: nothing to judge numerically
+    assert s.replicas == {}
+
+
+def _replica(spread_times: float, rep_times: float, own_times: float = math.nan, rel_times: float | None = None):
+    """A clean judged sample result whose ``POINT`` at step 0 has replicas ``spread_times`` its threshold apart, the
+    other replica erring ``rep_times`` it (its own_err ``own_times``; the first one ``rel_times``)."""
+    r = judge(sample_result(2, 0, isolate=False))
+    i = r.table.index[r.table["point"] == POINT][0]
+    thr = float(r.table.loc[i, "threshold"])
+    r.table.loc[i, ["rank_spread", "rank_spread_by", "replica_rel_err", "replica_own_err"]] = \
+        [spread_times * thr, "0 vs 2", rep_times * thr, own_times * thr]
+    if rel_times is not None:
+        r.table.loc[i, ["rel_err", "own_err"]] = [rel_times * thr, own_times * thr]
+    return judge(r), i
+
+
+def test_replicas_apart_beyond_the_threshold_pass_when_each_is_within_it():
+    r, i = _replica(1.02, 0.9)  # vLLM tp 3: each rank adds the partials in its own order
+    assert r.passed and r.table.loc[i, "excess"] == pytest.approx(0.9)
+    assert r.table.loc[i, "rank_spread"] > r.table.loc[i, "threshold"]  # reported, a figure
+
+
+def test_a_replica_beyond_the_threshold_fails_with_the_ranks_named_first():
+    r, i = _replica(0.5, 3.0)  # the first replica passes, another rank's errs 3x
+    assert not r.passed and r.table.loc[i, "excess"] == pytest.approx(3.0)
+    fd = r.first_divergence
+    assert fd["replica_rel_err"] == pytest.approx(3.0 * fd["threshold"])
+    origin = next(line for line in r.summary().splitlines() if line.startswith("origin:"))
+    assert origin.startswith(f"origin: {POINT} (step 0): ranks 0 vs 2 disagree by "), origin
+    assert "the other replica's rel_err" in origin and "(3x)" in origin
+    assert flagged_by(fd) == "ranks disagree"
+    code, msg, _ = gate.gate_result(r)
+    assert code == 1 and msg.split(": ", 2)[2].startswith("ranks 0 vs 2 disagree by "), msg
+
+
+def test_a_replica_is_inherited_as_the_first_one_is():
+    # both replicas beyond the threshold through their inputs, each one's own op within it: inherited
+    r, i = _replica(1.02, 28.0, own_times=0.01, rel_times=27.0)
+    assert r.passed and bool(r.table.loc[i, "inherited"])
+    # the other replica's own op beyond it: not inherited, and the spread within it: the error is the cause
+    r, i = _replica(0.5, 28.0, own_times=2.0, rel_times=27.0)
+    assert not r.passed and not bool(r.table.loc[i, "inherited"])
+    origin = next(line for line in r.summary().splitlines() if line.startswith("origin:"))
+    assert "disagree" not in origin and flagged_by(r.first_divergence) == "noise floor"
+
+
+def test_an_other_replica_with_a_nan_never_passes():
+    r, i = _replica(INF, INF)
+    assert not r.passed and flagged_by(r.first_divergence) == "ranks disagree"
+
+
+def test_a_version_2_result_still_judges_its_spread(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r, i = _spread(3.0)
+    path = tmp_path / "r.json"
+    r.to_json(path)
+    doc = json.loads(path.read_text())
+    doc["schema_version"] = 2
+    for row in doc["rows"]:
+        row.pop("replica_rel_err"), row.pop("replica_own_err")
+    doc["first_divergence"].pop("replica_rel_err")
+    path.write_text(json.dumps(doc))
+    back = load_result(path)
+    assert not back.passed and back.first_divergence["point"] == POINT
+    assert flagged_by(back.first_divergence) == "ranks disagree"

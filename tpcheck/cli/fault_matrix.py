@@ -26,6 +26,7 @@ from impl import CacheConfig
 from impl.config import load_config
 from tpcheck.inputs.faults import FAULTS, Fault, get_fault
 from tpcheck.progress import bar
+from tpcheck.result.origin import ranks_cause
 from tpcheck.inputs.checkpoints import QUANTIZED, preset_available
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
@@ -162,7 +163,7 @@ def flagged_by(fd: dict | None) -> str:
     for prefix, by in (("exact-ops", "exact ops"), ("shape", "shape"), ("ranks", "ranks disagree")):
         if note.startswith(prefix):
             return by
-    if fd.get("rank_spread", math.nan) > fd["threshold"]:  # replicas further apart than rounding takes them
+    if ranks_cause(fd):  # another rank's replica errs where the first one does not
         return "ranks disagree"
     if math.isnan(fd["rel_err"]):
         return "NaN"

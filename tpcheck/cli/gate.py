@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tpcheck.result.origin import ranks_cause
 from tpcheck.result.report import ResultFormatError, load_result
 from tpcheck.result.table import DiffResult
 from tpcheck.judge.verdict import judge
@@ -46,9 +47,9 @@ def gate_result(result: DiffResult, tolerances: Tolerances | None = None, name: 
             f", step {fd['step']}, {fd['mode']}"
     bound = tol.abs_max(row.kind, dtype)
     reasons = []  # the cause first: ranks that disagree, then the error against the golden
-    if row.rank_spread > row.threshold:
-        reasons.append(f"ranks {row.rank_spread_by or '?'} disagree by {row.rank_spread:.3g} > threshold "
-                       f"{row.threshold:.3g}")
+    ranks = ranks_cause(row)
+    if ranks:
+        reasons.append(ranks)
     if not (row.rel_err <= row.threshold):
         reasons.append(f"rel_err {row.rel_err:.3g} > threshold {row.threshold:.3g} "
                        f"({tol.describe(row.kind, dtype, row.ref_rel_err)})")

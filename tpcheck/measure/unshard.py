@@ -3,13 +3,14 @@
 Ranks that should hold the same values (``Replicate`` points, KV-head replicas) are compared, never silently
 averaged. How far their floating-point values differ is measured, not judged here: a correct engine may add a
 reduction's partials in a rank-dependent order (vLLM's CPU shared-memory all-reduce at tp >= 3), so its replicas
-legitimately differ by a few ulps. ``rank_spread`` is that difference (``tpcheck.judge`` holds it to the same
-threshold as the error against the golden); ranks holding other shapes, or other integer values (expert ids), are
-a structural finding in ``rank_mismatch``."""
+legitimately differ by a few ulps. ``rank_spread`` is that difference, a figure; the replicas that differ are kept
+(``replicas``) so that each is judged against the golden as the first one is (``tpcheck.pipeline.rows``): a rank
+that holds other data errs against the golden, one that rounded in another order does not. Ranks holding other
+shapes, or other integer values (expert ids), are a structural finding in ``rank_mismatch``."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +24,9 @@ class Unsharded:
     rank_mismatch: str = ""         # structural: e.g. "ranks 0 vs 1 hold shapes [2, 8] vs [2, 4]"
     rank_spread: float = math.nan   # worst ||t_r - t_0|| / ||t_0|| over replicas; NaN: no replicas
     rank_spread_by: str = ""        # the ranks of that worst pair, e.g. "0 vs 2"
+    # rank -> the whole point as that rank's replicas make it, for each rank whose replica is not bit-identical to
+    # the first one's (empty: none differ); ``tensor`` is the first replicas'
+    replicas: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def rank_fields(self) -> dict:
         """The ``Row`` columns of the ranks' agreement."""
@@ -44,27 +48,30 @@ def rank_spread(t0: torch.Tensor, t: torch.Tensor) -> float:
     return diff / ref if ref > 0 else (math.inf if diff > 0 else 0.0)
 
 
-def _agree(tensors: list[tuple[int, torch.Tensor]]) -> tuple[str, float, str]:
-    """(structural finding, spread, its ranks) of replicas ``[(rank, tensor), ...]`` against the first one."""
+def _agree(tensors: list[tuple[int, torch.Tensor]]) -> tuple[str, float, str, dict[int, torch.Tensor]]:
+    """(structural finding, spread, its ranks, the replicas that differ from the first one by rank) of replicas
+    ``[(rank, tensor), ...]`` against the first one."""
     r0, t0 = tensors[0]
-    note, worst, by = "", (math.nan if len(tensors) < 2 else 0.0), ""
+    note, worst, by, differ = "", (math.nan if len(tensors) < 2 else 0.0), "", {}
     for r, t in tensors[1:]:
         if t.shape != t0.shape:
-            return f"ranks {r0} vs {r} hold shapes {list(t0.shape)} vs {list(t.shape)}", math.nan, ""
+            return f"ranks {r0} vs {r} hold shapes {list(t0.shape)} vs {list(t.shape)}", math.nan, "", {}
         if not (t0.is_floating_point() and t.is_floating_point()):  # ids, counts: no rounding can change them
             n = int((t != t0).sum())
             note = note or (f"ranks {r0} vs {r} hold different values ({n} of {t.numel()} elements)" if n else "")
             continue
         s = rank_spread(t0, t)
+        if s > 0:
+            differ[r] = t
         if s > worst:
             worst, by = s, f"{r0} vs {r}"
-    return note, worst, by
+    return note, worst, by, differ
 
 
-def _worst(found: list[tuple[str, float, str]]) -> tuple[str, float, str]:
+def _worst(found: list[tuple[str, float, str, dict]]) -> tuple[str, float, str]:
     """The first structural finding, and the largest spread, over groups of replicas."""
-    note = next((n for n, _, _ in found if n), "")
-    spreads = [(s, by) for _, s, by in found if not math.isnan(s)]
+    note = next((n for n, _, _, _ in found if n), "")
+    spreads = [(s, by) for _, s, by, _ in found if not math.isnan(s)]
     s, by = max(spreads, key=lambda x: x[0]) if spreads else (math.nan, "")
     return note, s, by
 
@@ -84,7 +91,8 @@ def unshard(name: str, placement, tensors: list[torch.Tensor | None]) -> list[Un
             out += unshard(name + part, sub, pieces)
         return out
     if isinstance(placement, Replicate):
-        return [Unsharded(name, held[0][1], *_agree(held))]
+        note, s, by, differ = _agree(held)
+        return [Unsharded(name, held[0][1], note, s, by, {} if note else differ)]
     if isinstance(placement, Partial):
         return [Unsharded(name, torch.stack([t for _, t in held]).sum(0))]
     if isinstance(placement, Shard):
@@ -93,5 +101,9 @@ def unshard(name: str, placement, tensors: list[torch.Tensor | None]) -> list[Un
             replicas = [(r, tensors[r]) for r in range(start, start + placement.replicas)]
             found.append(_agree(replicas))
             groups.append(replicas[0][1])
-        return [Unsharded(name, torch.cat(groups, dim=placement.dim), *_worst(found))]
+        note, s, by = _worst(found)
+        # a differing replica of group g: the whole point with group g's part taken from that rank
+        whole = {r: torch.cat(groups[:g] + [t] + groups[g + 1:], dim=placement.dim)
+                 for g, f in enumerate(found) for r, t in f[3].items()} if not note else {}
+        return [Unsharded(name, torch.cat(groups, dim=placement.dim), note, s, by, whole)]
     raise TypeError(f"{name}: unknown placement {placement!r}")

@@ -6,6 +6,7 @@ the rows it holds; the KV cache's rows), MoE routes compared as expert sets per 
 (``tpcheck.judge``) sets its threshold, excess and verdict."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -16,7 +17,7 @@ from tpcheck.judge.coverage import check_known
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure import exact_ops, own_input
 from tpcheck.measure.gain import gain_fields
-from tpcheck.measure.metrics import compare, mismatch
+from tpcheck.measure.metrics import compare, mismatch, rel_err
 from tpcheck.measure.unshard import unshard
 from tpcheck.pipeline.routes import sort_routes
 from tpcheck.result.table import NAN, Row
@@ -67,6 +68,7 @@ class RowMaker:
         if self.ctx.sparse:
             units = self._routes(units, gold)
         engine_of = {u.name: u.tensor for u, sub in units if sub is None}  # the op inputs own_input reads
+        replicas_of = {u.name: u.replicas for u, sub in units if sub is None and u.replicas}  # rank r's, where differ
         for u, subset in units:
             if u.name not in gold or not self._selected(u.name):
                 continue
@@ -79,7 +81,7 @@ class RowMaker:
                 if self.ctx.exact_ops and split_point(u.name)[1] in exact_ops.INPUT_KINDS:
                     held[u.name] = u.tensor
                 keep = [r for r in range(gold[u.name].shape[0]) if r not in set(excluded)]
-                u = replace(u, tensor=u.tensor[keep])
+                u = replace(u, tensor=u.tensor[keep], replicas={r: v[keep] for r, v in u.replicas.items()})
                 rows.append(self._row(u, gold[u.name][keep], step, row_lens, starts, None, order, keep,
                                       rows_excluded=len(excluded)))
                 self.reported.add(u.name)
@@ -97,28 +99,36 @@ class RowMaker:
             where = (kv_lens, [0] * len(kv_lens)) if kind_of(u.name).rows == "cache" else (row_lens, starts)
             rows.append(self._row(u, g, step, *where, want, order, subset))
             if subset is None and (not self.ctx.sparse or kind_of(u.name).route == "weights"):
-                self._own(rows[-1], u.tensor, g, engine_of, eng_teacher)
+                self._own(rows[-1], u, g, engine_of, replicas_of, eng_teacher)
         return rows
 
-    def _own(self, row: Row, tensor: torch.Tensor, golden: torch.Tensor, engine_of: dict, eng_teacher) -> None:
+    def _own(self, row: Row, u, golden: torch.Tensor, engine_of: dict, replicas_of: dict, eng_teacher) -> None:
         """``row.own_err`` (``tpcheck.measure.own_input``) where the point exceeds half its threshold (the smaller
         of the default and the run's tolerances'): its op recomputed on the engine's own inputs of this step (the
-        teacher as the layer input when isolated)."""
+        teacher as the layer input when isolated); ``row.replica_own_err`` the same of each replica that differs,
+        on its own rank's inputs (an input's replica of that rank where it differs)."""
         dt = str(self.ctx.dtype).removeprefix("torch.")
         layer, kind = split_point(row.point)
         tols = (Tolerances(),) if self.ctx.tolerances is None else (Tolerances(), self.ctx.tolerances)
-        if not row.rel_err > 0.5 * min(t.threshold(kind, dt, row.ref_rel_err) for t in tols):
+        worst = max(row.rel_err, row.replica_rel_err) if u.replicas else row.rel_err
+        if not worst > 0.5 * min(t.threshold(kind, dt, row.ref_rel_err) for t in tols):
             return
         inputs = own_input.input_points(row.point, self.ctx.num_layers) or []
         teacher_at = (self.ctx.num_layers if kind == "final_norm" else layer) \
             if eng_teacher is not None and own_input.reads_layer_input(kind) else None
-
-        def get(p: str) -> torch.Tensor:
-            return eng_teacher[teacher_at] if teacher_at is not None and p == inputs[0] else engine_of[p]
         red = self.ctx.reductions
         rd = None if getattr(red, "dtype", None) is None else getattr(torch, red.dtype)
-        row.own_err = own_input.own_error(self.ctx.ref.model, row.point, tensor, golden, get,
-                                          getattr(red, "tp", 1), rd)
+
+        def own(tensor: torch.Tensor, rank: int | None) -> float:
+            def get(p: str) -> torch.Tensor:
+                if teacher_at is not None and p == inputs[0]:
+                    return eng_teacher[teacher_at]
+                return engine_of[p] if rank is None else replicas_of.get(p, {}).get(rank, engine_of[p])
+            return own_input.own_error(self.ctx.ref.model, row.point, tensor, golden, get, getattr(red, "tp", 1), rd)
+        row.own_err = own(u.tensor, None)
+        if u.replicas:
+            errs = [own(t, r) for r, t in u.replicas.items()]
+            row.replica_own_err = math.nan if any(math.isnan(e) for e in errs) else max(errs)
 
     def _routes(self, units: list, gold: dict) -> list:
         """MoE: the engine's top-k put in the one order (``routes.sort_routes``), and each layer's route checked
@@ -161,6 +171,10 @@ class RowMaker:
         else:
             stats = compare(u.tensor, gold)
             stats["rel_err"] = self.floor.engine_rel_err(u.name, stats["rel_err"], stats["ref_norm"], gold.shape[0])
+            if u.replicas:  # every replica judged against the golden (tpcheck.judge.verdict)
+                errs = [self.floor.engine_rel_err(u.name, rel_err(t, gold), stats["ref_norm"], gold.shape[0])
+                        for t in u.replicas.values()]
+                stats["replica_rel_err"] = math.inf if any(math.isnan(e) for e in errs) else max(errs)
             if self.isolated:
                 stats.update(gain_fields(u.tensor, gold))
         if stats["max_abs_index"]:

@@ -16,6 +16,7 @@ from tpcheck.inputs.config_checkpoints import config_checkpoint, default_root, r
 from tpcheck.inputs.tp_layout import kv_layout
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
+from tpcheck.result.origin import ranks_cause
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -99,14 +100,15 @@ class Case:
 
     def check(self, pool=None, root: str | os.PathLike | None = None, inject=(), inject_layer: int | None = None):
         """The properties of one case, as assertions: ranks agree on every replicated point (the
-        residual stream, replicated KV heads, ...) and every point of every step is within the noise
+        residual stream, replicated KV heads, ...: every replica within the noise floor) and every point of every step is within the noise
         floor (with ``exact_ops``: and the elementwise ops match HF bit for bit). Raises AssertionError with ``failure_report``; returns the ``DiffResult``."""
         r = self.diff(pool, root, inject, inject_layer)
         t = r.table
-        split = t[t["note"].astype(str).str.startswith("ranks") | (t["rank_spread"] > t["threshold"])]
+        split = t[t["note"].astype(str).str.startswith("ranks")
+                  | t.apply(lambda w: not w.passed and bool(ranks_cause(w)), axis=1)]
         if len(split):
             w = split.iloc[0]
-            why = w.note or f"ranks {w.rank_spread_by} disagree by {w.rank_spread:.3g} (threshold {w.threshold:.3g})"
+            why = w.note or ranks_cause(w)
             raise AssertionError(f"ranks disagree on replicated point {w.point} (step {w.step}): {why}\n"
                                  + self.failure_report(r, root, inject))
         if not r.passed:

@@ -1,7 +1,7 @@
 """The JSON documents tpcheck writes (``tpcheck diff/check/sweep --json``, ``tpcheck faults matrix --json``) are strict JSON (RFC
 8259): jq, JavaScript's ``JSON.parse`` and any other conforming parser read them. Each is one object::
 
-    {"schema_version": 2, "kind": "diff" | "check" | "sweep" | "fault_matrix", "passed": ..., "meta": {...},
+    {"schema_version": 3, "kind": "diff" | "check" | "sweep" | "fault_matrix", "passed": ..., "meta": {...},
      ... "rows": [...]}
 
 * ``schema_version`` (``SCHEMA_VERSION``): an integer, raised when a document changes in a way an older
@@ -11,6 +11,10 @@
   ``rank_spread`` / ``rank_spread_by`` (how far replicas differ between ranks, judged against the threshold; a
   version-1 reader would ignore them and pass a row that fails for its ranks). Version 1 files still read: their
   rows have no ``rank_spread`` (NaN), and ranks that differed are in their ``note`` as before, so they fail again.
+  Version 3: a diff row's ``replica_rel_err`` / ``replica_own_err`` (each replica that differs judged against the
+  golden, the spread a figure; a version-2 reader would judge the spread alone and pass a row whose other replica
+  errs beyond the threshold). Version 2 files still read: their rows have no ``replica_rel_err`` (NaN), and the
+  judge holds their spread to the threshold as it did.
 * ``kind`` says which document it is; ``load_schema()`` returns the JSON Schema (draft 2020-12, shipped as
   ``tpcheck/result/result.schema.json``; ``tpcheck schema`` prints it) with one definition per kind.
 * ``meta`` has at least ``run_meta()``'s keys: ``versions`` (tpcheck, python, torch, transformers),
@@ -54,7 +58,7 @@ import pandas as pd
 from importlib import metadata
 from importlib import resources
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 KINDS = ("diff", "check", "sweep", "fault_matrix", "comparison")
 SCHEMA_FILE = "result.schema.json"  # package data of ``tpcheck.result``
 RUN_META_KEYS = ("versions", "machine", "command", "created_utc")

@@ -8,24 +8,46 @@ NAN = math.nan
 
 def origin_cause(fd: dict, dtype: str, allowance: float = 0.0) -> str:
     """What failed the origin row ``fd`` (``DiffResult.first_divergence``), its cause first: a structural note,
-    then ranks that disagree beyond the threshold, then the error against the golden (which, after a cause, is
+    then ranks whose replica errs beyond the threshold (``ranks_cause``), then the error against the golden (which, after a cause, is
     told as its own multiple of the threshold: ``excess`` is the cause's), then a systematic gain where it failed
     (a negative gain: beyond ``gain_threshold`` plus ``allowance``, a declared rounding's: ``rounding_allowance``)."""
     fd = {**fd, "gain_allowance": allowance}
-    thr, spread = fd["threshold"], fd.get("rank_spread", NAN)
+    thr = fd["threshold"]
     err = f"rel_err {fd['rel_err']:.3g} vs HF {dtype} {fd['ref_rel_err']:.3g}" + \
         (f" ({fd['ref_by']})" if fd.get("ref_by") else "")
     where = f"max |diff| {fd['max_abs']:.3g} at (batch, token, feature) {fd['max_abs_index']}"
     gain = f"; {_gain_note(fd, dtype)}" if _gain_failed(fd) else ""
     causes = [fd["note"]] if fd["note"] else []
-    if spread > thr:  # NaN (no replicas) is never a cause
-        causes.append(f"ranks {fd.get('rank_spread_by') or '?'} disagree by {spread:.3g} "
-                      f"({_times(spread, thr)} the threshold {thr:.3g})")
+    ranks = ranks_cause(fd)
+    if ranks:
+        causes.append(ranks)
     if not causes and not gain:
         return f"{err} -> {fd['excess']:.3g}x its threshold {thr:.3g}; {where}"
     if not causes:  # the error's own multiple: the excess may be the gain's
         return f"{err} -> {_times(fd['rel_err'], thr)} its threshold {thr:.3g}; {where}{gain}"
     return "; ".join(causes) + f"; {err}, {_times(fd['rel_err'], thr)} the threshold; {where}{gain}"
+
+
+def ranks_cause(fd) -> str:
+    """Why the ranks failed the row ``fd`` (a failing row as a dict or a table's row; ``tpcheck.judge.verdict``),
+    or "" where they did not: another replica than the first errs against the golden beyond the threshold
+    (``replica_rel_err``) while the first one does not, or while the replicas are also further apart than the
+    threshold; in a result made before replicas were judged, the spread beyond the threshold."""
+    thr, spread, rep = fd["threshold"], _float(fd.get("rank_spread")), _float(fd.get("replica_rel_err"))
+    by = fd.get("rank_spread_by") or "?"
+    told = f"ranks {by} disagree by {spread:.3g} ({_times(spread, thr)} the threshold {thr:.3g})"
+    if math.isnan(rep):  # no replica differs, or an older result: its spread judged (NaN: no replicas)
+        return told if spread > thr else ""
+    if not (rep > thr and (fd["rel_err"] <= thr or spread > thr)):
+        return ""
+    return f"{told}, the other replica's rel_err {rep:.3g} ({_times(rep, thr)})"
+
+
+def _float(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return NAN
 
 
 def _times(x: float, thr: float) -> str:

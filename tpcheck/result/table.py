@@ -62,10 +62,15 @@ class Row:
     nan: int = 0                   # NaN / Inf elements in the engine's tensor
     inf: int = 0
     op_mismatch: float = NAN       # --exact-ops: fraction of elements that differ from HF's op
-    # replicas (Replicate points, KV-head replicas): the largest ||rank r - first replica|| / ||first replica||,
-    # judged against the threshold (a rank-dependent reduction order rounds legitimately); NaN: no replicas
+    # replicas (Replicate points, KV-head replicas): the largest ||rank r - first replica|| / ||first replica||, a
+    # figure (a rank-dependent reduction order rounds legitimately); NaN: no replicas. Each replica that differs is
+    # judged against the golden as the first one is: ``replica_rel_err`` the largest of their rel_err (the same
+    # units; NaN: none differs, and in a result made before it was measured: then the spread is judged against the
+    # threshold), ``replica_own_err`` the largest of their own_err
     rank_spread: float = NAN
     rank_spread_by: str = ""       # the ranks of that largest spread, e.g. "0 vs 2"
+    replica_rel_err: float = NAN
+    replica_own_err: float = NAN
     # mixture of experts (tpcheck.judge.routing): moe.topk_ids' tokens whose expert set differs from the golden's,
     # and how many of those are near ties; a routed point's rows left out for a legitimately different route
     route_flips: float = NAN
@@ -149,7 +154,8 @@ class DiffResult:
                 "threshold": float(r.threshold), "excess": float(r.excess), "gain": float(r.gain),
                 "gain_threshold": float(r.gain_threshold), "max_abs": float(r.max_abs),
                 "max_abs_index": r.max_abs_index, "rank_spread": float(r.rank_spread),
-                "rank_spread_by": r.rank_spread_by if isinstance(r.rank_spread_by, str) else "", "note": r.note}
+                "rank_spread_by": r.rank_spread_by if isinstance(r.rank_spread_by, str) else "",
+                "replica_rel_err": float(r.replica_rel_err), "note": r.note}
 
     def layer_table(self, mode: str = "propagated") -> pd.DataFrame:
         """The worst point (largest excess over its threshold) of each (step, layer), the embedding and the head
