@@ -11,7 +11,7 @@ import pytest
 
 from tpcheck.capture import rounding
 from tpcheck.capture.rounding import NEAREST, Rounding, cpu_has_bf16_rounding, declared_rounding, \
-    local_pass_default_off, overridden
+    least_known, local_pass_default_off, overridden
 from tpcheck.judge import judge
 from tpcheck.pipeline.diff import engine_rounding, local_pass
 from tpcheck.result.table import DiffResult, Row
@@ -185,3 +185,10 @@ def test_a_dump_whose_ranks_disagree_or_hold_a_bad_flag(tmp_path):
     path.write_text(json.dumps({**meta, "cpu_bf16_rounding": "yes"}))
     with pytest.raises(DumpError, match="cpu_bf16_rounding must be true, false or absent"):
         read_dump(tmp_path)
+
+
+def test_several_parts_declare_as_the_least_known_one():
+    near, trunc, unknown = Rounding("nearest", "a"), Rounding("truncate", "b"), Rounding("unknown", "c")
+    assert least_known([near, near]) == near
+    assert least_known([near, trunc, near]) == trunc
+    assert least_known(iter([trunc, unknown, near])) == unknown

@@ -77,6 +77,13 @@ def overridden(declared: Rounding, mode: str | None) -> Rounding:
     return Rounding(mode, f"--rounding {mode} (declared: {declared.mode}{': ' + declared.why if declared.why else ''})")
 
 
+def least_known(roundings) -> Rounding:
+    """One declaration for several parts of one engine (the stages of a pipeline, each its own dump): any part's
+    ``unknown``, else any part's ``truncate`` (the allowance a truncating part needs), else ``nearest``."""
+    order = ("unknown", "truncate", "nearest")
+    return min(roundings, key=lambda r: order.index(r.mode))
+
+
 def local_pass_default_off(rounding: Rounding) -> str | None:
     """Why the local pass is not on by default for an engine run of this declared rounding, or None: only an
     unknown one (a vLLM bfloat16 dump that does not record its CPU) keeps the propagated pass."""

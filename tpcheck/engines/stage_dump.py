@@ -19,6 +19,7 @@ from pathlib import Path
 from tpcheck.capture.dump import Dump, DumpAdapter, DumpError, read_dump
 from impl.config import load_config
 from tpcheck.capture.points import fused_out_stage, model_point_names, point_stage, stage_handoffs
+from tpcheck.capture.rounding import least_known
 from tpcheck.engines.impl import stage_points
 from tpcheck.capture.stages import STAGE_FILE
 from tpcheck.inputs.validate import int_in, read_json
@@ -95,8 +96,7 @@ class PipelineDumpAdapter:
         self.parts = [DumpAdapter(d, reductions) for d in dumps]
         self.dump, self.stages, self.reductions = dumps[0], stages, reductions
         self.tp = dumps[0].tp
-        # the stages' declared rounding: any stage's unknown, else any stage's truncation (capture.rounding)
-        self.rounding = min((d.rounding for d in dumps), key=lambda r: ("unknown", "truncate", "nearest").index(r.mode))
+        self.rounding = least_known(d.rounding for d in dumps)  # the stages' declared rounding, as one
         # vLLM adds a stage's last output in the next stage's fused norm: that stage reports it
         self.point_stage = fused_out_stage if self.dump.engine == "vllm" else point_stage
         self.expected: tuple[str, ...] = ()
