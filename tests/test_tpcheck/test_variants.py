@@ -1,0 +1,62 @@
+"""Correct engines that round otherwise (``tpcheck.inputs.variants``) pass: the noise floor holds for another
+summation order than Hugging Face's, not only for HF's own. ``rank_order_allreduce`` is vLLM's CPU all-reduce
+(each rank adds the partials from its own), so at tp 3 the replicas differ from rank to rank, and each is judged
+against the golden (``tpcheck.judge.verdict``); ``sequential_k`` accumulates every dot product one term at a time."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpcheck.inputs import variants
+from tpcheck.options import DiffOptions
+from tpcheck.pipeline.diff import run
+
+
+def test_rank_order_sum_is_the_sum_in_each_ranks_order():
+    p = torch.tensor([[1.0], [2.0 ** 24], [-(2.0 ** 24)]])  # float32: 1 + 2^24 rounds to 2^24
+    assert [float(variants.rank_order_sum(p, r)) for r in range(3)] == [0.0, 1.0, 1.0]
+    x = torch.randn(5, 3, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for r in range(5):
+        assert torch.allclose(variants.rank_order_sum(x, r), x.sum(0))
+
+
+def test_sequential_matmul_is_a_linear_layer():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(4, 96, generator=g), torch.randn(32, 96, generator=g), torch.randn(32, generator=g)
+    y = variants.sequential_matmul(x, w, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert y.dtype == torch.float32 and torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(y, F.linear(x, w, b))  # another order: other roundings
+    yb = variants.sequential_matmul(x.bfloat16(), w.bfloat16(), None)
+    assert yb.dtype == torch.bfloat16
+
+
+def test_an_unknown_variant_is_named():
+    with pytest.raises(ValueError, match="unknown variant.*'reordered'"):
+        variants.apply(None, ["reordered"])
+
+
+def _diff(engines, ckpt, preset: str, tp: int, dtype: str, names: list[str], prompt: list[int]):
+    model = str(ckpt(preset))
+    llm = engines.get(model, tp, dtype)
+    try:
+        llm.call(variants.apply, names)
+        return run(DiffOptions(model=model, tp=tp, dtype=dtype, prompts=[prompt], decode_steps=2), pool=engines)
+    finally:
+        llm.reload()  # the pooled engine clean again
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replicas_added_in_each_ranks_order_pass(engines, ckpt, dtype):
+    r = _diff(engines, ckpt, "deep-sink-3", 3, dtype, ["rank_order_allreduce"], [151, 210, 3])
+    t = r.table
+    assert r.passed, r.summary()
+    differ = t[t["replica_rel_err"].notna()]
+    assert len(differ) > 0.2 * len(t)  # the residual stream, the norms, the logits: every replicated point
+    assert (differ["rank_spread"] > 0).all()
+
+
+def test_dot_products_summed_one_term_at_a_time_pass(engines, ckpt):
+    r = _diff(engines, ckpt, "deep-sink", 2, "float32", ["sequential_k"], [151, 210, 3])
+    assert r.passed, r.summary()

@@ -1,0 +1,80 @@
+"""Correct engines that round otherwise: impl patched, inside its ranks, to compute the same sums in another order
+than Hugging Face does, as real engines do. Each is right to its dtype, so a diff of it must pass; the tests hold
+the noise floor to that on every configuration they run (a floor calibrated to HF's own order would fail them).
+
+* ``rank_order_allreduce``: each row-parallel all-reduce (o_proj, down_proj) gathers the ranks' partial sums and
+  adds them in the activations' dtype starting from the rank's own, ``p_r + p_{r+1} + ... + p_{r-1}``: vLLM's CPU
+  shared-memory all-reduce. At tp >= 3 the ranks round the same sum differently, so the replicated activations
+  (the residual stream, the norms, the logits) differ by ulps from rank to rank; where a sum cancels (a massive
+  activation's ``mlp.out``) by the size of the error against the golden.
+* ``sequential_k``: every linear layer of the decoder accumulates its dot products one term at a time in float32,
+  ``((x_1 w_1 + x_2 w_2) + x_3 w_3) + ...``, then adds the bias and rounds once to the dtype: the textbook order
+  whose rounding error grows like ``sqrt(K)`` where a blocked BLAS kernel's grows like that of its blocks. The
+  slowest correct order short of a lower precision (each product is exact in float32 for bfloat16 and float16
+  operands; the accumulator is float32, as every engine's is).
+
+``apply(runner, names)`` patches one rank (run on every rank: ``llm.call(apply, names)``); ``llm.reload()`` undoes
+it, as for faults (``tpcheck.inputs.faults.engine``)."""
+from __future__ import annotations
+
+import torch
+
+from impl.distributed import all_gather, get_tp_rank, get_tp_size
+
+VARIANTS = ("rank_order_allreduce", "sequential_k")
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def rank_order_sum(partials: torch.Tensor, rank: int) -> torch.Tensor:
+    """``partials[rank] + partials[rank + 1] + ...`` (cyclically), each add rounded to their dtype."""
+    n = partials.shape[0]
+    acc = partials[rank].clone()
+    for k in range(1, n):
+        acc = acc + partials[(rank + k) % n]
+    return acc
+
+
+def _rank_order_allreduce(m) -> None:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = m.matmul(x, m.bias if m.tp_rank == 0 else None)
+        if not m.reduce_results or get_tp_size() == 1:
+            return y
+        return rank_order_sum(all_gather(y.unsqueeze(0), dim=0), get_tp_rank())
+    m.forward = forward
+
+
+def sequential_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x w^T + bias`` accumulated over the input features one at a time in float32, rounded once to x's dtype."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(*x.shape[:-1], w.shape[0], dtype=torch.float32, device=x.device)
+    for k in range(w.shape[1]):
+        acc.add_(xf[..., k:k + 1] * wf[:, k])
+    if bias is not None:
+        acc.add_(bias.float())
+    return acc.to(x.dtype)
+
+
+def _sequential_k(m) -> None:
+    if m.quant_method is not None:
+        raise ValueError(f"sequential_k: {type(m).__name__} is quantized; the variant computes float weights only")
+    m.matmul = lambda x, bias: sequential_matmul(x, m.weight, bias)
+
+
+def apply(runner, names: list[str] | str) -> list[str]:
+    """Patch this rank's loaded model with the variants ``names`` (``VARIANTS``); returns them."""
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}: one of {', '.join(VARIANTS)}")
+    for layer in runner.model.model.layers:
+        for path in _LINEARS:
+            try:
+                m = layer.get_submodule(path)
+            except AttributeError:  # a mixture-of-experts layer has no dense MLP: its attention is patched
+                continue
+            if "sequential_k" in names:
+                _sequential_k(m)
+            if "rank_order_allreduce" in names and path in ("self_attn.o_proj", "mlp.down_proj"):
+                _rank_order_allreduce(m)
+    return names
+
