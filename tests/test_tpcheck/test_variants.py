@@ -1,7 +1,9 @@
 """Correct engines that round otherwise (``tpcheck.inputs.variants``) pass: the noise floor holds for another
 summation order than Hugging Face's, not only for HF's own. ``rank_order_allreduce`` is vLLM's CPU all-reduce
 (each rank adds the partials from its own), so at tp 3 the replicas differ from rank to rank, and each is judged
-against the golden (``tpcheck.judge.verdict``); ``sequential_k`` accumulates every dot product one term at a time."""
+against the golden (``tpcheck.judge.verdict``); ``sequential_k`` accumulates every dot product one term at a time;
+``truncate_bf16`` truncates its bfloat16 results (vLLM's kernels on a CPU without AVX512-BF16): it passes when
+declared (``--rounding truncate``) and fails by its gain when judged as rounding to nearest."""
 from __future__ import annotations
 
 import pytest
@@ -37,12 +39,19 @@ def test_an_unknown_variant_is_named():
         variants.apply(None, ["reordered"])
 
 
-def _diff(engines, ckpt, preset: str, tp: int, dtype: str, names: list[str], prompt: list[int]):
+def test_truncation_clears_the_low_bits():
+    x = torch.tensor([1.0 + 2.0 ** -8 + 2.0 ** -10, -(1.0 + 2.0 ** -8 + 2.0 ** -10), 3.0, float("inf")])
+    assert variants.truncate_to_bf16(x).tolist() == [1.0, -1.0, 3.0, float("inf")]
+    assert x.bfloat16().tolist()[:2] == [1.0078125, -1.0078125]  # to nearest: up, in magnitude
+
+
+def _diff(engines, ckpt, preset: str, tp: int, dtype: str, names: list[str], prompt: list[int], rounding=None):
     model = str(ckpt(preset))
     llm = engines.get(model, tp, dtype)
     try:
         llm.call(variants.apply, names)
-        return run(DiffOptions(model=model, tp=tp, dtype=dtype, prompts=[prompt], decode_steps=2), pool=engines)
+        return run(DiffOptions(model=model, tp=tp, dtype=dtype, prompts=[prompt], decode_steps=2, rounding=rounding),
+                   pool=engines)
     finally:
         llm.reload()  # the pooled engine clean again
 
@@ -60,3 +69,15 @@ def test_replicas_added_in_each_ranks_order_pass(engines, ckpt, dtype):
 def test_dot_products_summed_one_term_at_a_time_pass(engines, ckpt):
     r = _diff(engines, ckpt, "deep-sink", 2, "float32", ["sequential_k"], [151, 210, 3])
     assert r.passed, r.summary()
+
+
+def test_a_truncating_engine_passes_when_declared_and_fails_by_its_gain_when_not(engines, ckpt):
+    prompt = [151, 210, 3, 17, 99, 5, 250, 31, 8, 77, 140, 6]
+    declared = _diff(engines, ckpt, "deep-sink", 2, "bfloat16", ["truncate_bf16"], prompt, rounding="truncate")
+    assert declared.passed, declared.summary()
+    assert declared.meta["rounding"]["mode"] == "truncate"
+    nearest = _diff(engines, ckpt, "deep-sink", 2, "bfloat16", ["truncate_bf16"], prompt)
+    assert not nearest.passed
+    fd = nearest.first_divergence
+    assert fd["layer"] == 0 and fd["mode"] == "isolated" and fd["rel_err"] <= fd["threshold"], fd  # by the gain
+    assert "rounding toward zero to bfloat16" in nearest.summary()

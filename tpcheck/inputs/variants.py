@@ -13,6 +13,12 @@ the noise floor to that on every configuration they run (a floor calibrated to H
   slowest correct order short of a lower precision (each product is exact in float32 for bfloat16 and float16
   operands; the accumulator is float32, as every engine's is).
 
+* ``truncate_bf16``: every linear layer of the decoder computes in float32 and *truncates* its result to
+  bfloat16 (rounds toward zero) instead of rounding to nearest: vLLM's CPU kernels on a CPU without AVX512-BF16.
+  Not right to bfloat16 as HF rounds it: each result shrinks by half an ulp on average, which the local pass's gain
+  reads; right under its declaration (``--rounding truncate``: ``tpcheck.capture.rounding``), which the diff must
+  then pass. In other dtypes it changes nothing.
+
 ``apply(runner, names)`` patches one rank (run on every rank: ``llm.call(apply, names)``); ``llm.reload()`` undoes
 it, as for faults (``tpcheck.inputs.faults.engine``)."""
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 from impl.distributed import all_gather, get_tp_rank, get_tp_size
 
-VARIANTS = ("rank_order_allreduce", "sequential_k")
+VARIANTS = ("rank_order_allreduce", "sequential_k", "truncate_bf16")
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -60,6 +66,25 @@ def _sequential_k(m) -> None:
     m.matmul = lambda x, bias: sequential_matmul(x, m.weight, bias)
 
 
+def truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded toward zero to bfloat16: its low 16 bits cleared (NaN and inf kept)."""
+    bits = x.float().contiguous().view(torch.int32) & -65536  # 0xFFFF0000
+    return bits.view(torch.float32).to(torch.bfloat16)  # exact: the cleared value is a bfloat16
+
+
+def _truncate_bf16(m) -> None:
+    if m.quant_method is not None:
+        raise ValueError(f"truncate_bf16: {type(m).__name__} is quantized; the variant computes float weights only")
+    inner = m.matmul
+
+    def matmul(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            return inner(x, bias)
+        y = x.float() @ m.weight.float().T
+        return truncate_to_bf16(y + bias.float() if bias is not None else y)
+    m.matmul = matmul
+
+
 def apply(runner, names: list[str] | str) -> list[str]:
     """Patch this rank's loaded model with the variants ``names`` (``VARIANTS``); returns them."""
     names = [names] if isinstance(names, str) else list(names)
@@ -74,6 +99,8 @@ def apply(runner, names: list[str] | str) -> list[str]:
                 continue
             if "sequential_k" in names:
                 _sequential_k(m)
+            if "truncate_bf16" in names:
+                _truncate_bf16(m)
             if "rank_order_allreduce" in names and path in ("self_attn.o_proj", "mlp.down_proj"):
                 _rank_order_allreduce(m)
     return names
