@@ -3,7 +3,7 @@ the prompts they care about (short ones included). Each run is judged twice from
 floor alone (``rel_err <= threshold``) and by the verdict (the inherited rule of ``tpcheck.measure.own_input``
 included).
 
-    python benchmarks/engine_floor.py [--engine vllm] [--preset deep-sink] [--tp 1,2] [--dtype float32,bfloat16]
+    python benchmarks/engine_floor.py [--engine vllm] [--variants rank_order_allreduce,sequential_k] [--preset deep-sink] [--tp 1,2] [--dtype float32,bfloat16]
         [--prompts 20] [--max-len 40] [--pairs 2] [--pair-len 400] [--decode 2] [--seed 0] [--json reports/engine_floor.json]
 
 Prompts: ``--prompts`` random token-id prompts (seeded), of lengths 1, 2, 3 and then spread up to ``--max-len``,
@@ -25,6 +25,7 @@ import time
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
 from tpcheck.engines.pool import EnginePool
+from tpcheck.inputs import variants
 from tpcheck.inputs.checkpoints import cached_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
@@ -84,9 +85,17 @@ def judge_run(r) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="impl")
+    ap.add_argument("--variants", default="", help="impl only: correct variants patched into its ranks for every "
+                    "run (tpcheck.inputs.variants, comma-separated: rank_order_allreduce, sequential_k)")
     add_prompt_args(ap, "float32,bfloat16", 0)
     a = ap.parse_args(argv)
     check_json_arg(ap, a)
+    names = [v for v in a.variants.split(",") if v]
+    if names and a.engine != "impl":
+        ap.error("--variants patches impl's ranks: --engine impl only")
+    unknown = sorted(set(names) - set(variants.ROUND_TO_NEAREST))  # judged as rounding to nearest
+    if unknown:
+        ap.error(f"--variants: {unknown} not one of {', '.join(variants.ROUND_TO_NEAREST)}")
     log = make_log("engine_floor")
     ckpt, batches = batches_of(a)
     pool, rows, runs = EnginePool(), [], []
@@ -96,8 +105,12 @@ def main(argv=None) -> int:
             for dtype in a.dtype.split(","):
                 res = []
                 for b in batches:
+                    if names:  # patched again for each run: a diff leaves the engine as it found it
+                        pool.get(str(ckpt), tp, dtype).call(variants.apply, names)
                     r = run(DiffOptions(model=str(ckpt), tp=tp, dtype=dtype, prompts=b, decode_steps=a.decode,
                                         engine=a.engine), pool=pool)
+                    if names:
+                        pool.get(str(ckpt), tp, dtype).reload()
                     lens = "+".join(str(len(p)) for p in b)
                     res.append({"tp": tp, "dtype": dtype, "len": lens, **judge_run(r)})
                     log(f"{a.engine} tp={tp} {dtype} {lens} tokens: {'PASS' if r.passed else 'FAIL'} "
@@ -105,7 +118,8 @@ def main(argv=None) -> int:
                         f"{res[-1]['inherited']} inherited")
                 runs += res
                 worst = max(res, key=lambda x: x["closest"])
-                rows.append([f"{a.engine} {a.preset}", str(tp), dtype, str(len(res)),
+                rows.append([f"{a.engine} {a.preset}" + (f" +{'+'.join(names)}" if names else ""), str(tp), dtype,
+                             str(len(res)),
                              str(sum(x["floor_alone_fails"] for x in res)), str(sum(not x["passed"] for x in res)),
                              f"{worst['closest']:.3g}x ({worst['len']} tok)", str(sum(x["inherited"] for x in res)),
                              f"{max(x['inherited_raw'] for x in res):.3g}x",

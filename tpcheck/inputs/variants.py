@@ -28,6 +28,7 @@ import torch
 from impl.distributed import all_gather, get_tp_rank, get_tp_size
 
 VARIANTS = ("rank_order_allreduce", "sequential_k", "truncate_bf16")
+ROUND_TO_NEAREST = ("rank_order_allreduce", "sequential_k")  # right under the default declaration (nearest)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
