@@ -266,3 +266,11 @@ def test_a_version_2_result_still_judges_its_spread(tmp_path, monkeypatch):
     back = load_result(path)
     assert not back.passed and back.first_divergence["point"] == POINT
     assert flagged_by(back.first_divergence) == "ranks disagree"
+
+
+def test_the_summary_says_where_replicas_differ():
+    r, i = _replica(1.02, 0.9)
+    line = r.summary().splitlines()[-1]
+    assert line.startswith("replicas: the ranks' replicas differ at 1 of ") and f"{POINT} (step 0), ranks 0 vs 2" in line
+    assert "1.02x its threshold" in line
+    assert "replicas:" not in judge(sample_result(2, 0, isolate=False)).summary()  # none differ: no line

@@ -64,6 +64,8 @@ def test_replicas_added_in_each_ranks_order_pass(engines, ckpt, dtype):
     differ = t[t["replica_rel_err"].notna()]
     assert len(differ) > 0.2 * len(t)  # the residual stream, the norms, the logits: every replicated point
     assert (differ["rank_spread"] > 0).all()
+    line = next(x for x in r.summary().splitlines() if x.startswith("replicas: "))
+    assert f"differ at {len(differ)} of {len(t)} rows, each judged against the golden; furthest apart: " in line
 
 
 def test_dot_products_summed_one_term_at_a_time_pass(engines, ckpt):

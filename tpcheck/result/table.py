@@ -220,7 +220,8 @@ class DiffResult:
             n_inh = int(self.table["inherited"].sum()) if "inherited" in self.table else 0
             inh = "" if not n_inh else (f" ({n_inh} as inherited: over the floor only through their inputs, their "
                                         "own op within it on the engine's inputs)")
-            return head + ", every point within the noise floor" + inh + ops + tail + self._by_rounding()
+            return head + ", every point within the noise floor" + inh + ops + tail + self._by_rounding() + \
+                self._replicas()
         lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
                        + origin_cause(fd, m["dtype"], rounding_allowance(m))]
         if m.get("isolate"):
@@ -240,7 +241,19 @@ class DiffResult:
             else:
                 lines.append("isolate: every layer is locally within the noise floor (the error is in a point "
                              "outside the decoder layers, or only in the propagated run)")
-        return "\n".join(lines) + self._by_rounding()
+        return "\n".join(lines) + self._by_rounding() + self._replicas()
+
+    def _replicas(self) -> str:
+        """The line saying where ranks' replicas differ, each judged against the golden (none: nothing)."""
+        if "replica_rel_err" not in self.table:
+            return ""
+        t = self.table[self.table["replica_rel_err"].notna()]
+        if t.empty:
+            return ""
+        w = t.loc[(t["rank_spread"] / t["threshold"]).astype(float).fillna(math.inf).idxmax()]
+        return (f"\nreplicas: the ranks' replicas differ at {len(t)} of {len(self.table)} rows, each judged against the "
+                f"golden; furthest apart: {w.point} (step {w.step}), ranks {w.rank_spread_by or '?'} by "
+                f"{w.rank_spread:.3g}, {w.rank_spread / w.threshold:.3g}x its threshold")
 
     def _by_rounding(self) -> str:
         """The line naming the declared rounding and the rows whose gain passed only by it (none: nothing)."""
