@@ -274,3 +274,9 @@ def test_the_summary_says_where_replicas_differ():
     assert line.startswith("replicas: the ranks' replicas differ at 1 of ") and f"{POINT} (step 0), ranks 0 vs 2" in line
     assert "1.02x its threshold" in line
     assert "replicas:" not in judge(sample_result(2, 0, isolate=False)).summary()  # none differ: no line
+
+
+def test_a_worse_other_replica_is_told_beside_the_first_ones_error():
+    r, i = _replica(0.5, 3.0, rel_times=2.0)  # both fail, the spread within: the error is the cause
+    origin = next(line for line in r.summary().splitlines() if line.startswith("origin:"))
+    assert "disagree" not in origin and "(another replica's " in origin and "-> 3x its threshold" in origin, origin

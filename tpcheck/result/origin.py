@@ -8,17 +8,19 @@ NAN = math.nan
 
 def origin_cause(fd: dict, dtype: str, allowance: float = 0.0) -> str:
     """What failed the origin row ``fd`` (``DiffResult.first_divergence``), its cause first: a structural note,
-    then ranks whose replica errs beyond the threshold (``ranks_cause``), then the error against the golden (which, after a cause, is
-    told as its own multiple of the threshold: ``excess`` is the cause's), then a systematic gain where it failed
+    then ranks whose replica errs beyond the threshold (``ranks_cause``), then the error against the golden (the
+    first replica's, and another's where it is larger; after a cause it is told as its own multiple of the
+    threshold: ``excess`` is the cause's), then a systematic gain where it failed
     (a negative gain: beyond ``gain_threshold`` plus ``allowance``, a declared rounding's: ``rounding_allowance``)."""
     fd = {**fd, "gain_allowance": allowance}
     thr = fd["threshold"]
-    err = f"rel_err {fd['rel_err']:.3g} vs HF {dtype} {fd['ref_rel_err']:.3g}" + \
+    ranks, rep = ranks_cause(fd), _float(fd.get("replica_rel_err"))
+    other = f" (another replica's {rep:.3g})" if rep > fd["rel_err"] and not ranks else ""
+    err = f"rel_err {fd['rel_err']:.3g}{other} vs HF {dtype} {fd['ref_rel_err']:.3g}" + \
         (f" ({fd['ref_by']})" if fd.get("ref_by") else "")
     where = f"max |diff| {fd['max_abs']:.3g} at (batch, token, feature) {fd['max_abs_index']}"
     gain = f"; {_gain_note(fd, dtype)}" if _gain_failed(fd) else ""
     causes = [fd["note"]] if fd["note"] else []
-    ranks = ranks_cause(fd)
     if ranks:
         causes.append(ranks)
     if not causes and not gain:
