@@ -14,6 +14,7 @@ from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, 
 from tpcheck.measure.metrics import K_FACTOR
 from tpcheck.capture.points import point_order, split_point
 from tpcheck.inputs.validate import MAX_LAYERS, int_in, read_json
+from tpcheck.result.after_verdict import after_verdict
 from tpcheck.result.origin import origin_cause, rounding_allowance
 
 NAN = math.nan
@@ -220,8 +221,7 @@ class DiffResult:
             n_inh = int(self.table["inherited"].sum()) if "inherited" in self.table else 0
             inh = "" if not n_inh else (f" ({n_inh} as inherited: over the floor only through their inputs, their "
                                         "own op within it on the engine's inputs)")
-            return head + ", every point within the noise floor" + inh + ops + tail + self._by_rounding() + \
-                self._replicas()
+            return head + ", every point within the noise floor" + inh + ops + tail + after_verdict(self.table, m)
         lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
                        + origin_cause(fd, m["dtype"], rounding_allowance(m))]
         if m.get("isolate"):
@@ -241,33 +241,7 @@ class DiffResult:
             else:
                 lines.append("isolate: every layer is locally within the noise floor (the error is in a point "
                              "outside the decoder layers, or only in the propagated run)")
-        return "\n".join(lines) + self._by_rounding() + self._replicas()
-
-    def _replicas(self) -> str:
-        """The line saying where ranks' replicas differ, each judged against the golden (none: nothing)."""
-        if "replica_rel_err" not in self.table:
-            return ""
-        t = self.table[self.table["replica_rel_err"].notna()]
-        if t.empty:
-            return ""
-        w = t.loc[(t["rank_spread"] / t["threshold"]).astype(float).fillna(math.inf).idxmax()]
-        return (f"\nreplicas: the ranks' replicas differ at {len(t)} of {len(self.table)} rows, each judged against the "
-                f"golden; furthest apart: {w.point} (step {w.step}), ranks {w.rank_spread_by or '?'} by "
-                f"{w.rank_spread:.3g}, {w.rank_spread / w.threshold:.3g}x its threshold")
-
-    def _by_rounding(self) -> str:
-        """The line naming the declared rounding and the rows whose gain passed only by it (none: nothing)."""
-        r = self.meta.get("rounding") if isinstance(self.meta.get("rounding"), dict) else {}
-        t = self.table[self.table["by_rounding"].astype(bool)] if "by_rounding" in self.table else self.table[:0]
-        if r.get("mode", "nearest") == "nearest" and t.empty:
-            return ""
-        line = f"\nrounding: declared {r.get('mode')} ({r.get('why') or '?'})"
-        if not rounding_allowance(self.meta):
-            return line
-        pts = list(dict.fromkeys(t["point"]))
-        pts = ", ".join(pts[:6]) + (f" and {len(pts) - 6} more points" if len(pts) > 6 else "")
-        return line + (f"; {len(t)} rows' gain within its bound only by it (negative, up to "
-                       f"{rounding_allowance(self.meta):.3g} more){': ' + pts if pts else ''}")
+        return "\n".join(lines) + after_verdict(self.table, m)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DiffResult":

@@ -1,0 +1,42 @@
+"""The lines a result's summary adds after its verdict (``DiffResult.summary``): the engine's declared rounding and
+the rows that passed only by it, and where the ranks' replicas differ."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from tpcheck.result.origin import rounding_allowance
+
+
+def after_verdict(table: pd.DataFrame, meta: dict) -> str:
+    """``by_rounding`` then ``replicas``: each a line starting with a newline, or nothing."""
+    return by_rounding(table, meta) + replicas(table)
+
+
+def replicas(table: pd.DataFrame) -> str:
+    """The line saying where ranks' replicas differ, each judged against the golden (none: nothing)."""
+    if "replica_rel_err" not in table:
+        return ""
+    t = table[table["replica_rel_err"].notna()]
+    if t.empty:
+        return ""
+    w = t.loc[(t["rank_spread"] / t["threshold"]).astype(float).fillna(math.inf).idxmax()]
+    return (f"\nreplicas: the ranks' replicas differ at {len(t)} of {len(table)} rows, each judged against the "
+            f"golden; furthest apart: {w.point} (step {w.step}), ranks {w.rank_spread_by or '?'} by "
+            f"{w.rank_spread:.3g}, {w.rank_spread / w.threshold:.3g}x its threshold")
+
+
+def by_rounding(table: pd.DataFrame, meta: dict) -> str:
+    """The line naming the declared rounding and the rows whose gain passed only by it (none: nothing)."""
+    r = meta.get("rounding") if isinstance(meta.get("rounding"), dict) else {}
+    t = table[table["by_rounding"].astype(bool)] if "by_rounding" in table else table[:0]
+    if r.get("mode", "nearest") == "nearest" and t.empty:
+        return ""
+    line = f"\nrounding: declared {r.get('mode')} ({r.get('why') or '?'})"
+    if not rounding_allowance(meta):
+        return line
+    pts = list(dict.fromkeys(t["point"]))
+    pts = ", ".join(pts[:6]) + (f" and {len(pts) - 6} more points" if len(pts) > 6 else "")
+    return line + (f"; {len(t)} rows' gain within its bound only by it (negative, up to "
+                   f"{rounding_allowance(meta):.3g} more){': ' + pts if pts else ''}")
