@@ -12,7 +12,6 @@ the noise floor to that on every configuration they run (a floor calibrated to H
   whose rounding error grows like ``sqrt(K)`` where a blocked BLAS kernel's grows like that of its blocks. The
   slowest correct order short of a lower precision (each product is exact in float32 for bfloat16 and float16
   operands; the accumulator is float32, as every engine's is).
-
 * ``truncate_bf16``: every linear layer of the decoder computes in float32 and *truncates* its result to
   bfloat16 (rounds toward zero) instead of rounding to nearest: vLLM's CPU kernels on a CPU without AVX512-BF16.
   Not right to bfloat16 as HF rounds it: each result shrinks by half an ulp on average, which the local pass's gain
