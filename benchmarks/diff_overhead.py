@@ -4,7 +4,8 @@ Bare: HF float64 forward + HF forward at the test dtype (+ the same with the TP 
 noise floor's second reference, at tp > 1) + impl forward (``LLM.logits``) on the same prompt. Diff:
 ``tpcheck.diff`` on the same engine and prompt (hooks, transfers, unsharding, float64 statistics), by default
 (the propagated pass and the local pass, which reuses the golden's points) and with ``--no-isolate`` (the
-propagated pass alone: the default before the local pass). Models are loaded and warmed before timing, so every
+propagated pass alone: the default before the local pass) and ``--local-rows 0`` (the local pass on every row of
+the prompt: the default before ``tpcheck.pipeline.local_rows``). Models are loaded and warmed before timing, so every
 side times forward work only. The sides alternate (bare, diff, no-isolate, exact-ops, bare, ...) so that a slow spell of
 a shared machine hits all; the ratio is of the
 medians, and the min ratio is printed beside it. Peak memory is the largest summed RSS of this process and
@@ -105,7 +106,8 @@ def main() -> int:
         # before the local pass); --exact-ops: the default and the op checks
         diff, propagated, exact = mode(), mode(isolate=False), mode(exact_ops=True)
 
-        sides = {"bare forwards": bare, "tpcheck diff": diff, "--no-isolate": propagated}
+        sides = {"bare forwards": bare, "tpcheck diff": diff, "--no-isolate": propagated,
+                 "--local-rows 0": mode(local_rows=0)}  # the local pass on every row: the default before
         if not a.exact_ops:  # the third verdict mode, timed beside the others
             sides["--exact-ops"] = exact
         times: dict[str, list[float]] = {name: [] for name in sides}
@@ -143,7 +145,8 @@ def report(a, figures: dict, parts: dict) -> None:
         print(f"{name:16s}{f['seconds']:10.2f}{f['min_seconds']:8.2f}{f['peak_rss_gib']:14.2f}"
               f"{f['cpu_seconds']:14.2f}")
     n = figures["--no-isolate"]
-    pairs = [("diff / bare", d, b), ("no-iso / bare", n, b), ("diff / no-iso", d, n)]
+    every = figures["--local-rows 0"]
+    pairs = [("diff / bare", d, b), ("no-iso / bare", n, b), ("diff / no-iso", d, n), ("all-rows / bare", every, b)]
     if "--exact-ops" in figures:
         pairs.append(("exact / bare", figures["--exact-ops"], b))
     for name, x, y in pairs:

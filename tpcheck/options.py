@@ -52,6 +52,11 @@ class DiffOptions:
                                 "is judged against a floor that does not grow with depth (default: on where the "
                                 "engine can be teacher-forced; --no-isolate: the propagated pass alone, about 0.6x "
                                 "the time)", "run", action=argparse.BooleanOptionalAction)
+    local_rows: int = _opt(32, "--local-rows", "the local pass teacher-forces the last N positions of each prompt's "
+                           "prefill (and every decode step); the keys and values of earlier positions are the "
+                           "golden's, written into the engine's and the references' caches (0: every position; "
+                           "engines that cannot take a cache prefix run every position; tpcheck.pipeline.local_rows)",
+                           "run", type=int, metavar="N")
     rounding: str | None = _opt(None, "--rounding", "how the engine rounds its float32 results to the dtype, "
                                 "overriding what it declares (tpcheck.capture.rounding: vLLM in bfloat16 on a CPU "
                                 "without AVX512-BF16 declares truncate, whose shrink the local pass's gain rule then "
@@ -127,6 +132,8 @@ class DiffOptions:
             raise ValueError(f"--block-size {self.block_size} is larger than max_position_embeddings={cfg.max_position}")
         if self.decode_steps < 0:
             raise ValueError(f"--decode-steps must be >= 0, got {self.decode_steps}")
+        if isinstance(self.local_rows, bool) or not isinstance(self.local_rows, int) or self.local_rows < 0:
+            raise ValueError(f"--local-rows must be an integer >= 0 (0: every position), got {self.local_rows!r}")
         if self.prompts is None and (self.batch > 4096 or self.seq_len + self.decode_steps > cfg.max_position):
             raise ValueError(f"--batch {self.batch} x --seq-len {self.seq_len} (+ {self.decode_steps} decode steps): "
                              f"at most 4096 prompts of max_position_embeddings={cfg.max_position} tokens")
@@ -206,6 +213,9 @@ class DiffOptions:
         extra = [w for w, on in (("isolate", self.isolate), ("exact-ops", self.exact_ops)) if on]
         if self.isolate is False:
             extra.append("no local pass (--no-isolate)")
+        if self.local_rows != _default("local_rows"):
+            extra.append("local pass on every row (--local-rows 0)" if not self.local_rows else
+                         f"local pass on the last {self.local_rows} rows (--local-rows)")
         if self.rounding:
             extra.append(f"rounding declared {self.rounding} (--rounding)")
         if self.inject:

@@ -53,7 +53,8 @@ def test_a_diff_and_a_dump_compare_write_the_fields_of_the_record(tmp_path):
     from tpcheck.result.documents import RUN_META_KEYS
     d = str(cached_checkpoint("tiny"))
     live = tpcheck.diff(model=d, tp=2, prompts=[[1, 2, 3]], decode_steps=1, dump=str(tmp_path / "d"))
-    fields = {f.name for f in dataclasses.fields(DiffMeta)} - {"origin", "notes"}
+    # ``local_rows`` is written where the local pass ran the last rows of a longer prompt: test_local_rows.py
+    fields = {f.name for f in dataclasses.fields(DiffMeta)} - {"origin", "notes", "local_rows"}
     origin = {f.name for f in dataclasses.fields(RunOrigin)}
     # ``stages`` (with ``pp``) is written for a pipelined run only: tests/test_tpcheck/test_pipeline_diff.py
     assert set(live.meta) - {"tolerances", "notes"} == fields | (origin - {"dump", "stages"}) | set(RUN_META_KEYS)

@@ -13,7 +13,8 @@ from tpcheck.options import DiffOptions
 
 # a value other than the default for every field
 CHANGED = {"model": "/ckpt/dir", "preset": "tiny", "tp": 4, "dtype": "bfloat16", "prompts": ((1, 2, 3), (7,)),
-           "decode_steps": 3, "block_size": 8, "isolate": True, "rounding": "truncate", "exact_ops": True, "inject": ("rope_skipped", "x"),
+           "decode_steps": 3, "block_size": 8, "isolate": True, "local_rows": 0, "rounding": "truncate",
+           "exact_ops": True, "inject": ("rope_skipped", "x"),
            "inject_layer": 1, "engine": "hf-tp", "seq_len": 9, "batch": 3, "seed": 5, "ep": 2, "pp": 2,
            "pp_partition": "1,1",
            "points": r"layers\.\d+\.out|logits", "layers": (0, 2, 3), "require_points": "logits",

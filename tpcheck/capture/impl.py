@@ -108,6 +108,32 @@ def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
     return out
 
 
+def write_prefix(runner, tables: list[list[int]], lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+                 ) -> None:
+    """Write positions ``0..lens[b]-1`` of each sequence ``b`` (its blocks ``tables[b]``) into every held layer's
+    KV cache: ``kv[layer]`` is ``(keys after RoPE, values)``, ``[sum(lens), total_kv_heads * head_dim]`` over all
+    sequences in order, in the engine's dtype; this rank keeps its own KV heads (``first_kv_head``, the heads its
+    ``qkv_proj`` computes) and writes them where ``Attention.forward`` would (``block_slots``). A later step of
+    sequence ``b`` from position ``lens[b]`` then attends over them as over a cached prefix (the local pass on the
+    last rows, ``tpcheck.pipeline.local_rows``). An FP8 cache is refused: its rounding is the engine's."""
+    slots = torch.cat([block_slots(torch.tensor([t]), runner.block_size, n)[0] for t, n in zip(tables, lens)])
+    for i, layer in enumerate(runner.model.model.layers):
+        if not runner.stage.holds_layer(i):
+            continue
+        attn = layer.self_attn.attn
+        if getattr(attn, "kv_quant", None) is not None:
+            raise ValueError(f"layer {i}: an FP8 KV cache cannot be given a prefix (its scales round it)")
+        # this rank's KV heads (those its qkv_proj computes); a cache laid out with more heads per slot (a fault
+        # that stores them repeated to the query heads) gets them repeated as its attention would store them
+        first, own, d = attn.first_kv_head, layer.self_attn.qkv_proj.num_kv_heads, attn.head_dim
+        heads = attn.k_cache.shape[2]
+        for which, cache in zip(kv[i], (attn.k_cache, attn.v_cache)):
+            rows = which.view(which.shape[0], -1, d)[:, first:first + own]
+            if heads != own:
+                rows = rows.repeat_interleave(heads // own, dim=1)
+            cache.view(-1, heads, d)[slots] = rows.to(cache.dtype)
+
+
 def serving_step(runner, ids: list[str], tokens: list[list[int]], starts: list[int],
                  rows: dict[str, list[int]], prompts: dict[str, list[int]] | None = None) -> None:
     """After one forward of impl's own scheduler (``LLM.generate``): write the points it captured as the next step

@@ -131,7 +131,8 @@ def _diff(pool, ckpt, config: dict, inject: list[str], inject_layer: int | None 
     prompts = prompts_for(config, load_config(d).vocab_size)
     return run(DiffOptions(model=str(d), tp=config["tp"], dtype=config["dtype"], prompts=prompts,
                            decode_steps=config["decode_steps"], inject=tuple(inject), block_size=config["block_size"],
-                           exact_ops=EXACT_OPS, inject_layer=inject_layer, pp=config.get("pp", 1)), pool=pool)
+                           exact_ops=EXACT_OPS, inject_layer=inject_layer, pp=config.get("pp", 1),
+                           **({"local_rows": config["local_rows"]} if "local_rows" in config else {})), pool=pool)
 
 
 def _stage1(ckpt, config: dict) -> int | None:

@@ -65,6 +65,9 @@ class ImplAdapter:
         self.llm, self.block_size, self.dump, self.points = llm, block_size, dump, points
         self.reductions = Reductions(llm.tp_size)  # impl all-reduces in the activations' dtype, in place
         self.teacher_forcing = True  # each decoder layer's input can be replaced (the local pass)
+        # a prompt's first positions can be given as keys and values (the local pass on the last rows,
+        # tpcheck.pipeline.local_rows): not across pipeline stages, nor into a quantized model's caches
+        self.takes_prefix = llm.pp_size == 1 and llm.cfg.quant is None
         self.inject, self.inject_layer = list(inject), inject_layer
         self.tables: list[list[int]] = []
         self.lens: list[int] = []
@@ -99,6 +102,14 @@ class ImplAdapter:
             return by_point(per_rank)
         self.point_notes = {}
         return stage_points(per_rank, self.llm.tp_size, self.stages, self.expected, self.point_notes)
+
+    def take_prefix(self, lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Before the first step: prompt ``b``'s positions ``0..lens[b]-1`` are in the cache as ``kv`` (per layer,
+        keys after RoPE and values, ``[sum(lens), kv_heads * head_dim]``), so that step runs from ``lens[b]``."""
+        if any(self.lens):
+            raise RuntimeError("a prefix is given before a run's first step, not after it")
+        self.llm.call(capture_impl.write_prefix, self.tables, lens, kv)
+        self.lens = list(lens)
 
     def close(self) -> None:
         if self.inject:

@@ -150,7 +150,7 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
                      parse_dtype(dtype), reductions, plan.keep, opts.exact_ops, stop_when, writer,
                      bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate and not forced else None,
                      sparse=getattr(cfg, "moe", None) is not None, tolerances=tolerances, engine_inputs=forced,
-                     handoffs=plan.handoffs)
+                     handoffs=plan.handoffs, local_rows=opts.local_rows, head_dim=cfg.head_dim)
     ctx.golden_routes = {} if ctx.sparse else None
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)
@@ -158,7 +158,8 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
                     isolate=isolate, exact_ops=opts.exact_ops, select=select, stopped_at_step=stopped,
                     golden=str(opts.golden) if opts.golden else None,
                     reductions={"tp": reductions.tp, "dtype": reductions.dtype or dtype}, num_layers=cfg.num_layers,
-                    prompt_lens=[len(p) for p in prompts], notes=tuple(notes.notes), rounding=rounding.as_meta())
+                    prompt_lens=[len(p) for p in prompts], notes=tuple(notes.notes), rounding=rounding.as_meta(),
+                    local_rows=opts.local_rows if ctx.local_rows_ran else None)
     table = DiffResult.from_rows(rows, {}, stamp=False).table
     meta = replace(meta, effective_precision=effective_precision(table, dtype))  # informational, not the verdict
     return judge(DiffResult(table, {**run_meta(), **meta.to_dict()}), tolerances)  # stamped: made here, now

@@ -22,6 +22,7 @@ from tpcheck.capture.points import kind_of, split_point
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.pipeline.forced import RecordedInputs, forced_step
+from tpcheck.pipeline.local_rows import PREFIX_KINDS, LastRows
 from tpcheck.measure.operands import INPUT_KINDS, LINEAR_INPUTS, operand_sq
 from tpcheck.pipeline.routes import RouteFollower
 from tpcheck.pipeline.rows import RowMaker, subset_rows
@@ -59,6 +60,9 @@ class RunContext:
     # inputs (tpcheck.pipeline.forced) instead of the engine onto the golden's
     engine_inputs: bool = False
     handoffs: tuple[int, ...] = ()  # --pp: the layers after which a stage hands over (tpcheck.capture.core.handoff)
+    local_rows: int = 0  # the local pass on each prompt's last rows (tpcheck.pipeline.local_rows; 0: every row)
+    head_dim: int = 0
+    local_rows_ran: bool = False  # set by a local pass that gave some prompt a prefix (LastRows)
 
 
 class GoldenCache:
@@ -109,6 +113,7 @@ class DiffPass:
         cache = ctx.golden_cache
         self.cache_out = None if isolated else cache        # the propagated pass fills it
         self.cache_in = cache if isolated and cache is not None and cache.holds(ctx.decode_steps + 1) else None
+        self.last = LastRows(ctx, self.cache_in)  # the local pass on each prompt's last rows
 
     def run(self) -> list[Row]:
         c = self.ctx
@@ -117,7 +122,7 @@ class DiffPass:
         self.r_caches: dict[str, dict[str, object]] = {name: {} for name, _ in self.floor.references}
         c.engine.begin(c.prompts, c.decode_steps)
         schedule = getattr(c.engine, "schedule", None)
-        batch = schedule(0) if schedule is not None else StepBatch.of_prompts(c.prompts)
+        batch = self.last.first(schedule(0) if schedule is not None else StepBatch.of_prompts(c.prompts))
         rows: list[Row] = []
         for step in range(c.decode_steps + 1):
             t0 = time.monotonic()
@@ -139,9 +144,10 @@ class DiffPass:
         c.engine.close()
         return rows
 
-    def _caches(self, batch: StepBatch, held: dict | None = None) -> tuple[list, dict[str, list]]:
+    def _caches(self, batch: StepBatch, held: dict | None = None, given=None) -> tuple[list, dict[str, list]]:
         """The golden's and each reference's cache of every request of ``batch`` (new for a new request; cut back
-        to the position a request runs again from). ``held``: a dump's local pass's inputs of cached prefixes."""
+        to the position a request runs again from). ``held``: a dump's local pass's inputs of cached prefixes;
+        ``given``: the golden's keys and values of the positions a local pass skips (``LastRows.give``)."""
         c = self.ctx
         cuts = self.log.advance(batch)
         golden = None if c.golden.model is None or self.cache_in is not None else c.golden.model  # reused: no cache
@@ -155,28 +161,30 @@ class DiffPass:
                     caches[rid] = new_cache(model)
                 elif cut is not None:
                     cut_cache(caches[rid], cut)
-        if self.log.gaps:
+        if self.log.gaps and given is None:
             fill_gaps(c, self.log.gaps, golden, self.g_caches, self.r_caches, self.floor.references, self.isolated,
                       held)
-        g = [self.g_caches.get(rid) for rid in batch.ids]
-        return g, {name: [self.r_caches[name][rid] for rid in batch.ids] for name, _ in self.floor.references}
+        r = {name: [self.r_caches[name][rid] for rid in batch.ids] for name, _ in self.floor.references}
+        self.last.give(r, given)
+        return [self.g_caches.get(rid) for rid in batch.ids], r
 
     def _step(self, step: int, batch: StepBatch) -> tuple[list[Row], list[int]]:
         """One step: golden, engine, references (the floor); its rows and the golden's greedy next tokens."""
         c = self.ctx
         points, eng_teacher, teacher, held = (None,) * 4 if self.recorded is None else \
             forced_step(c.engine, batch, self.with_kv, c.num_layers, self.recorded)  # a dump's local pass
-        g_caches, r_caches = self._caches(batch, held)
+        gold, given = self.last.golden(step)  # the local pass on the last rows: its rows' golden, and the prefix
+        g_caches, r_caches = self._caches(batch, held, given)
         if self.routes.engine_first:  # MoE: the golden follows the engine's routes (tpcheck.pipeline.routes)
             points = c.engine.step(batch.tokens, None, self.with_kv)
             self.routes.record(step, points)
-        gold = self.cache_in.take(step) if self.cache_in is not None else \
+        gold = gold if gold is not None else self.cache_in.take(step) if self.cache_in is not None else \
             self._golden(step, batch, g_caches, self.routes.golden_route(step), teacher)
         gold = self.routes.order(gold)
         if self.cache_out is not None:
             self.cache_out.put(step, gold)
         if self.isolated and self.recorded is None:
-            teacher = self._teacher(gold)
+            teacher = teacher_of(gold, c.num_layers)
             eng_teacher = {i: t.to(c.dtype) for i, t in teacher.items()}
         if points is None:
             points = c.engine.step(batch.tokens, eng_teacher, self.with_kv)
@@ -199,17 +207,10 @@ class DiffPass:
         teacher_too = self.isolated or c.golden_cache is not None
         if c.select is not None:
             gold = {n: t for n, t in gold.items() if self._selected(n) or n == "logits" or
-                    kind_of(n).route in ("logits", "ids") or (teacher_too and kind_of(n).teacher) or
+                    kind_of(n).route in ("logits", "ids") or
+                    (teacher_too and (kind_of(n).teacher or kind_of(n).name in PREFIX_KINDS)) or
                     kind_of(n).name in INPUT_KINDS}
         return gold
-
-    def _teacher(self, gold: dict) -> dict[int, torch.Tensor]:
-        """Isolate mode: decoder layer i's input is the golden's (``embed`` or layer i-1's ``out``); the final
-        norm's (key ``num_layers``) is the last layer's output."""
-        L = self.ctx.num_layers
-        teacher = {i: gold["embed" if i == 0 else f"layers.{i - 1}.out"] for i in range(L)}
-        teacher[L] = gold[f"layers.{L - 1}.out"]
-        return teacher
 
     def _measure_references(self, step, batch: StepBatch, r_caches, gold, teacher, subsets) -> None:
         c = self.ctx
@@ -238,6 +239,14 @@ class DiffPass:
 
     def _selected(self, name: str) -> bool:
         return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
+
+
+def teacher_of(gold: dict, num_layers: int) -> dict[int, torch.Tensor]:
+    """Isolate mode: decoder layer i's input is the golden's (``embed`` or layer i-1's ``out``); the final norm's
+    (key ``num_layers``) is the last layer's output."""
+    teacher = {i: gold["embed" if i == 0 else f"layers.{i - 1}.out"] for i in range(num_layers)}
+    teacher[num_layers] = gold[f"layers.{num_layers - 1}.out"]
+    return teacher
 
 
 def fill_gaps(c: RunContext, gaps: dict[str, tuple[int, list[int]]], golden, g_caches: dict, r_caches: dict,

@@ -1,5 +1,5 @@
 """The lines a result's summary adds after its verdict (``DiffResult.summary``): the engine's declared rounding and
-the rows that passed only by it, and where the ranks' replicas differ."""
+the rows that passed only by it, where the ranks' replicas differ, and which rows the local pass ran."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,19 @@ from tpcheck.result.origin import rounding_allowance
 
 
 def after_verdict(table: pd.DataFrame, meta: dict) -> str:
-    """``by_rounding`` then ``replicas``: each a line starting with a newline, or nothing."""
-    return by_rounding(table, meta) + replicas(table)
+    """``by_rounding``, ``replicas`` then ``local_rows``: each a line starting with a newline, or nothing."""
+    return by_rounding(table, meta) + replicas(table) + local_rows(meta)
+
+
+def local_rows(meta: dict) -> str:
+    """The line saying the local pass ran each prompt's last rows (``tpcheck.pipeline.local_rows``; every row:
+    nothing)."""
+    n = meta.get("local_rows")
+    if not n:
+        return ""
+    return (f"\nlocal pass: the last {n} positions of each prompt's prefill (and every decode step), the keys and "
+            "values of earlier positions the golden's; the propagated pass judged every row (--local-rows 0: the "
+            "local pass on every row)")
 
 
 def replicas(table: pd.DataFrame) -> str:

@@ -69,6 +69,7 @@ class DiffMeta:
     effective_precision: dict | None = None
     notes: tuple[str, ...] = ()
     rounding: dict | None = None                 # the engine's declared rounding (tpcheck.capture.rounding)
+    local_rows: int | None = None                # the local pass ran each prompt's last N rows (None: every row)
 
     def to_dict(self) -> dict:
         """The result's ``meta`` (the schema's ``diff_meta``): the run's keys, then the origin's, then the effective
@@ -80,6 +81,8 @@ class DiffMeta:
                **(self.origin.to_dict() if self.origin is not None else {})}
         if self.rounding is not None:
             out["rounding"] = self.rounding
+        if self.local_rows is not None:
+            out["local_rows"] = self.local_rows
         if self.effective_precision is not None:
             out["effective_precision"] = self.effective_precision
         if self.notes:
