@@ -3,11 +3,13 @@ pass on every row, on prompts longer than the rows it keeps: every per-layer fau
 (``tpcheck.cli.fault_depth``) injected into the first, the middle and the last layer, each run both ways, the excess
 at the fault's origin side by side; and clean runs of both, their closest point to its threshold.
 
-    python benchmarks/local_rows_depth.py [--preset deep-sink] [--tp 2] [--dtype bfloat16] [--prompt-lens 100,60]
+    python benchmarks/local_rows_depth.py [--preset deep-sink] [--tp 2] [--dtype bfloat16] [--prompt-lens 103,60]
                                           [--local-rows 32] [--faults a,b] [--json out.json]
 
 The depth matrix's own prompts (``fault_matrix.PREFILL`` / ``DECODE``: 12 + 17, 6 + 14 tokens) are no longer than
-the default 32 rows, so there the local pass runs every row either way."""
+the default 32 rows, so there the local pass runs every row either way. The default lengths put a decode step of
+the longer prompt on a block boundary (position 104, blocks of 8), where `slot_mapping_off_by_one_at_block_boundary`
+shows."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +23,7 @@ def main() -> int:
     ap.add_argument("--preset", default="deep-sink")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompt-lens", default="100,60")
+    ap.add_argument("--prompt-lens", default="103,60")
     ap.add_argument("--local-rows", type=int, default=32)
     ap.add_argument("--faults", default=None, help="comma-separated (default: every per-layer diff fault)")
     ap.add_argument("--json", help="write the rows here")

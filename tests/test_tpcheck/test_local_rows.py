@@ -12,9 +12,9 @@ from tpcheck.engines.impl import ImplAdapter
 from tpcheck.measure.unshard import unshard
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
-from tpcheck.pipeline.local_rows import fill_cache, prefix_lens, split_golden, suffix_batch
+from tpcheck.pipeline.local_rows import prefix_lens, split_golden, suffix_batch
 from tpcheck.reference.cache import hf_capture
-from tpcheck.reference.hf import new_cache
+from tpcheck.reference.hf import fill_cache, new_cache
 
 PROMPT = [(7 * i + 3) % 1000 for i in range(40)]
 
@@ -97,6 +97,13 @@ def test_the_local_pass_runs_the_last_rows_and_finds_a_fault_at_its_origin(engin
     at = t[(t["point"] == "layers.12.attn.out") & (t["mode"] == "isolated") & (t["step"] == 0)]
     assert float(at["excess"].iloc[0]) >= 10, bad.summary()
     assert bad.first_divergence["point"] == "layers.12.attn.out", bad.summary()
+
+
+def test_hf_tp_takes_a_prefix_too(engines, ckpt):
+    r = run(DiffOptions(model=str(ckpt("small")), tp=2, dtype="bfloat16", prompts=[PROMPT], decode_steps=1,
+                        engine="hf-tp", local_rows=16), pool=engines)
+    assert r.passed, r.summary()
+    assert r.meta["local_rows"] == 16 and "local pass: the last 16 positions" in r.summary()
 
 
 def test_local_rows_is_validated():

@@ -31,7 +31,7 @@ from tpcheck.engines.adapter import by_point
 from tpcheck.capture.core import as_rows, install
 from tpcheck.capture.maps import HF_TP_MAP
 from tpcheck.capture.teacher import Teacher
-from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, forward_one, load_hf_model, new_cache, \
+from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, fill_cache, forward_one, load_hf_model, new_cache, \
     register_attention
 from tpcheck.reference.reductions import Reductions
 import torch.distributed as dist
@@ -94,6 +94,7 @@ class HFTPRank:
         self.teacher = Teacher(m.layers, m.norm, like=self.model, batch_dim=True)
         self.capture = install(self.model, HF_TP_MAP)
         self.caches: list = []
+        self.head_dim = load_config(model_dir).head_dim
 
     def call(self, target, *args, **kwargs):
         """Run ``fn(rank, *args, **kwargs)`` (a function or ``"module:function"``) inside this rank: how a
@@ -105,6 +106,20 @@ class HFTPRank:
 
     def begin(self, num_prompts: int) -> None:
         self.caches = [new_cache(self.model) for _ in range(num_prompts)]
+
+    def take_prefix(self, lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Prompt ``b``'s positions ``0..lens[b]-1`` written into its cache (``tpcheck.pipeline.local_rows``):
+        ``kv[layer]`` is ``(keys after RoPE, values)`` of every KV head, ``[sum(lens), kv_heads * head_dim]``;
+        this rank keeps its contiguous block of heads, as transformers' TP plan splits ``k_proj`` / ``v_proj``."""
+        offset = 0
+        for b, n in enumerate(lens):
+            own = {}
+            for i, (k, v) in kv.items():
+                k, v = (t[offset:offset + n].view(n, self.tp, -1)[:, self.rank] for t in (k, v))
+                own[i] = (k, v)
+            offset += n
+            if n:
+                fill_cache(self.caches[b], own, self.head_dim, k.dtype)
 
     @torch.no_grad()
     def step(self, tokens: list[list[int]], starts: list[int], teacher: dict | None = None,
@@ -140,6 +155,7 @@ class HFTPAdapter:
                  timeout_s: float = 300.0):
         self.tp, self.device, self.reductions = tp, device, Reductions(tp)
         self.teacher_forcing = True  # pre-hooks replace each decoder layer's input (the local pass)
+        self.takes_prefix = True  # a prompt's first positions can be given as keys and values (local_rows)
         self.executor = Executor(tp, device=device, timeout_s=timeout_s, runner=RUNNER)
         self.starts: list[int] = []
         try:
@@ -165,6 +181,11 @@ class HFTPAdapter:
         per_rank = self.executor.call("step", new_tokens, self.starts, teacher, capture_kv)
         self.starts = [s + len(t) for s, t in zip(self.starts, new_tokens)]
         return by_point(per_rank)
+
+    def take_prefix(self, lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Before the first step: prompt ``b``'s positions ``0..lens[b]-1`` are in each rank's cache as ``kv``."""
+        self.executor.call("take_prefix", lens, kv)
+        self.starts = list(lens)
 
     def close(self) -> None:
         self.executor.call("begin", 0)  # drop the caches; the ranks stay up for the next run

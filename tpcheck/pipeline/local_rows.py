@@ -25,6 +25,7 @@ import torch
 
 from tpcheck.capture.batches import StepBatch
 from tpcheck.capture.points import kind_of
+from tpcheck.reference.hf import fill_cache
 
 
 class LastRows:
@@ -96,15 +97,6 @@ def split_golden(gold: dict[str, torch.Tensor], row_lens: list[int], lens: list[
           for i in range(num_layers)}
     rows = {n: t if kind_of(n).rows == "cache" else t[keep] for n, t in gold.items()}
     return rows, kv
-
-
-def fill_cache(cache, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], head_dim: int, dtype: torch.dtype) -> None:
-    """Write one request's prefix (``split_golden``'s rows of that request) into a reference's empty
-    ``DynamicCache``, layer by layer in order, rounded to ``dtype``: what the reference's own forward of those
-    positions would have stored, had its inputs and projections been the golden's."""
-    for i in sorted(kv):
-        k, v = (t.to(dtype).view(t.shape[0], -1, head_dim).transpose(0, 1)[None] for t in kv[i])
-        cache.update(k.contiguous(), v.contiguous(), i)
 
 
 def give_prefix(engine, r_caches: dict[str, list], lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]],

@@ -188,6 +188,16 @@ def new_cache(model):
     return cache
 
 
+def fill_cache(cache, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], head_dim: int, dtype: torch.dtype) -> None:
+    """Write a prompt's first positions into an empty ``DynamicCache``, layer by layer in order: ``kv[layer]`` is
+    ``(keys after RoPE, values)``, ``[positions, kv_heads * head_dim]``, rounded to ``dtype``. A forward from the next
+    position then attends over them as over its own earlier positions (the local pass on the last rows,
+    ``tpcheck.pipeline.local_rows``)."""
+    for i in sorted(kv):
+        k, v = (t.to(dtype).view(t.shape[0], -1, head_dim).transpose(0, 1)[None] for t in kv[i])
+        cache.update(k.contiguous(), v.contiguous(), i)
+
+
 def cut_cache(cache, keep: int) -> None:
     """Keep the first ``keep`` positions of a ``DynamicCache`` (a request recomputed from an earlier position).
     ``crop`` with a negative count removes that many tokens on every transformers this supports (4.x and 5.x up
