@@ -36,6 +36,12 @@ class EngineAdapter(Protocol):
     """Optional (default False): ``step`` honours ``teacher``. Then the default diff adds the local pass, where each
     layer's own error is judged against a floor that does not grow with depth."""
 
+    takes_prefix: bool
+    """Optional (default False): the adapter has ``take_prefix(lens, kv)``, which writes each sequence's first
+    ``lens[b]`` positions into its KV cache (``kv[layer]``: keys after RoPE and values, ``[sum(lens), kv_heads *
+    head_dim]``) before the first step, which then starts there. The local pass then runs each prompt's last rows
+    alone (``tpcheck.pipeline.local_rows``)."""
+
     def begin(self, prompts: list[list[int]], decode_steps: int) -> None:
         """Start fresh sequences (one per prompt) with room for ``decode_steps`` more tokens each."""
 
