@@ -98,7 +98,7 @@ class NoiseFloor:
             e, g = first[2], first[3]  # the same tensor against the same golden: the same statistics
         else:
             e = row_errors(tensor, golden)
-            g = gain_of(tensor, golden).gain if self.gains else math.nan
+            g = gain_of(tensor, golden, spread=False).gain if self.gains else math.nan
             if reference == self.references[0][0] and len(self.references) > 1:
                 self._first[point] = (tensor, golden, e, g)
         narrow = is_narrow(golden)
