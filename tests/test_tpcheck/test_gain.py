@@ -297,3 +297,14 @@ def test_the_tp_reference_takes_the_first_references_statistics_only_for_the_sam
         fields.append(floor.row_fields("layers.0.out"))
     assert fields[0] == fields[1] and fields[0]["ref_rel_err_tp"] == fields[0]["ref_rel_err_hf"]
     assert fields[2]["ref_rel_err_tp"] != fields[2]["ref_rel_err_hf"]
+
+
+@pytest.mark.parametrize("rows,features", [(2, 32), (64, 896), (1, 40)])
+def test_a_gain_without_its_spread_is_the_same_gain(rows, features):
+    """A noise-floor reference's gain is measured without its standard errors (``spread=False``): the same median,
+    bit for bit; ``se`` and ``se_cols`` not measured."""
+    g = golden(rows, features, seed=rows)
+    x = (g * (1 + 2.0 ** -9)).to(torch.bfloat16)
+    whole, alone = gain_of(x, g), gain_of(x, g, spread=False)
+    assert alone.gain == whole.gain or math.isnan(alone.gain) and math.isnan(whole.gain)
+    assert alone.n == whole.n and math.isnan(alone.se) and math.isnan(alone.se_cols)
