@@ -113,7 +113,8 @@ def tensor_digest(t) -> str:
     """sha256 of a tensor's bytes (row-major, its own dtype), the content hash goldens and dumps record."""
     import torch  # reading a JSON result imports no torch; hashing a tensor has one already
     t = t.detach().contiguous().cpu()
-    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+    # the bytes hashed in place (a numpy array is a buffer): a dump hashes every tensor of every step it writes
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"").hexdigest()
 
 
 def tensor_record(t) -> dict:

@@ -27,15 +27,21 @@ from tpcheck.capture.batches import StepBatch
 from tpcheck.capture.points import kind_of
 from tpcheck.reference.hf import fill_cache
 
+PREFIX_KINDS = ("attn.k_rope", "attn.v")  # the golden's points a prefix is written from (kept for the local pass)
+
 
 class LastRows:
     """One local pass's prefix, per prompt (``prefix_lens``), where it has one: the golden reused from the propagated
-    pass (``cache_in``), a dense model, one pipeline stage and an engine that takes a prefix (``takes_prefix``)."""
+    pass (``cache_in``) with every layer's keys and values, a dense model, one pipeline stage and an engine that
+    takes a prefix (``takes_prefix``)."""
 
     def __init__(self, ctx, cache_in):
         self.ctx, self.cache_in = ctx, cache_in
         self.lens = prefix_lens(ctx.prompts, ctx.local_rows) if cache_in is not None and not ctx.sparse \
             and not ctx.handoffs and getattr(ctx.engine, "takes_prefix", False) else None
+        first = cache_in.steps.get(0, {}) if cache_in is not None else {}
+        if any(f"layers.{i}.{k}" not in first for i in range(ctx.num_layers) for k in PREFIX_KINDS):
+            self.lens = None  # a golden without the keys and values to write (a replayed one that lacks them)
         ctx.local_rows_ran |= self.lens is not None
 
     def first(self, batch: StepBatch) -> StepBatch:
@@ -56,7 +62,6 @@ class LastRows:
             c = self.ctx
             give_prefix(c.engine, r_caches, self.lens, kv, c.dtype, c.head_dim)
 
-PREFIX_KINDS = ("attn.k_rope", "attn.v")  # the golden's points a prefix is written from (kept for the local pass)
 
 
 def prefix_lens(prompts: list[list[int]], local_rows: int | None) -> list[int] | None:
