@@ -3,6 +3,8 @@ written into a cache stands for the forward of those positions (in HF's cache an
 or replicated KV heads), the diff runs only the last rows teacher-forced, and still finds a fault at its origin."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from tpcheck.engines.impl import ImplAdapter
 from tpcheck.measure.unshard import unshard
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
-from tpcheck.pipeline.local_rows import prefix_lens, split_golden, suffix_batch
+from tpcheck.pipeline.local_rows import LastRows, prefix_lens, split_golden, suffix_batch
 from tpcheck.reference.cache import hf_capture
 from tpcheck.reference.hf import fill_cache, new_cache
 
@@ -34,6 +36,21 @@ def test_split_golden_keeps_the_last_rows_and_whole_caches():
     assert kv[0][0].flatten().tolist() == [0., 1., 2., 4.] and kv[0][1].flatten().tolist() == [0., -1., -2., -4.]
     with pytest.raises(ValueError, match="lacks"):
         split_golden({"logits": gold["logits"]}, [4, 2], [3, 1], 1)
+
+
+def test_every_row_runs_where_a_prefix_cannot_be_given():
+    class Held:  # a GoldenCache's held steps
+        def __init__(self, step0):
+            self.steps = {0: step0}
+
+    gold = {f"layers.{i}.{k}": torch.zeros(40, 4) for i in range(2) for k in ("attn.k_rope", "attn.v")}
+    ctx = SimpleNamespace(prompts=[PROMPT], local_rows=16, sparse=False, handoffs=(), num_layers=2,
+                          engine=SimpleNamespace(takes_prefix=True), local_rows_ran=False)
+    assert LastRows(ctx, Held(gold)).lens == [24] and ctx.local_rows_ran
+    for why in ({"sparse": True}, {"handoffs": (1,)}, {"engine": SimpleNamespace()}, {"local_rows": 0}):
+        assert LastRows(SimpleNamespace(**{**vars(ctx), **why}), Held(gold)).lens is None, why
+    assert LastRows(ctx, None).lens is None  # the golden not held for the local pass
+    assert LastRows(ctx, Held({k: v for k, v in gold.items() if k != "layers.1.attn.v"})).lens is None
 
 
 def _points(step_points: dict) -> dict[str, torch.Tensor]:
