@@ -15,8 +15,9 @@ more). The engine and both references read the same history, so the floor stays 
 it does not grow with depth, since every row it judges is still forced at every layer. What the local pass no
 longer judges: the first ``T-N`` rows of each prompt; the propagated pass still judges every row at every layer
 (a bug that shows only at early positions shows there, with the margin that pass has at its depth). A prompt no
-longer than ``N`` runs whole, as does every engine whose adapter cannot take a cache prefix (``takes_prefix``),
-a dump's local pass, a mixture-of-experts model (its routes follow the engine's, row by row) and a pipelined one.
+longer than ``N`` runs whole, as does every engine whose adapter cannot take a cache prefix (``takes_prefix``;
+impl's does not for a pipelined or a quantized model), a dump's local pass, a mixture-of-experts model (its routes
+follow the engine's, row by row) and a replayed golden that lacks a layer's keys or values.
 
 Cost: the local pass's forwards and statistics scale with its rows (``benchmarks/diff_overhead.py``)."""
 from __future__ import annotations
@@ -63,7 +64,6 @@ class LastRows:
             give_prefix(c.engine, r_caches, self.lens, kv, c.dtype, c.head_dim)
 
 
-
 def prefix_lens(prompts: list[list[int]], local_rows: int | None) -> list[int] | None:
     """Per prompt, how many first positions the local pass gives as a cache prefix (its length less
     ``local_rows``, at least 0); None where no prompt is longer than ``local_rows`` or it is 0 / None (every row)."""
@@ -93,8 +93,7 @@ def split_golden(gold: dict[str, torch.Tensor], row_lens: list[int], lens: list[
         keep[offset + p:offset + n] = True
         offset += n
     prefix = ~keep
-    missing = [n for i in range(num_layers) for n in (f"layers.{i}.attn.k_rope", f"layers.{i}.attn.v")
-               if n not in gold]
+    missing = [f"layers.{i}.{k}" for i in range(num_layers) for k in PREFIX_KINDS if f"layers.{i}.{k}" not in gold]
     if missing:
         raise ValueError(f"the golden's step lacks {missing[:2]}: the local pass on the last rows writes the "
                          "prefix's keys and values from them")
