@@ -14,7 +14,8 @@ from tpcheck.engines.impl import ImplAdapter
 from tpcheck.measure.unshard import unshard
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
-from tpcheck.pipeline.local_rows import LastRows, prefix_lens, split_golden, suffix_batch
+from tpcheck.pipeline.local_rows import LastRows, planned_prefix, prefix_lens, split_golden, suffix_batch
+from tpcheck.pipeline.steps import GoldenCache
 from tpcheck.reference.cache import hf_capture
 from tpcheck.reference.hf import fill_cache, new_cache
 
@@ -39,18 +40,32 @@ def test_split_golden_keeps_the_last_rows_and_whole_caches():
 
 
 def test_every_row_runs_where_a_prefix_cannot_be_given():
-    class Held:  # a GoldenCache's held steps
-        def __init__(self, step0):
-            self.steps = {0: step0}
+    engine = SimpleNamespace(takes_prefix=True)
+    assert planned_prefix(engine, [PROMPT], 16, False, ()) == [24]
+    assert planned_prefix(engine, [PROMPT], 16, True, ()) is None  # MoE: routes follow the engine's row by row
+    assert planned_prefix(engine, [PROMPT], 16, False, (1,)) is None  # pipeline stages
+    assert planned_prefix(SimpleNamespace(), [PROMPT], 16, False, ()) is None  # an adapter without take_prefix
+    assert planned_prefix(engine, [PROMPT], 0, False, ()) is None and planned_prefix(engine, [PROMPT], 40, False, ()) is None
+    ctx = SimpleNamespace(local_rows_ran=False)
+    assert LastRows(ctx, None).lens is None and not ctx.local_rows_ran  # the golden not held for the local pass
 
-    gold = {f"layers.{i}.{k}": torch.zeros(40, 4) for i in range(2) for k in ("attn.k_rope", "attn.v")}
-    ctx = SimpleNamespace(prompts=[PROMPT], local_rows=16, sparse=False, handoffs=(), num_layers=2,
-                          engine=SimpleNamespace(takes_prefix=True), local_rows_ran=False)
-    assert LastRows(ctx, Held(gold)).lens == [24] and ctx.local_rows_ran
-    for why in ({"sparse": True}, {"handoffs": (1,)}, {"engine": SimpleNamespace()}, {"local_rows": 0}):
-        assert LastRows(SimpleNamespace(**{**vars(ctx), **why}), Held(gold)).lens is None, why
-    assert LastRows(ctx, None).lens is None  # the golden not held for the local pass
-    assert LastRows(ctx, Held({k: v for k, v in gold.items() if k != "layers.1.attn.v"})).lens is None
+
+def test_the_golden_cache_holds_the_first_step_as_the_local_pass_reads_it():
+    gold = {f"layers.{i}.{k}": torch.randn(40, 8, dtype=torch.float64) for i in range(2)
+            for k in ("attn.k_rope", "attn.v", "out", "mlp.gate")}
+    cache = GoldenCache(prefix=[24], row_lens=[40], num_layers=2)
+    cache.put(0, gold)
+    cache.put(1, {n: t[:1] for n, t in gold.items()})
+    rows, kv = cache.take(0)
+    assert rows["layers.1.out"].shape == (16, 8) and torch.equal(rows["layers.1.out"], gold["layers.1.out"][24:])
+    assert torch.equal(kv[1][0], gold["layers.1.attn.k_rope"][:24]) and torch.equal(kv[0][1], gold["layers.0.attn.v"][:24])
+    assert cache.nbytes == (8 * 16 + 4 * 24 + 8) * 8 * 8  # the rows it reads, the prefix's keys and values, step 1
+    ctx = SimpleNamespace(local_rows_ran=False)
+    assert LastRows(ctx, cache).lens == [24] and ctx.local_rows_ran
+    lacking = GoldenCache(prefix=[24], row_lens=[40], num_layers=2)  # a replayed golden without a layer's values
+    lacking.put(0, {n: t for n, t in gold.items() if n != "layers.1.attn.v"})
+    assert lacking.prefix is None and isinstance(lacking.take(0), dict)
+    assert LastRows(SimpleNamespace(local_rows_ran=False), lacking).lens is None
 
 
 def _points(step_points: dict) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure.precision import effective_precision
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.forced import layer_outputs
+from tpcheck.pipeline.local_rows import planned_prefix
 from tpcheck.pipeline.plan import RunPlan
 from tpcheck.pipeline.steps import DiffPass, GoldenCache, RunContext
 from tpcheck.progress import bar
@@ -146,11 +147,14 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     stop_when = _step_fails(dtype, rounding, tolerances) if opts.fail_fast else None
     # a replayed dump: its local pass runs the golden again, forced onto the engine's recorded inputs
     forced = isolate and not getattr(engine, "teacher_forcing", False)
+    sparse = getattr(cfg, "moe", None) is not None
+    # the golden's points kept for the local pass (which may run each prompt's last rows: tpcheck.pipeline.local_rows)
+    cache = GoldenCache(prefix=planned_prefix(engine, prompts, opts.local_rows, sparse, plan.handoffs),
+                        row_lens=[len(p) for p in prompts], num_layers=cfg.num_layers) if isolate and not forced else None
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
                      parse_dtype(dtype), reductions, plan.keep, opts.exact_ops, stop_when, writer,
-                     bar(len(modes) * (steps + 1), "diff", "step"), GoldenCache() if isolate and not forced else None,
-                     sparse=getattr(cfg, "moe", None) is not None, tolerances=tolerances, engine_inputs=forced,
-                     handoffs=plan.handoffs, local_rows=opts.local_rows, head_dim=cfg.head_dim)
+                     bar(len(modes) * (steps + 1), "diff", "step"), cache, sparse=sparse, tolerances=tolerances,
+                     engine_inputs=forced, handoffs=plan.handoffs, head_dim=cfg.head_dim)
     ctx.golden_routes = {} if ctx.sparse else None
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)

@@ -31,18 +31,23 @@ from tpcheck.reference.hf import fill_cache
 PREFIX_KINDS = ("attn.k_rope", "attn.v")  # the golden's points a prefix is written from (kept for the local pass)
 
 
+def planned_prefix(engine, prompts: list[list[int]], local_rows: int, sparse: bool, handoffs) -> list[int] | None:
+    """The prefix the local pass gives each prompt (``prefix_lens``) where the run allows one: an engine that takes
+    a prefix (``takes_prefix``), a dense model, one pipeline stage (no ``handoffs``); else None. The golden's cache
+    then holds the first step split for it (``tpcheck.pipeline.steps.GoldenCache``)."""
+    if sparse or handoffs or not getattr(engine, "takes_prefix", False):
+        return None
+    return prefix_lens(prompts, local_rows)
+
+
 class LastRows:
-    """One local pass's prefix, per prompt (``prefix_lens``), where it has one: the golden reused from the propagated
-    pass (``cache_in``) with every layer's keys and values, a dense model, one pipeline stage and an engine that
-    takes a prefix (``takes_prefix``)."""
+    """One local pass's prefix, per prompt, where it has one: the golden reused from the propagated pass
+    (``cache_in``), which held the first step split for it (its ``prefix``: ``planned_prefix``, None where the
+    golden lacked a layer's keys or values)."""
 
     def __init__(self, ctx, cache_in):
         self.ctx, self.cache_in = ctx, cache_in
-        self.lens = prefix_lens(ctx.prompts, ctx.local_rows) if cache_in is not None and not ctx.sparse \
-            and not ctx.handoffs and getattr(ctx.engine, "takes_prefix", False) else None
-        first = cache_in.steps.get(0, {}) if cache_in is not None else {}
-        if any(f"layers.{i}.{k}" not in first for i in range(ctx.num_layers) for k in PREFIX_KINDS):
-            self.lens = None  # a golden without the keys and values to write (a replayed one that lacks them)
+        self.lens = getattr(cache_in, "prefix", None)
         ctx.local_rows_ran |= self.lens is not None
 
     def first(self, batch: StepBatch) -> StepBatch:
@@ -51,11 +56,10 @@ class LastRows:
 
     def golden(self, step: int) -> tuple[dict | None, dict | None]:
         """At the first step with a prefix, the golden's points at the rows the pass runs and the prefix's keys and
-        values (``split_golden``); else ``(None, None)``."""
+        values (``split_golden``, done as the propagated pass held the step); else ``(None, None)``."""
         if self.lens is None or step:
             return None, None
-        return split_golden(self.cache_in.take(0), [len(p) for p in self.ctx.prompts], self.lens,
-                            self.ctx.num_layers)
+        return self.cache_in.take(0)  # held split (GoldenCache.put)
 
     def give(self, r_caches: dict[str, list], kv: dict | None) -> None:
         """``give_prefix`` of ``kv`` (None: nothing) to the references' caches of the step and the engine."""

@@ -22,7 +22,7 @@ from tpcheck.capture.points import kind_of, split_point
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.pipeline.forced import RecordedInputs, forced_step
-from tpcheck.pipeline.local_rows import PREFIX_KINDS, LastRows
+from tpcheck.pipeline.local_rows import PREFIX_KINDS, LastRows, split_golden
 from tpcheck.measure.operands import INPUT_KINDS, LINEAR_INPUTS, operand_sq
 from tpcheck.pipeline.routes import RouteFollower
 from tpcheck.pipeline.rows import RowMaker, subset_rows
@@ -60,8 +60,7 @@ class RunContext:
     # inputs (tpcheck.pipeline.forced) instead of the engine onto the golden's
     engine_inputs: bool = False
     handoffs: tuple[int, ...] = ()  # --pp: the layers after which a stage hands over (tpcheck.capture.core.handoff)
-    local_rows: int = 0  # the local pass on each prompt's last rows (tpcheck.pipeline.local_rows; 0: every row)
-    head_dim: int = 0
+    head_dim: int = 0  # the local pass on each prompt's last rows writes keys and values (tpcheck.pipeline.local_rows)
     local_rows_ran: bool = False  # set by a local pass that gave some prompt a prefix (LastRows)
 
 
@@ -69,16 +68,29 @@ class GoldenCache:
     """The golden's points of every step of the propagated pass, kept for the local (teacher-forced) pass: both
     passes feed the same tokens, so the float64 golden, the costliest forward of a diff, runs once. Held up to
     ``budget`` bytes (float64 points of every step); past that the cache is dropped whole and the local pass
-    computes the golden again (its caches need every earlier step)."""
+    computes the golden again (its caches need every earlier step). ``prefix``: the local pass will run each
+    prompt's last rows (``tpcheck.pipeline.local_rows.planned_prefix``; None: every row): the first step is held as
+    what that pass reads of it, the golden's points at its rows and the prefix's keys and values (``split_golden``
+    of prompts ``row_lens`` tokens long), a fraction of the whole step on a long prompt; a golden without every
+    layer's keys and values is held whole and ``prefix`` becomes None (the local pass then runs every row)."""
 
-    def __init__(self, budget: int = 2 << 30):
+    def __init__(self, budget: int = 2 << 30, prefix: list[int] | None = None, row_lens: list[int] = (),
+                 num_layers: int = 0):
         self.budget, self.nbytes, self.steps = budget, 0, {}
         self.enabled = budget > 0
+        self.prefix, self.row_lens, self.num_layers = prefix, list(row_lens), num_layers
 
     def put(self, step: int, gold: dict[str, torch.Tensor]) -> None:
         if not self.enabled:
             return
-        self.nbytes += sum(t.numel() * t.element_size() for t in gold.values())
+        if step == 0 and self.prefix is not None:
+            if all(f"layers.{i}.{k}" in gold for i in range(self.num_layers) for k in PREFIX_KINDS):
+                gold = split_golden(gold, self.row_lens, self.prefix, self.num_layers)
+            else:
+                self.prefix = None
+        tensors = list(gold[0].values()) + [t for kv in gold[1].values() for t in kv] if isinstance(gold, tuple) \
+            else list(gold.values())
+        self.nbytes += sum(t.numel() * t.element_size() for t in tensors)
         if self.nbytes > self.budget:
             self.enabled, self.steps = False, {}
             logger.info(f"  the golden's points pass {self.budget / 2**30:.1f} GiB: the local pass computes the "
@@ -90,7 +102,8 @@ class GoldenCache:
         """Whether every one of ``steps`` steps is held."""
         return self.enabled and all(s in self.steps for s in range(steps))
 
-    def take(self, step: int) -> dict[str, torch.Tensor]:
+    def take(self, step: int):
+        """Step ``step``'s points (the first step with a ``prefix``: ``split_golden``'s pair), no longer held."""
         return self.steps.pop(step)
 
 
