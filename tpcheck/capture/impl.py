@@ -89,6 +89,11 @@ class Handoffs(HandoffHooks):
                          "intermediate", points)
 
 
+def sequence_slots(tables: list[list[int]], lens: list[int], block_size: int) -> torch.Tensor:
+    """The cache slots of positions ``0..lens[b]-1`` of each sequence ``b`` (its blocks ``tables[b]``), in order."""
+    return torch.cat([block_slots(torch.tensor([t]), block_size, n)[0] for t, n in zip(tables, lens)])
+
+
 def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
     """Each layer's cached keys/values of every prompt, read back from the paged blocks."""
     out = {}
@@ -99,7 +104,7 @@ def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
         kv = Shard(-1, layer.self_attn.qkv_proj.kv_replicas)
         bs = attn.k_cache.shape[1]
         heads = attn.k_cache.shape[2]  # what the cache actually holds (a faulty cache may hold more heads)
-        slots = torch.cat([block_slots(torch.tensor([t]), bs, n)[0] for t, n in zip(tables, lens)])
+        slots = sequence_slots(tables, lens, bs)
         for name, cache in (("k", attn.k_cache), ("v", attn.v_cache)):
             rows = cache.view(-1, heads, cache.shape[3])[slots]
             if getattr(attn, "kv_quant", None) is not None:  # an FP8 cache: the values attention reads from it
@@ -116,7 +121,7 @@ def write_prefix(runner, tables: list[list[int]], lens: list[int], kv: dict[int,
     ``qkv_proj`` computes) and writes them where ``Attention.forward`` would (``block_slots``). A later step of
     sequence ``b`` from position ``lens[b]`` then attends over them as over a cached prefix (the local pass on the
     last rows, ``tpcheck.pipeline.local_rows``). An FP8 cache is refused: its rounding is the engine's."""
-    slots = torch.cat([block_slots(torch.tensor([t]), runner.block_size, n)[0] for t, n in zip(tables, lens)])
+    slots = sequence_slots(tables, lens, runner.block_size)
     for i, layer in enumerate(runner.model.model.layers):
         if not runner.stage.holds_layer(i):
             continue

@@ -31,7 +31,7 @@ from tpcheck.engines.adapter import by_point
 from tpcheck.capture.core import as_rows, install
 from tpcheck.capture.maps import HF_TP_MAP
 from tpcheck.capture.teacher import Teacher
-from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, fill_cache, forward_one, load_hf_model, new_cache, \
+from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, fill_caches, forward_one, load_hf_model, new_cache, \
     register_attention
 from tpcheck.reference.reductions import Reductions
 import torch.distributed as dist
@@ -111,15 +111,8 @@ class HFTPRank:
         """Prompt ``b``'s positions ``0..lens[b]-1`` written into its cache (``tpcheck.pipeline.local_rows``):
         ``kv[layer]`` is ``(keys after RoPE, values)`` of every KV head, ``[sum(lens), kv_heads * head_dim]``;
         this rank keeps its contiguous block of heads, as transformers' TP plan splits ``k_proj`` / ``v_proj``."""
-        offset = 0
-        for b, n in enumerate(lens):
-            own = {}
-            for i, (k, v) in kv.items():
-                k, v = (t[offset:offset + n].view(n, self.tp, -1)[:, self.rank] for t in (k, v))
-                own[i] = (k, v)
-            offset += n
-            if n:
-                fill_cache(self.caches[b], own, self.head_dim, k.dtype)
+        own = {i: tuple(t.view(t.shape[0], self.tp, -1)[:, self.rank] for t in pair) for i, pair in kv.items()}
+        fill_caches(self.caches, lens, own, self.head_dim, self.model.dtype)
 
     @torch.no_grad()
     def step(self, tokens: list[list[int]], starts: list[int], teacher: dict | None = None,

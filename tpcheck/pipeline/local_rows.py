@@ -26,7 +26,7 @@ import torch
 
 from tpcheck.capture.batches import StepBatch
 from tpcheck.capture.points import kind_of
-from tpcheck.reference.hf import fill_cache
+from tpcheck.reference.hf import fill_caches
 
 PREFIX_KINDS = ("attn.k_rope", "attn.v")  # the golden's points a prefix is written from (kept for the local pass)
 
@@ -113,11 +113,6 @@ def give_prefix(engine, r_caches: dict[str, list], lens: list[int], kv: dict[int
     concatenated) rounded to ``dtype``, into each reference's cache of it (``r_caches``: reference name -> the
     caches of the step's requests, in prompt order) and into the engine's (its adapter's ``take_prefix``)."""
     kv = {i: (k.to(dtype), v.to(dtype)) for i, (k, v) in kv.items()}
-    offset = 0
-    for b, n in enumerate(lens):
-        own = {i: (k[offset:offset + n], v[offset:offset + n]) for i, (k, v) in kv.items()}
-        offset += n
-        if n:
-            for caches in r_caches.values():
-                fill_cache(caches[b], own, head_dim, dtype)
+    for caches in r_caches.values():
+        fill_caches(caches, lens, kv, head_dim, dtype)
     engine.take_prefix(list(lens), kv)

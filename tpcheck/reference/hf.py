@@ -198,6 +198,18 @@ def fill_cache(cache, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], head_dim
         cache.update(k.contiguous(), v.contiguous(), i)
 
 
+def fill_caches(caches: list, lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]], head_dim: int,
+                dtype: torch.dtype) -> None:
+    """``fill_cache`` of each prompt ``b``'s first ``lens[b]`` positions into ``caches[b]``: ``kv``'s rows are every
+    prompt's prefix, concatenated in order."""
+    offset = 0
+    for cache, n in zip(caches, lens):
+        if n:
+            fill_cache(cache, {i: (k[offset:offset + n], v[offset:offset + n]) for i, (k, v) in kv.items()},
+                       head_dim, dtype)
+        offset += n
+
+
 def cut_cache(cache, keep: int) -> None:
     """Keep the first ``keep`` positions of a ``DynamicCache`` (a request recomputed from an earlier position).
     ``crop`` with a negative count removes that many tokens on every transformers this supports (4.x and 5.x up
