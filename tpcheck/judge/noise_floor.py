@@ -56,6 +56,7 @@ import math
 
 import torch
 
+from tpcheck.measure.ahead import Ahead
 from tpcheck.measure.gain import gain_of, is_narrow
 from tpcheck.measure.metrics import RowErrors, row_errors
 from tpcheck.reference.reductions import Reductions
@@ -89,16 +90,38 @@ class NoiseFloor:
     def begin_step(self, step: int) -> None:
         self._step, self._now, self._level, self._first = step, {}, {}, {}
 
-    def observe(self, reference: str, point: str, tensor: torch.Tensor, golden: torch.Tensor,
-                operand_sq: float | None = None) -> None:
-        """One reference's tensor of ``point`` at this step, against the golden's; ``operand_sq``: the sum over
-        the rows of a narrow point's squared operand scale (``tpcheck.measure.operands``), None: the golden's."""
+    def measure(self, tensor: torch.Tensor, golden: torch.Tensor) -> tuple[RowErrors, float]:
+        """What ``observe`` reads of a reference's tensor, pure (``tpcheck.measure.ahead`` runs it in worker
+        threads): its ``row_errors`` and (the local pass) its gain."""
+        return row_errors(tensor, golden), gain_of(tensor, golden, spread=False).gain if self.gains else math.nan
+
+    def known(self, point: str, tensor: torch.Tensor, golden: torch.Tensor) -> bool:
+        """This step's first reference observed the same tensor of ``point`` against the same golden (the TP
+        reference up to a layer's first row-parallel linear): ``observe`` takes its statistics."""
         first = self._first.get(point)
-        if first is not None and first[1] is golden and first[0].dtype == tensor.dtype and torch.equal(first[0], tensor):
-            e, g = first[2], first[3]  # the same tensor against the same golden: the same statistics
+        return first is not None and first[1] is golden and first[0].dtype == tensor.dtype and \
+            torch.equal(first[0], tensor)
+
+    def ahead(self, points: dict[str, torch.Tensor], gold: dict[str, torch.Tensor]) -> Ahead:
+        """``measure`` of each of a reference's ``points`` against the golden's, started in worker threads
+        (``tpcheck.measure.ahead``), where ``observe`` will compute it: a point of the golden's shape whose
+        statistics are not the first reference's. ``observe(..., measured=ahead.take(point))`` reads them."""
+        ahead = Ahead()
+        for n, t in points.items():
+            g = gold.get(n)
+            if g is not None and t.shape == g.shape and not self.known(n, t, g):
+                ahead.submit(n, self.measure, t, g)
+        return ahead
+
+    def observe(self, reference: str, point: str, tensor: torch.Tensor, golden: torch.Tensor,
+                operand_sq: float | None = None, measured: tuple[RowErrors, float] | None = None) -> None:
+        """One reference's tensor of ``point`` at this step, against the golden's; ``operand_sq``: the sum over
+        the rows of a narrow point's squared operand scale (``tpcheck.measure.operands``), None: the golden's;
+        ``measured``: its ``measure``, computed ahead."""
+        if measured is None and self.known(point, tensor, golden):
+            e, g = self._first[point][2:]  # the same tensor against the same golden: the same statistics
         else:
-            e = row_errors(tensor, golden)
-            g = gain_of(tensor, golden, spread=False).gain if self.gains else math.nan
+            e, g = measured if measured is not None else self.measure(tensor, golden)
             if reference == self.references[0][0] and len(self.references) > 1:
                 self._first[point] = (tensor, golden, e, g)
         narrow = is_narrow(golden)

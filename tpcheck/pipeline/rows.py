@@ -16,6 +16,7 @@ from tpcheck.capture.points import all_point_names, kind_of, point_order, point_
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure import exact_ops, own_input
+from tpcheck.measure.ahead import Ahead
 from tpcheck.measure.gain import gain_fields
 from tpcheck.measure.metrics import compare, mismatch, rel_err
 from tpcheck.measure.unshard import unshard
@@ -35,6 +36,7 @@ class RowMaker:
         self.canonical = set(all_point_names(ctx.num_layers))
         self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
         self.rows_not_produced: dict[str, int] = {}  # point -> golden rows the engine did not produce (coverage)
+        self._ahead = Ahead()  # a step's statistics computed ahead (_rows)
 
     def rows(self, step, points, gold, batch: StepBatch, order: list[int], eng_teacher, subsets) -> list[Row]:
         """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too);
@@ -69,6 +71,12 @@ class RowMaker:
             units = self._routes(units, gold)
         engine_of = {u.name: u.tensor for u, sub in units if sub is None}  # the op inputs own_input reads
         replicas_of = {u.name: u.replicas for u, sub in units if sub is None and u.replicas}  # rank r's, where differ
+        self._ahead = Ahead()  # each whole point's statistics, started now in worker threads (_row takes them)
+        for u, subset in units:
+            g = gold.get(u.name)
+            if g is not None and subset is None and self._selected(u.name) and kind_of(u.name).judged != "set" \
+                    and not self.routes.excluded(u.name, self.isolated) and u.tensor.shape == g.shape:
+                self._ahead.submit(u.name, measure, u.tensor, g, list(u.replicas.values()), self.isolated)
         for u, subset in units:
             if u.name not in gold or not self._selected(u.name):
                 continue
@@ -162,21 +170,21 @@ class RowMaker:
     def _row(self, u, gold: torch.Tensor, step: int, row_lens: list[int], starts: list[int], want=None,
              order: list[int] | None = None, subset: list[int] | None = None, rows_excluded: int = 0) -> Row:
         layer, kind = split_point(u.name)
+        whole = subset is None and not rows_excluded  # the golden's point as _rows gave it to measure ahead
         note, op_mismatch = "", float("nan")
         if u.tensor.shape != gold.shape:
             stats = {"rel_err": float("inf"), "cosine": float("nan"), "max_abs": float("inf"), "max_abs_index": [],
                      "mean_abs": float("inf"), "p99_abs": float("inf"), "ref_norm": float(gold.double().norm()),
                      "nan": 0, "inf": 0}
             note = f"shape {list(u.tensor.shape)} != golden {list(gold.shape)}"
-        else:
-            stats = compare(u.tensor, gold)
+        else:  # computed ahead for a whole point (rows), here for the rows of a subset or with some left out
+            stats, replica_errs, gains = self._ahead.take(u.name) if whole and u.name in self._ahead else \
+                measure(u.tensor, gold, list(u.replicas.values()), self.isolated)
             stats["rel_err"] = self.floor.engine_rel_err(u.name, stats["rel_err"], stats["ref_norm"], gold.shape[0])
             if u.replicas:  # every replica judged against the golden (tpcheck.judge.verdict)
-                errs = [self.floor.engine_rel_err(u.name, rel_err(t, gold), stats["ref_norm"], gold.shape[0])
-                        for t in u.replicas.values()]
+                errs = [self.floor.engine_rel_err(u.name, e, stats["ref_norm"], gold.shape[0]) for e in replica_errs]
                 stats["replica_rel_err"] = math.inf if any(math.isnan(e) for e in errs) else max(errs)
-            if self.isolated:
-                stats.update(gain_fields(u.tensor, gold))
+            stats.update(gains)
         if stats["max_abs_index"]:
             r, f = stats["max_abs_index"]
             b, t = _row_index(r if subset is None else subset[r], row_lens, starts, order)
@@ -197,6 +205,12 @@ class RowMaker:
 
     def _selected(self, name: str) -> bool:
         return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
+
+
+def measure(x: torch.Tensor, golden: torch.Tensor, replicas: list[torch.Tensor], gains: bool) -> tuple[dict, list, dict]:
+    """An engine point's statistics against the golden, pure (``tpcheck.measure.ahead`` runs them in worker
+    threads): ``compare``'s, each replica's ``rel_err`` and (``gains``: the local pass) ``gain_fields``."""
+    return compare(x, golden), [rel_err(t, golden) for t in replicas], gain_fields(x, golden) if gains else {}
 
 
 def _row_index(flat_row: int, row_lens: list[int], starts: list[int], order: list[int] | None = None) -> tuple[int, int]:

@@ -236,6 +236,8 @@ class DiffPass:
             kw = {} if routes is None else {"routes": routes}
             ref = c.ref.step(batch.tokens, r_caches[ref_name], batch.starts, teacher, self.with_kv, red, **kw)
             ref = with_handoffs(self.routes.order(ref), c.handoffs)
+            ahead = self.floor.ahead({n: t for n, t in ref.items() if kind_of(n).judged != "set" and
+                                      self._selected(n) and subset_rows(n, subsets) is None}, gold)
             for n, t in ref.items():
                 if n in gold:
                     self.routes.observe(n, t, gold[n])
@@ -246,7 +248,8 @@ class DiffPass:
                 if n in gold and t.shape == gold[n].shape and self._selected(n):
                     rows, sq = subset_rows(n, subsets), operands.get(n)
                     sq = None if sq is None else float(sq.sum() if rows is None else sq[rows].sum())
-                    self.floor.observe(ref_name, n, *((t, gold[n]) if rows is None else (t[rows], gold[n][rows])), sq)
+                    self.floor.observe(ref_name, n, *((t, gold[n]) if rows is None else (t[rows], gold[n][rows])), sq,
+                                       measured=ahead.take(n) if n in ahead else None)
             del ref
         self.floor.end_step()
 
