@@ -13,6 +13,7 @@ its TP workers while each side runs; CPU seconds are those of this process and i
 machine they move less than wall time).
 
     python benchmarks/diff_overhead.py [--preset qwen2.5-0.5b] [--tp 2] [--seq-len 128] [--dtype float32] [--exact-ops]
+                                       [--in-place]
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating")
     ap.add_argument("--exact-ops", action="store_true", help="time tpcheck diff --exact-ops")
+    ap.add_argument("--in-place", action="store_true", help="also time the default with its statistics in place")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
 
@@ -110,6 +112,8 @@ def main() -> int:
                  "--local-rows 0": mode(local_rows=0)}  # the local pass on every row: the default before
         if not a.exact_ops:  # the third verdict mode, timed beside the others
             sides["--exact-ops"] = exact
+        if a.in_place:  # the default with every point's statistics computed in the main thread (one worker)
+            sides["in place"] = in_place(diff)
         times: dict[str, list[float]] = {name: [] for name in sides}
         cpu: dict[str, list[float]] = {name: [] for name in sides}
         peak: dict[str, int] = {name: 0 for name in sides}
@@ -126,7 +130,7 @@ def main() -> int:
         figures = {name: {"seconds": statistics.median(t), "min_seconds": min(t), "all_seconds": t,
                           "cpu_seconds": statistics.median(cpu[name]), "all_cpu_seconds": cpu[name],
                           "peak_rss_gib": peak[name] / 2**30} for name, t in times.items()}
-        parts = breakdown(diff)
+        parts = breakdown(in_place(diff))  # cProfile sees the main thread: the statistics computed there
     finally:
         pool.close()
     report(a, figures, parts)
@@ -134,6 +138,20 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "figures": figures, "breakdown": parts}, f, indent=1)
     return 0
+
+
+def in_place(fn):
+    """``fn`` run with ``tpcheck.measure.ahead`` at one worker: each point's statistics in the main thread, as
+    before they were computed ahead."""
+    from tpcheck.measure import ahead  # imported where main imports tpcheck (after its first message)
+
+    def run_in_place():
+        workers, ahead.WORKERS = ahead.WORKERS, 1
+        try:
+            return fn()
+        finally:
+            ahead.WORKERS = workers
+    return run_in_place
 
 
 def report(a, figures: dict, parts: dict) -> None:
@@ -149,11 +167,14 @@ def report(a, figures: dict, parts: dict) -> None:
     pairs = [("diff / bare", d, b), ("no-iso / bare", n, b), ("diff / no-iso", d, n), ("all-rows / bare", every, b)]
     if "--exact-ops" in figures:
         pairs.append(("exact / bare", figures["--exact-ops"], b))
+    if "in place" in figures:
+        pairs += [("in place / bare", figures["in place"], b), ("diff / in place", d, figures["in place"])]
     for name, x, y in pairs:
         print(f"{name:16s}{x['seconds'] / y['seconds']:9.2f}x{x['min_seconds'] / y['min_seconds']:7.2f}x"
               f"{x['peak_rss_gib'] / y['peak_rss_gib']:13.2f}x{x['cpu_seconds'] / y['cpu_seconds']:13.2f}x")
     total = parts["total"]
-    print(f"\nwhere one diff's {total:.2f}s go (cProfile, cumulative; the parts overlap where they nest):")
+    print(f"\nwhere one diff's {total:.2f}s go (cProfile, cumulative, its statistics in place; the parts overlap where "
+          "they nest):")
     for name, secs in ((n, v) for n, v in parts.items() if n != "total"):
         print(f"  {name:44s}{secs:7.2f}s {100 * secs / total:5.1f}%")
 

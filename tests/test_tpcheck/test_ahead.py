@@ -20,7 +20,7 @@ def test_each_key_gives_its_own_result_once(monkeypatch):
     monkeypatch.setattr(ahead, "WORKERS", 3)
     a = Ahead()
     for k in range(20):
-        a.submit(k, lambda x, y: (x * y, threading.current_thread().name), k, 3)
+        a.submit(k, lambda x, y: (x * y, threading.current_thread().name), k, 3, elements=ahead.MIN_ELEMENTS)
     assert 5 in a and "5" not in a
     results = [a.take(k) for k in reversed(range(20))]
     assert [r[0] for r in results] == [3 * k for k in reversed(range(20))]
@@ -30,18 +30,21 @@ def test_each_key_gives_its_own_result_once(monkeypatch):
         a.take(5)
 
 
-def test_one_worker_computes_nothing_ahead(monkeypatch):
+def test_one_worker_or_a_small_point_computes_nothing_ahead(monkeypatch):
     monkeypatch.setattr(ahead, "WORKERS", 1)
     a = Ahead()
-    a.submit("k", lambda: 1 / 0)  # never run: the caller computes in place
+    a.submit("k", lambda: 1 / 0, elements=ahead.MIN_ELEMENTS)  # never run: the caller computes in place
     assert "k" not in a
+    monkeypatch.setattr(ahead, "WORKERS", 2)
+    a.submit("small", lambda: 1 / 0, elements=ahead.MIN_ELEMENTS - 1)
+    assert "small" not in a
 
 
 def test_an_error_is_raised_where_the_result_is_taken(monkeypatch):
     monkeypatch.setattr(ahead, "WORKERS", 2)
     a = Ahead()
-    a.submit("bad", lambda: 1 / 0)
-    a.submit("good", lambda: 7)
+    a.submit("bad", lambda: 1 / 0, elements=ahead.MIN_ELEMENTS)
+    a.submit("good", lambda: 7, elements=ahead.MIN_ELEMENTS)
     assert a.take("good") == 7
     with pytest.raises(ZeroDivisionError):
         a.take("bad")
@@ -61,6 +64,7 @@ def test_a_diff_is_the_same_with_statistics_computed_ahead(monkeypatch, engines,
     monkeypatch.setattr(ahead, "WORKERS", 1)
     in_place = diff()
     monkeypatch.setattr(ahead, "WORKERS", 3)
+    monkeypatch.setattr(ahead, "MIN_ELEMENTS", 0)  # every point ahead (these models' points are all small)
     threaded = diff()
     assert in_place.passed == threaded.passed == (not inject)
     assert _tables_equal(in_place.table, threaded.table)

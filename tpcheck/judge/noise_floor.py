@@ -110,7 +110,7 @@ class NoiseFloor:
         for n, t in points.items():
             g = gold.get(n)
             if g is not None and t.shape == g.shape and not self.known(n, t, g):
-                ahead.submit(n, self.measure, t, g)
+                ahead.submit(n, self.measure, t, g, elements=g.numel())
         return ahead
 
     def observe(self, reference: str, point: str, tensor: torch.Tensor, golden: torch.Tensor,

@@ -76,7 +76,8 @@ class RowMaker:
             g = gold.get(u.name)
             if g is not None and subset is None and self._selected(u.name) and kind_of(u.name).judged != "set" \
                     and not self.routes.excluded(u.name, self.isolated) and u.tensor.shape == g.shape:
-                self._ahead.submit(u.name, measure, u.tensor, g, list(u.replicas.values()), self.isolated)
+                self._ahead.submit(u.name, measure, u.tensor, g, list(u.replicas.values()), self.isolated,
+                                   elements=g.numel())
         for u, subset in units:
             if u.name not in gold or not self._selected(u.name):
                 continue
