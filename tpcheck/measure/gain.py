@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tpcheck.measure import golden_stats
 from tpcheck.measure.metrics import unit_roundoff
 
 NARROW_FEATURES = 16  # rows of fewer features are "narrow" (tpcheck.judge.noise_floor: a row is no unit of scale)
@@ -94,19 +95,46 @@ def is_narrow(golden: torch.Tensor) -> bool:
     return golden.dim() < 2 or golden.shape[-1] < NARROW_FEATURES
 
 
-def _ratios(x: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``((x - g) / g, qualifying)``: float64 ``[rows, features]`` ratios and the mask of the qualifying elements
-    (module docstring); None where no gain is measured (integers, a non-finite x, an empty or scalar tensor)."""
+def _qualifying(x: torch.Tensor, golden: torch.Tensor) -> tuple[golden_stats.GoldenStats, torch.Tensor] | None:
+    """The golden's ``GoldenStats`` and its ``[rows, features]`` mask of the qualifying elements (module
+    docstring), computed once for the engine's and each reference's gain; None where no gain is measured (integers,
+    a non-finite x, an empty or scalar tensor). The mask is shared: not to be written."""
     if x.shape != golden.shape or golden.dim() == 0 or golden.numel() == 0 or \
             not (x.is_floating_point() and golden.is_floating_point()):
         return None
-    g = golden.detach().to(torch.float64).reshape(golden.shape[0], -1)
-    d = x.detach().to(torch.float64, copy=True).reshape(g.shape)
-    if not bool(torch.isfinite(d).all()):
+    if not bool(torch.isfinite(x.detach()).all()):  # in x's own dtype: finite there iff finite in float64
         return None
-    a = g.abs()
-    cut = a.median() if is_narrow(golden) else _row_medians(a)
-    return d.sub_(g).div_(g), (a >= cut) & (a > 0)
+    gs = golden_stats.of(golden)
+
+    def mask(g64: torch.Tensor) -> torch.Tensor:
+        a = g64.reshape(golden.shape[0], -1).abs()
+        cut = a.median() if is_narrow(golden) else _row_medians(a)
+        return (a >= cut) & (a > 0)
+    return gs, gs.get("gain.qualifying", mask)
+
+
+def _ratios(x: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``((x - g) / g, qualifying)``: float64 ``[rows, features]`` ratios and the mask of the qualifying elements
+    (``_qualifying``: shared, not to be written); None where no gain is measured."""
+    gq = _qualifying(x, golden)
+    if gq is None:
+        return None
+    gs, q = gq
+    g = gs.g64.reshape(q.shape)
+    return x.detach().to(torch.float64, copy=True).reshape(g.shape).sub_(g).div_(g), q
+
+
+def _qualifying_ratios(x: torch.Tensor, golden: torch.Tensor) -> np.ndarray | None:
+    """The ratios of the qualifying elements alone, in row-major order: ``_ratios``' ``r[q]``, the same values
+    computed on those elements only (elementwise float64 arithmetic: the same bits); None where no gain is
+    measured. The golden's side (the elements' flat indices and values) is computed once."""
+    gq = _qualifying(x, golden)
+    if gq is None:
+        return None
+    gs, q = gq
+    index = gs.get("gain.index", lambda _: q.reshape(-1).nonzero().squeeze(1))
+    g = gs.get("gain.values", lambda g64: g64.reshape(-1)[index])
+    return x.detach().reshape(-1)[index].to(torch.float64).sub_(g).div_(g).cpu().numpy()
 
 
 def _row_medians(a: torch.Tensor) -> torch.Tensor:
@@ -179,6 +207,11 @@ def gain_of(x: torch.Tensor, golden: torch.Tensor, spread: bool = True) -> GainS
     """The gain of ``x`` against ``golden`` over the whole tensor, with its standard errors (module docstring,
     ``col_group_se``); ``spread=False``: the gain alone, ``se`` and ``se_cols`` NaN (a noise-floor reference's gain
     is a sample of the systematic part, whose spread nothing reads: a third of the work)."""
+    if not spread:  # the qualifying ratios alone: nothing else is read
+        v = _qualifying_ratios(x, golden)  # ours: _median reorders it
+        if v is None:
+            return GainStat()
+        return GainStat(_median(v), math.nan, int(v.size)) if v.size >= MIN_ELEMENTS else GainStat(n=int(v.size))
     rq = _ratios(x, golden)
     if rq is None:
         return GainStat()
@@ -186,8 +219,6 @@ def gain_of(x: torch.Tensor, golden: torch.Tensor, spread: bool = True) -> GainS
     v = r[q]  # a copy: _median_mad reorders it
     if v.size < MIN_ELEMENTS:
         return GainStat(n=int(v.size))
-    if not spread:
-        return GainStat(_median(v), math.nan, int(v.size))
     med, mad = _median_mad(v)
     se_cols, groups = col_group_se(r, q)
     return GainStat(med, SE_FACTOR * mad / math.sqrt(v.size), int(v.size), se_cols, groups)

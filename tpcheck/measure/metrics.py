@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpcheck.measure import golden_stats
+
 K_FACTOR = {"float32": 2.0, "float64": 2.0, "bfloat16": 3.0, "float16": 3.0}
 FLOOR = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 1e-3, "float16": 1e-3}
 
@@ -44,10 +46,10 @@ class RowErrors:
 def row_errors(x: torch.Tensor, golden: torch.Tensor) -> RowErrors:
     """``RowErrors`` of ``[rows, features]`` tensors from one float64 difference (the noise floor needs all of
     them of every reference point)."""
-    g64 = golden.detach().to(torch.float64)
-    d = _f64_copy(x).sub_(g64)
-    d_rows, g_rows = d.norm(dim=-1), g64.norm(dim=-1)
-    d_all, g_all = float(d.norm()), float(g64.norm())  # as ``compare`` computes them: the same bits
+    gs = golden_stats.of(golden)  # its norms: computed once for the engine's and every reference's statistics
+    d = _f64_copy(x).sub_(gs.g64)
+    d_rows, g_rows = d.norm(dim=-1), gs.row_norms()
+    d_all, g_all = float(d.norm()), gs.norm()  # as ``compare`` computes them: the same bits
     del d
     whole = d_all / g_all if g_all > 0 else d_all
     keep = g_rows > 0
@@ -65,8 +67,8 @@ def row_rel_errs(x: torch.Tensor, golden: torch.Tensor) -> tuple[float, float]:
 
 def rel_err(x: torch.Tensor, golden: torch.Tensor) -> float:
     """``||x - g|| / ||g||`` in float64 (NaN when x has a NaN): the one statistic the noise floor needs."""
-    g64 = golden.detach().to(torch.float64)
-    d, ref = float(_f64_copy(x).sub_(g64).norm()), float(g64.norm())
+    gs = golden_stats.of(golden)
+    d, ref = float(_f64_copy(x).sub_(gs.g64).norm()), gs.norm()
     return d / ref if ref > 0 else d
 
 
@@ -85,10 +87,11 @@ def compare(x: torch.Tensor, golden: torch.Tensor) -> dict:
     ``torch.kthvalue`` gives, at several times the speed)."""
     if x.shape != golden.shape:
         raise ValueError(f"shape {tuple(x.shape)} != golden shape {tuple(golden.shape)}")
-    g64 = golden.detach().to(torch.float64).reshape(-1)
+    gs = golden_stats.of(golden)
+    g64 = gs.g64.reshape(-1)
     d = _f64_copy(x).reshape(-1)
     n = d.numel()
-    ref_norm, x_norm = float(g64.norm()), float(d.norm())
+    ref_norm, x_norm = gs.norm(), float(d.norm())  # a 2-D tensor's norm and its flat view's: the same bits
     dot = float(d @ g64) if n else 0.0
     nan = inf = 0
     if not math.isfinite(x_norm):  # the norm of finite values never overflows in float64
