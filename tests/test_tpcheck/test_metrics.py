@@ -33,6 +33,32 @@ def test_compare_matches_the_plain_formulas(dtype, shape):
     assert got["nan"] == got["inf"] == 0
 
 
+@pytest.mark.parametrize("shape", [(300, 1000), (3, 70_000)])  # several rows a chunk; one row a chunk
+def test_the_statistics_are_the_same_in_chunks_of_any_size(monkeypatch, shape):
+    """The one pass over ``x - g`` (``metrics._sweep``) taken a chunk of rows at a time gives what one chunk of
+    everything gives, bit for bit (the mean of |x - g| to its summation order), a NaN and Infs in a later chunk
+    included; so a chunk boundary drops, repeats or shifts nothing."""
+    import tpcheck.measure.metrics as metrics
+    gen = torch.Generator().manual_seed(shape[0])
+    g = torch.randn(shape, dtype=torch.float64, generator=gen)
+    x = (g + 1e-4 * torch.randn(shape, dtype=torch.float64, generator=gen)).float()
+    x[-1, 5] = 1e3  # the max, in the last chunk
+    bad = x.clone()
+    bad[-1, 0], bad[-1, 1], bad[1, 2] = math.nan, math.inf, -math.inf
+    got = {}
+    for chunk in (1 << 30, 4096, 1):
+        monkeypatch.setattr(metrics, "CHUNK", chunk)
+        got[chunk] = [metrics.compare(t, g) for t in (x, bad)] + [metrics.row_errors(x, g), metrics.rel_err(x, g)]
+    whole = got.pop(1 << 30)
+    assert whole[0]["max_abs_index"] == [shape[0] - 1, 5] and (whole[1]["nan"], whole[1]["inf"]) == (1, 2)
+    same = lambda u, v: u == v or isinstance(u, float) and math.isnan(u) and math.isnan(v)  # noqa: E731
+    for chunked in got.values():
+        for a, b in zip(chunked[:2], whole[:2]):
+            assert a.keys() == b.keys() and a["mean_abs"] == pytest.approx(b["mean_abs"], rel=1e-12)
+            assert all(same(a[k], b[k]) for k in a if k != "mean_abs"), (a, b)
+        assert chunked[2:] == whole[2:]
+
+
 def test_compare_nan_and_inf():
     g = torch.ones(4, 5, dtype=torch.float64)
     x = torch.ones(4, 5)

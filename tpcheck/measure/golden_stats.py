@@ -13,6 +13,7 @@ place is measured afresh) and lives as long as the tensor does; an inference ten
 no version counter and is not memoised."""
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,7 +29,7 @@ class GoldenStats:
 
     def __init__(self, golden: torch.Tensor):
         self.g64 = golden.detach().to(torch.float64)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: one value may be computed from another (norm from row_norms)
         self._values: dict[str, object] = {}
 
     def get(self, key: str, fn: Callable[[torch.Tensor], object]):
@@ -38,13 +39,20 @@ class GoldenStats:
                 self._values[key] = fn(self.g64)
             return self._values[key]
 
-    def norm(self) -> float:
-        """``||g||`` in float64, as ``metrics.compare`` and ``metrics.row_errors`` compute it."""
-        return self.get("norm", lambda g: float(g.norm()))
-
     def row_norms(self) -> torch.Tensor:
-        """Each row's norm (the last dim), as ``metrics.row_errors`` computes them."""
-        return self.get("row_norms", lambda g: g.norm(dim=-1))
+        """Each row's norm: a ``[rows]`` float64 tensor, the last dim the features and every other dim rows (a
+        1-D golden is one row), as ``metrics`` computes the engine's."""
+        return self.get("row_norms", lambda g: as_rows(g).norm(dim=-1))
+
+    def norm(self) -> float:
+        """``||g||``: the norm of the row norms, as ``metrics`` computes the engine's whole error."""
+        return self.get("norm", lambda _: float(torch.linalg.vector_norm(self.row_norms())))
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, features]``: the last dim the features, every other dim rows (a scalar: one element)."""
+    features = t.shape[-1] if t.dim() else 1
+    return t.reshape(math.prod(t.shape[:-1]) if t.dim() else 1, features)
 
 
 def _forget(key: int) -> None:

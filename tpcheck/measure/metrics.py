@@ -23,9 +23,75 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def _f64_copy(x: torch.Tensor) -> torch.Tensor:
-    """A float64 copy of ``x`` that the caller may overwrite (the one float64 buffer a statistic needs)."""
-    return x.detach().to(torch.float64, copy=True)
+CHUNK = 1 << 18  # float64 elements of one chunk of rows (2 MiB, a core's L2 here; at least one row): ``_sweep``
+
+
+@dataclass
+class _Sweep:
+    """What one pass over ``x - g`` gives (``_sweep``): each row's error norm, and with ``full`` ``compare``'s
+    sums: each row's norm of x and dot with g, ``|x - g|`` whole (NaN as inf), its max, where, and sum; the NaN and
+    Inf of x counted."""
+
+    d_rows: torch.Tensor
+    x_rows: torch.Tensor | None = None
+    dots: torch.Tensor | None = None
+    abs_d: torch.Tensor | None = None
+    max_abs: float = 0.0
+    max_at: int = 0
+    sum_abs: float = 0.0
+    nan: int = 0
+    inf: int = 0
+
+
+def _sweep(x: torch.Tensor, g: torch.Tensor, full: bool) -> _Sweep:
+    """``x - g`` in float64 a chunk of rows at a time (``golden_stats.as_rows``), every statistic of a chunk taken
+    while it is in cache. Why: a statistic is a few flops per element, so a whole-tensor pass per statistic was
+    bound by memory, and each statistic began with a fresh float64 copy of the tensor (its pages faulted in anew);
+    here one chunk buffer is reused and each chunk is read from memory once (``compare``'s ``|x - g|`` is kept
+    whole, for its p99). Measured on this machine's 2 cores, a ``[128, 151936]`` logits point: ``row_errors``
+    0.077 s -> 0.021 s (0.057 s as one chunk: the passes saved without the reuse); ``compare`` 0.16 s either way
+    (its whole buffer and selection). A row's sums are the whole tensor's row reductions bit for bit (a row is one
+    reduction either way); a whole-tensor norm is the norm of the row norms (``metrics``' one definition, the
+    golden's too: it differs from one flat reduction by a few ulps, the summation order)."""
+    rows, features = g.shape
+    xr = x.detach().reshape(rows, features)
+    step = max(1, CHUNK // max(1, features))
+    f64 = dict(dtype=torch.float64, device=g.device)
+    out = _Sweep(torch.empty(rows, **f64))
+    if full:
+        out.x_rows, out.dots, out.abs_d = (torch.empty(rows, **f64), torch.empty(rows, **f64),
+                                           torch.empty(rows, features, **f64))
+        tmp = torch.empty(min(step, rows), features, **f64)
+    else:
+        buf = torch.empty(min(step, rows), features, **f64)
+    for s in range(0, rows, step):
+        e = min(rows, s + step)
+        gc = g[s:e]
+        d = out.abs_d[s:e] if full else buf[:e - s]
+        d.copy_(xr[s:e])
+        if full:
+            torch.linalg.vector_norm(d, dim=-1, out=out.x_rows[s:e])
+            torch.sum(torch.mul(d, gc, out=tmp[:e - s]), dim=-1, out=out.dots[s:e])
+            finite = bool(torch.isfinite(out.x_rows[s:e]).all())  # a row's norm is finite iff its values are
+            if not finite:
+                out.nan, out.inf = out.nan + int(torch.isnan(d).sum()), out.inf + int(torch.isinf(d).sum())
+            d.sub_(gc).abs_()
+            if not finite:
+                d.nan_to_num_(nan=math.inf)
+            if d.numel():
+                m, at = torch.max(d.reshape(-1), 0)
+                if s == 0 or float(m) > out.max_abs:
+                    out.max_abs, out.max_at = float(m), s * features + int(at)
+                out.sum_abs += float(d.sum())
+        else:
+            d.sub_(gc)
+        torch.linalg.vector_norm(d, dim=-1, out=out.d_rows[s:e])
+    return out
+
+
+def _whole(row_norms: torch.Tensor) -> float:
+    """A whole tensor's norm from its row norms (``_sweep``)."""
+    return float(torch.linalg.vector_norm(row_norms))
 
 
 @dataclass(frozen=True)
@@ -44,13 +110,11 @@ class RowErrors:
 
 
 def row_errors(x: torch.Tensor, golden: torch.Tensor) -> RowErrors:
-    """``RowErrors`` of ``[rows, features]`` tensors from one float64 difference (the noise floor needs all of
-    them of every reference point)."""
+    """``RowErrors`` of ``[rows, features]`` tensors from one float64 pass (``_sweep``; the noise floor needs all
+    of them of every reference point)."""
     gs = golden_stats.of(golden)  # its norms: computed once for the engine's and every reference's statistics
-    d = _f64_copy(x).sub_(gs.g64)
-    d_rows, g_rows = d.norm(dim=-1), gs.row_norms()
-    d_all, g_all = float(d.norm()), gs.norm()  # as ``compare`` computes them: the same bits
-    del d
+    d_rows, g_rows = _sweep(x, golden_stats.as_rows(gs.g64), full=False).d_rows, gs.row_norms()
+    d_all, g_all = _whole(d_rows), gs.norm()  # as ``compare`` computes them: the same bits
     whole = d_all / g_all if g_all > 0 else d_all
     keep = g_rows > 0
     worst = float((d_rows[keep] / g_rows[keep]).max()) if bool(keep.any()) else math.nan
@@ -68,7 +132,7 @@ def row_rel_errs(x: torch.Tensor, golden: torch.Tensor) -> tuple[float, float]:
 def rel_err(x: torch.Tensor, golden: torch.Tensor) -> float:
     """``||x - g|| / ||g||`` in float64 (NaN when x has a NaN): the one statistic the noise floor needs."""
     gs = golden_stats.of(golden)
-    d, ref = float(_f64_copy(x).sub_(gs.g64).norm()), gs.norm()
+    d, ref = _whole(_sweep(x, golden_stats.as_rows(gs.g64), full=False).d_rows), gs.norm()
     return d / ref if ref > 0 else d
 
 
@@ -82,29 +146,21 @@ def compare(x: torch.Tensor, golden: torch.Tensor) -> dict:
     """Statistics of ``x`` against ``golden``, computed in float64. A NaN/Inf in ``x`` makes its
     absolute differences infinite (never "close") and its relative error NaN (never passes a gate).
 
-    One float64 buffer is allocated (a logits point is rows x vocab: a second or third copy costs more than
-    the arithmetic); the p99 is an in-place selection on it (numpy's introselect: the value
+    One pass (``_sweep``) over one float64 buffer (a logits point is rows x vocab: a second or third copy costs
+    more than the arithmetic); the p99 is an in-place selection on it (numpy's introselect: the value
     ``torch.kthvalue`` gives, at several times the speed)."""
     if x.shape != golden.shape:
         raise ValueError(f"shape {tuple(x.shape)} != golden shape {tuple(golden.shape)}")
     gs = golden_stats.of(golden)
-    g64 = gs.g64.reshape(-1)
-    d = _f64_copy(x).reshape(-1)
-    n = d.numel()
-    ref_norm, x_norm = gs.norm(), float(d.norm())  # a 2-D tensor's norm and its flat view's: the same bits
-    dot = float(d @ g64) if n else 0.0
-    nan = inf = 0
-    if not math.isfinite(x_norm):  # the norm of finite values never overflows in float64
-        nan, inf = int(torch.isnan(d).sum()), int(torch.isinf(d).sum())
-    d.sub_(g64).abs_()
-    if nan or inf:
-        d.nan_to_num_(nan=math.inf)
-    d_norm = float(d.norm())
-    max_abs, flat = (d.max(0) if n else (torch.tensor(0.0), torch.tensor(0)))
-    mean_abs = float(d.mean()) if n else 0.0
+    sw = _sweep(x, golden_stats.as_rows(gs.g64), full=True)
+    n = sw.abs_d.numel()
+    ref_norm, x_norm, d_norm = gs.norm(), _whole(sw.x_rows), _whole(sw.d_rows)
+    dot = float(sw.dots.sum()) if n else 0.0
+    nan, inf = sw.nan, sw.inf
     p99 = 0.0
     if n:
         k = max(1, math.ceil(0.99 * n))  # kthvalue's k-th smallest
+        d = sw.abs_d.reshape(-1)
         if d.device.type == "cpu":
             a = d.numpy()
             a.partition(k - 1)  # d is ours: reordered in place, read no more
@@ -114,9 +170,9 @@ def compare(x: torch.Tensor, golden: torch.Tensor) -> dict:
     return {
         "rel_err": (d_norm / ref_norm if ref_norm > 0 else d_norm) if not nan else math.nan,
         "cosine": dot / (x_norm * ref_norm) if x_norm > 0 and ref_norm > 0 and not (nan or inf) else math.nan,
-        "max_abs": float(max_abs),
-        "max_abs_index": [int(i) for i in torch.unravel_index(flat, golden.shape)] if n else [],
-        "mean_abs": mean_abs,
+        "max_abs": sw.max_abs,
+        "max_abs_index": [int(i) for i in torch.unravel_index(torch.tensor(sw.max_at), golden.shape)] if n else [],
+        "mean_abs": sw.sum_abs / n if n else 0.0,
         "p99_abs": p99,
         "ref_norm": ref_norm,
         "nan": nan,
