@@ -127,14 +127,14 @@ def _ratios(x: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.
 def _qualifying_ratios(x: torch.Tensor, golden: torch.Tensor) -> np.ndarray | None:
     """The ratios of the qualifying elements alone, in row-major order: ``_ratios``' ``r[q]``, the same values
     computed on those elements only (elementwise float64 arithmetic: the same bits); None where no gain is
-    measured. The golden's side (the elements' flat indices and values) is computed once."""
+    measured. The mask is the golden's, computed once; the golden's values at it are gathered per call (held for
+    every point of a step they would cost the golden's own size again)."""
     gq = _qualifying(x, golden)
     if gq is None:
         return None
     gs, q = gq
-    index = gs.get("gain.index", lambda _: q.reshape(-1).nonzero().squeeze(1))
-    g = gs.get("gain.values", lambda g64: g64.reshape(-1)[index])
-    return x.detach().reshape(-1)[index].to(torch.float64).sub_(g).div_(g).cpu().numpy()
+    g = gs.g64.reshape(q.shape)[q]
+    return x.detach().reshape(q.shape)[q].to(torch.float64).sub_(g).div_(g).cpu().numpy()
 
 
 def _row_medians(a: torch.Tensor) -> torch.Tensor:

@@ -72,12 +72,7 @@ def _sweep(x: torch.Tensor, g: torch.Tensor, full: bool) -> _Sweep:
         if full:
             torch.linalg.vector_norm(d, dim=-1, out=out.x_rows[s:e])
             torch.sum(torch.mul(d, gc, out=tmp[:e - s]), dim=-1, out=out.dots[s:e])
-            finite = bool(torch.isfinite(out.x_rows[s:e]).all())  # a row's norm is finite iff its values are
-            if not finite:
-                out.nan, out.inf = out.nan + int(torch.isnan(d).sum()), out.inf + int(torch.isinf(d).sum())
             d.sub_(gc).abs_()
-            if not finite:
-                d.nan_to_num_(nan=math.inf)
             if d.numel():
                 m, at = torch.max(d.reshape(-1), 0)
                 if s == 0 or float(m) > out.max_abs:
@@ -86,6 +81,13 @@ def _sweep(x: torch.Tensor, g: torch.Tensor, full: bool) -> _Sweep:
         else:
             d.sub_(gc)
         torch.linalg.vector_norm(d, dim=-1, out=out.d_rows[s:e])
+    if full and rows and not bool(torch.isfinite(out.x_rows).all()):  # a row's norm is finite iff its values are
+        # a NaN or Inf in x (rare: a failing engine): counted, and |x - g| made never "close" (NaN as inf)
+        out.nan, out.inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        flat = out.abs_d.reshape(-1).nan_to_num_(nan=math.inf)
+        torch.linalg.vector_norm(out.abs_d, dim=-1, out=out.d_rows)
+        m, at = torch.max(flat, 0)
+        out.max_abs, out.max_at, out.sum_abs = float(m), int(at), float(flat.sum())
     return out
 
 
