@@ -77,6 +77,25 @@ def test_plugin_binds_cpu_threads_where_vllm_auto_binding_fails(monkeypatch, cap
         manager(fail_on_auto=True)
 
 
+def test_vllm_env_gives_vllm_a_socket_directory_of_its_own_and_refuses_an_empty_binding(monkeypatch):
+    """Pure (no vLLM): ``vllm_env`` sets, where unset, ``VLLM_RPC_BASE_PATH`` to a fresh directory (vLLM leaves
+    its ZeroMQ sockets there, not in the system's temporary directory), keeps a path the user set, and refuses an
+    empty ``VLLM_CPU_OMP_THREADS_BIND`` naming it (vLLM's own message is an assertion about a CPU id list)."""
+    from impl.config import ConfigError
+    from tpcheck.engines.vllm import vllm_env
+    for k in (*VLLM_ENV, "VLLM_RPC_BASE_PATH"):
+        monkeypatch.setenv(k, "x")  # recorded, so that what vllm_env sets is undone after the test
+        monkeypatch.delenv(k)
+    set_here = vllm_env(2)
+    path = set_here["VLLM_RPC_BASE_PATH"]
+    assert os.environ["VLLM_RPC_BASE_PATH"] == path and os.path.isdir(path) and not os.listdir(path)
+    assert os.path.basename(path).startswith("tpcheck-vllm-rpc-")
+    assert "VLLM_RPC_BASE_PATH" not in vllm_env(2)  # set now: kept
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")
+    with pytest.raises(ConfigError, match="VLLM_CPU_OMP_THREADS_BIND is set but empty"):
+        vllm_env(2)
+
+
 # ------------------------------------------------------------------ real vLLM
 
 @pytest.fixture(scope="module")

@@ -32,14 +32,19 @@ Faults (``vllm_worker.VLLM_FAULTS``) wrap one module or one linear's GEMM on one
 The environment vLLM's CPU build needs, set here where unset (``vllm_env``): ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 (required), ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache; vLLM's default, 0, means 4 GiB per rank),
 ``VLLM_CPU_OMP_THREADS_BIND`` (the CPUs this process may use split into ``tp`` contiguous ranges, ``nobind`` with
-fewer CPUs than ranks; vLLM's ``auto`` needs a NUMA node per rank).
+fewer CPUs than ranks; vLLM's ``auto`` needs a NUMA node per rank), ``VLLM_RPC_BASE_PATH`` (a directory of this
+process's own, removed at exit: vLLM's engine core leaves its ZeroMQ sockets behind, eight a start in the
+system's temporary directory otherwise).
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 
 import torch
@@ -70,14 +75,27 @@ def vllm_env(tp: int) -> dict[str, str]:
     """Set, where unset, the environment vLLM (its CPU build) needs to run inside this process; returns what
     was set. ``VLLM_ENABLE_V1_MULTIPROCESSING`` set to anything but 0 is a RuntimeError (one
     ``LLMEngine.step()`` must be one schedule + forward)."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "":
+        raise ConfigError("VLLM_CPU_OMP_THREADS_BIND is set but empty: unset it (tpcheck then binds each rank to "
+                          f"its own CPUs: {cpu_bind(tp)!r}), or give CPU ranges a rank ('0|1') or 'nobind'")
     want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(tp)}
     set_here = {k: v for k, v in want.items() if k not in os.environ}
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        set_here["VLLM_RPC_BASE_PATH"] = _rpc_dir()
     os.environ.update(set_here)
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
         raise RuntimeError("--engine vllm needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core in this process), "
                            f"got {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}")
     return set_here
+
+
+def _rpc_dir() -> str:
+    """A directory for vLLM's ZeroMQ IPC sockets, this process's own (its workers inherit the variable), removed
+    when the process exits: vLLM 0.32 does not unlink them."""
+    path = tempfile.mkdtemp(prefix="tpcheck-vllm-rpc-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def check_layout(cfg: ModelConfig, tp: int) -> None:
