@@ -99,10 +99,12 @@ def test_vllm_env_gives_vllm_a_socket_directory_of_its_own_and_refuses_an_empty_
 # ------------------------------------------------------------------ real vLLM
 
 @pytest.fixture(scope="module")
-def vllm_env():
+def vllm_env(tmp_path_factory):
     pytest.importorskip("vllm")
-    old = {k: os.environ.get(k) for k in VLLM_ENV}
-    for k, v in VLLM_ENV.items():
+    # the plain scripts' vLLM (no tpcheck.engines.vllm.vllm_env there) leaves its ZeroMQ sockets in this directory
+    env = {**VLLM_ENV, "VLLM_RPC_BASE_PATH": str(tmp_path_factory.mktemp("vllm-rpc"))}
+    old = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
         os.environ.setdefault(k, v)
     yield
     for k, v in old.items():
