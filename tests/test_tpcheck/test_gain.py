@@ -258,16 +258,23 @@ def test_a_result_without_gain_columns_is_judged_as_before():
     assert before.first_divergence["point"] == "layers.1.attn.q" and math.isnan(before.first_divergence["gain"])
 
 
-@pytest.mark.parametrize("rows,features,ties", [(2, 32, False), (7, 100, True), (64, 896, False), (3, 4096, True)])
-def test_column_group_se_and_row_medians_are_their_definitions(rows, features, ties):
+@pytest.mark.parametrize("rows,features,ties,infinite", [(2, 32, False, False), (7, 100, True, False),
+                                                           (64, 896, False, False), (3, 4096, True, False),
+                                                           (6, 256, False, True)])
+def test_column_group_se_and_row_medians_are_their_definitions(rows, features, ties, infinite):
     """The column-group standard error (each group's median by selection) and the per-row median cut are the
-    definitions' values, bit for bit: groups of interleaved features through ``np.nanmedian``, and torch's median."""
+    definitions' values, bit for bit: groups of interleaved features through ``np.nanmedian``, and torch's median.
+    ``infinite``: a row of tiny goldens whose finite x overflows the ratio (qualifying ratios of +-inf, which a
+    group's median includes and its count of finite ratios does not)."""
     from tpcheck.measure.gain import COL_GROUPS, MIN_COL_GROUPS, MIN_GROUP, _ratios, _row_medians, col_group_se
     g = golden(rows, features, seed=rows)
     g[:, ::5] = 0  # columns that never qualify
     x = g + 1e-3 * golden(rows, features, seed=rows + 1)
     if ties:
         x = (x * 64).round() / 64
+    if infinite:
+        g[1] *= 1e-300  # this row's median is tiny: its elements qualify, and 1e10 / 1e-300 overflows
+        x[1, ::3] = 1e10 * torch.sign(g[1, ::3])
     assert torch.equal(_row_medians(g.abs()), g.abs().median(dim=-1, keepdim=True).values)
     r, q = (t.numpy() for t in _ratios(x, g))
     groups = min(COL_GROUPS, features // 2)
@@ -278,6 +285,8 @@ def test_column_group_se_and_row_medians_are_their_definitions(rows, features, t
         (float(np.nanmedian(grouped, axis=0).std(ddof=1) / math.sqrt(grouped.shape[1])), grouped.shape[1])
     got = col_group_se(r, q)
     assert got[1] == want[1] and (got[0] == want[0] or math.isnan(got[0]) and math.isnan(want[0])), (got, want)
+    if infinite:
+        assert np.isinf(r[q]).sum() > 0 and got[1] > 0
 
 
 def test_the_tp_reference_takes_the_first_references_statistics_only_for_the_same_bits():
@@ -313,3 +322,14 @@ def test_a_gain_without_its_spread_is_the_same_gain(rows, features, alone_first)
     alone = alone or gain_of(x, g, spread=False)
     assert alone.gain == whole.gain or math.isnan(alone.gain) and math.isnan(whole.gain)
     assert alone.n == whole.n and math.isnan(alone.se) and math.isnan(alone.se_cols)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 33, 64, 1000, 4097])
+def test_median_is_numpys(n):
+    """``_median`` (one selection, the lower middle element of an even count the largest below the upper one) is
+    ``np.median`` bit for bit: random values, ties, and infinities."""
+    from tpcheck.measure.gain import _median
+    rng = np.random.default_rng(n)
+    for v in (rng.standard_normal(n), np.round(rng.standard_normal(n) * 4) / 4,
+              np.where(rng.random(n) < 0.1, np.inf, rng.standard_normal(n)) * np.sign(rng.random(n) - 0.3)):
+        assert _median(v.copy()) == np.median(v) or np.isnan(np.median(v)) and np.isnan(_median(v.copy())), v

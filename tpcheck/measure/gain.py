@@ -102,7 +102,8 @@ def _qualifying(x: torch.Tensor, golden: torch.Tensor) -> tuple[golden_stats.Gol
     if x.shape != golden.shape or golden.dim() == 0 or golden.numel() == 0 or \
             not (x.is_floating_point() and golden.is_floating_point()):
         return None
-    if not bool(torch.isfinite(x.detach()).all()):  # in x's own dtype: finite there iff finite in float64
+    lo, hi = torch.aminmax(x.detach())  # NaN propagates: both finite iff every element is (in x's own dtype:
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # finite there iff in float64); 1/14 of isfinite's time
         return None
     gs = golden_stats.of(golden)
 
@@ -125,16 +126,19 @@ def _ratios(x: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _qualifying_ratios(x: torch.Tensor, golden: torch.Tensor) -> np.ndarray | None:
-    """The ratios of the qualifying elements alone, in row-major order: ``_ratios``' ``r[q]``, the same values
-    computed on those elements only (elementwise float64 arithmetic: the same bits); None where no gain is
-    measured. The mask is the golden's, computed once; the golden's values at it are gathered per call (held for
-    every point of a step they would cost the golden's own size again)."""
-    gq = _qualifying(x, golden)
-    if gq is None:
-        return None
-    gs, q = gq
-    g = gs.g64.reshape(q.shape)[q]
-    return x.detach().reshape(q.shape)[q].to(torch.float64).sub_(g).div_(g).cpu().numpy()
+    """The ratios of the qualifying elements alone, in row-major order (``_ratios``' ``r[q]``), a new array; None
+    where no gain is measured. The ratios of every element, then those at the mask taken (``_compress``): cheaper
+    here than gathering ``x`` and ``g`` at the mask first (two boolean gathers, each slower than the arithmetic)."""
+    rq = _ratios(x, golden)
+    return None if rq is None else _compress(rq[0], rq[1])
+
+
+def _compress(r: torch.Tensor, q: torch.Tensor) -> np.ndarray:
+    """``r[q]`` as a new numpy array, row-major: ``np.compress`` on the flat arrays, the same elements in the same
+    order at ~2.5x the speed of a boolean index (numpy's or torch's) on 622k float64 here."""
+    if r.device.type != "cpu":
+        return r[q].cpu().numpy()
+    return np.compress(q.reshape(-1).numpy(), r.reshape(-1).numpy())
 
 
 def _row_medians(a: torch.Tensor) -> torch.Tensor:
@@ -158,11 +162,13 @@ def ratios(x: torch.Tensor, golden: torch.Tensor) -> torch.Tensor | None:
 
 def _median(v: np.ndarray) -> float:
     """``np.median`` of a 1-D array without its NaN and masked-array checks (2/3 of its time on small arrays);
-    ``v`` is reordered."""
+    ``v`` is reordered. Of an even count the lower middle element is the largest of the ``k`` below the upper
+    one once ``v`` is partitioned at it (numpy's sort order, NaN last, is max's): one selection, where
+    ``partition((k - 1, k))`` took ~6x as long as ``partition(k)`` on 311k ratios here."""
     n = v.size
     k = n // 2
-    v.partition((k - 1, k) if n % 2 == 0 else k)
-    return float(v[k]) if n % 2 else 0.5 * (float(v[k - 1]) + float(v[k]))
+    v.partition(k)
+    return float(v[k]) if n % 2 else 0.5 * (float(v[:k].max()) + float(v[k]))
 
 
 def _median_mad(r: np.ndarray) -> tuple[float, float]:
@@ -191,13 +197,24 @@ def col_group_se(r: np.ndarray, q: np.ndarray) -> tuple[float, int]:
         return math.nan, 0
     m = feats // groups * groups
     # group j (features j, j + G, ...) as one contiguous block, so its median is a partition of its own qualifying
-    # ratios: np.nanmedian over a NaN-masked [elements, G] array gave the same medians at 5-20x the time
-    by_group = lambda a: a[:, :m].reshape(rows, m // groups, groups).transpose(2, 0, 1).reshape(groups, -1)  # noqa: E731
+    # ratios (np.nanmedian over a NaN-masked [elements, G] array gave the same medians at 5-20x the time): the
+    # arrays laid out group after group (torch's transposing copy: ~3x numpy's here), then every group's qualifying
+    # ratios taken in one ``np.compress`` (a boolean gather per group cost more than its selection)
+    by_group = lambda a: torch.from_numpy(a)[:, :m].reshape(-1, groups).t().contiguous().numpy()  # noqa: E731
+    qg = by_group(q)
+    v = np.compress(qg.reshape(-1), by_group(r).reshape(-1))  # ours: _median reorders each group's part
+    ends = np.cumsum(qg.sum(axis=1))
+    starts = np.concatenate(([0], ends[:-1]))
+    # each group's finite qualifying ratios: its count where the sum is finite (so is every term), else counted
+    if math.isfinite(v.sum()):
+        finite = ends - starts
+    else:
+        before = np.concatenate(([0], np.cumsum(np.isfinite(v))))  # finite ratios before each position
+        finite = before[ends] - before[starts]
     medians = []
-    for rj, qj in zip(by_group(r), by_group(q)):
-        v = rj[qj]  # a copy: _median reorders it
-        if np.isfinite(v).sum() >= MIN_GROUP:  # a group of columns that rarely qualify: left out
-            medians.append(_median(v))
+    for start, end, n in zip(starts, ends, finite):
+        if n >= MIN_GROUP:  # a group of columns that rarely qualify: left out
+            medians.append(_median(v[start:end]))
     if len(medians) < MIN_COL_GROUPS:
         return math.nan, 0
     return float(np.array(medians).std(ddof=1) / math.sqrt(len(medians))), len(medians)
@@ -215,8 +232,8 @@ def gain_of(x: torch.Tensor, golden: torch.Tensor, spread: bool = True) -> GainS
     rq = _ratios(x, golden)
     if rq is None:
         return GainStat()
+    v = _compress(*rq)  # a copy: _median_mad reorders it
     r, q = rq[0].cpu().numpy(), rq[1].cpu().numpy()
-    v = r[q]  # a copy: _median_mad reorders it
     if v.size < MIN_ELEMENTS:
         return GainStat(n=int(v.size))
     med, mad = _median_mad(v)
