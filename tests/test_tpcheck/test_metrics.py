@@ -95,3 +95,17 @@ def test_row_rel_errs_is_rel_err_and_the_worst_row():
     assert all(math.isnan(v) for v in row_rel_errs(x, g))
     assert math.isnan(row_rel_errs(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.float64))[1])
 
+
+
+@pytest.mark.parametrize("chunk", [1 << 30, 1])
+def test_the_max_is_the_first_of_equal_maxima(monkeypatch, chunk):
+    """``max_abs_index`` names the first element (row-major) of equal largest ``|x - g|``, within a chunk of rows
+    and across chunks; an all-equal error names the first element."""
+    import tpcheck.measure.metrics as metrics
+    monkeypatch.setattr(metrics, "CHUNK", chunk)
+    g = torch.zeros(4, 6, dtype=torch.float64)
+    assert compare(torch.zeros(4, 6), g)["max_abs_index"] == [0, 0]
+    x = torch.zeros(4, 6)
+    x[2, 1], x[0, 3], x[0, 5], x[3, 0] = 2.0, -2.0, 2.0, 1.0
+    got = compare(x, g)
+    assert got["max_abs"] == 2.0 and got["max_abs_index"] == [0, 3]

@@ -74,9 +74,9 @@ def _sweep(x: torch.Tensor, g: torch.Tensor, full: bool) -> _Sweep:
             torch.sum(torch.mul(d, gc, out=tmp[:e - s]), dim=-1, out=out.dots[s:e])
             d.sub_(gc).abs_()
             if d.numel():
-                m, at = torch.max(d.reshape(-1), 0)
-                if s == 0 or float(m) > out.max_abs:
-                    out.max_abs, out.max_at = float(m), s * features + int(at)
+                m, at = _max_at(d)
+                if s == 0 or m > out.max_abs:
+                    out.max_abs, out.max_at = m, s * features + at
                 out.sum_abs += float(d.sum())
         else:
             d.sub_(gc)
@@ -89,6 +89,18 @@ def _sweep(x: torch.Tensor, g: torch.Tensor, full: bool) -> _Sweep:
         m, at = torch.max(flat, 0)
         out.max_abs, out.max_at, out.sum_abs = float(m), int(at), float(flat.sum())
     return out
+
+
+def _max_at(d: torch.Tensor) -> tuple[float, int]:
+    """The largest element of a contiguous float64 ``d`` and its flat index, the first where it ties (NaN the
+    largest): numpy's argmax on the CPU (~4x the speed of ``torch.max`` with its index on a ``[128, 896]`` chunk
+    here; the same element: both take the first)."""
+    if d.device.type == "cpu":
+        a = d.numpy().reshape(-1)
+        at = int(a.argmax())
+        return float(a[at]), at
+    m, at = torch.max(d.reshape(-1), 0)
+    return float(m), int(at)
 
 
 def _whole(row_norms: torch.Tensor) -> float:
