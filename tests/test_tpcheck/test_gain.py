@@ -333,3 +333,12 @@ def test_median_is_numpys(n):
     for v in (rng.standard_normal(n), np.round(rng.standard_normal(n) * 4) / 4,
               np.where(rng.random(n) < 0.1, np.inf, rng.standard_normal(n)) * np.sign(rng.random(n) - 0.3)):
         assert _median(v.copy()) == np.median(v) or np.isnan(np.median(v)) and np.isnan(_median(v.copy())), v
+
+
+def test_a_tensor_of_more_dims_is_rows_of_its_last_dim():
+    """The gain takes rows and features as ``metrics`` does (the last dim the features, every other dim rows): a
+    ``[2, 5, 64]`` point's gain is its ``[10, 64]`` view's, standard errors and column groups included."""
+    g = golden(10, 64, seed=3)
+    x = g * (1 + 1e-3) + 1e-4 * golden(10, 64, seed=4)
+    assert gain_of(x.reshape(2, 5, 64), g.reshape(2, 5, 64)) == gain_of(x, g)
+    assert gain_fields(x.reshape(2, 5, 64), g.reshape(2, 5, 64)) == gain_fields(x, g)

@@ -98,7 +98,8 @@ def is_narrow(golden: torch.Tensor) -> bool:
 def _qualifying(x: torch.Tensor, golden: torch.Tensor) -> tuple[golden_stats.GoldenStats, torch.Tensor] | None:
     """The golden's ``GoldenStats`` and its ``[rows, features]`` mask of the qualifying elements (module
     docstring), computed once for the engine's and each reference's gain; None where no gain is measured (integers,
-    a non-finite x, an empty or scalar tensor). The mask is shared: not to be written."""
+    a non-finite x, an empty or scalar tensor). The mask is shared: not to be written. Rows and features as
+    ``metrics`` takes them (``golden_stats.as_rows``: the last dim the features, as ``is_narrow`` reads them)."""
     if x.shape != golden.shape or golden.dim() == 0 or golden.numel() == 0 or \
             not (x.is_floating_point() and golden.is_floating_point()):
         return None
@@ -108,7 +109,7 @@ def _qualifying(x: torch.Tensor, golden: torch.Tensor) -> tuple[golden_stats.Gol
     gs = golden_stats.of(golden)
 
     def mask(g64: torch.Tensor) -> torch.Tensor:
-        a = g64.reshape(golden.shape[0], -1).abs()
+        a = golden_stats.as_rows(g64).abs()
         cut = a.median() if is_narrow(golden) else _row_medians(a)
         return (a >= cut) & (a > 0)
     return gs, gs.get("gain.qualifying", mask)
