@@ -84,10 +84,10 @@ def _sweep(x: torch.Tensor, g: torch.Tensor, full: bool) -> _Sweep:
     if full and rows and not bool(torch.isfinite(out.x_rows).all()):  # a row's norm is finite iff its values are
         # a NaN or Inf in x (rare: a failing engine): counted, and |x - g| made never "close" (NaN as inf)
         out.nan, out.inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
-        flat = out.abs_d.reshape(-1).nan_to_num_(nan=math.inf)
+        out.abs_d.nan_to_num_(nan=math.inf)
         torch.linalg.vector_norm(out.abs_d, dim=-1, out=out.d_rows)
-        m, at = torch.max(flat, 0)
-        out.max_abs, out.max_at, out.sum_abs = float(m), int(at), float(flat.sum())
+        out.max_abs, out.max_at = _max_at(out.abs_d)
+        out.sum_abs = float(out.abs_d.sum())
     return out
 
 
