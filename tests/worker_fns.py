@@ -87,3 +87,9 @@ def moe_route_second_best(runner, layer: int):
 
     topk.forward = forward
     return runner.rank
+
+
+def pending_points(runner) -> list[str]:
+    """The points impl's installed capture holds for a step not yet closed (``tpcheck.capture.impl``)."""
+    st = getattr(runner.model, "_tpcheck", None)
+    return [] if st is None else sorted(st["capture"]._pending)

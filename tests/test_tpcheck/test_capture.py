@@ -448,3 +448,68 @@ def test_from_env_records_the_checkpoint_it_is_told(ckpt, tmp_path, monkeypatch,
     with caplog.at_level("WARNING", logger="tpcheck"):
         read_dump(tmp_path / "untold").check_model(str(d))
     assert "records no checkpoint fingerprint" in caplog.text
+
+
+# ---- (7) a CUDA engine's hooks queue their copies: the forward never waits for the GPU -------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (queued host copies); "
+                                "the CPU path is the plain copy the tests above check")
+
+
+def on_device(engine: nn.Module, device: str) -> nn.Module:
+    """``engine`` with every tensor on ``device``: the stand-in keeps its weights as plain attributes."""
+    for m in engine.modules():
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor):
+                setattr(m, k, v.to(device))
+    return engine.to(device)
+
+
+@needs_cuda
+def test_a_cuda_capture_queues_its_copies_and_waits_once_a_step(ckpt, monkeypatch):
+    """On CUDA a hook's copy is queued into pinned memory (``queued_host_copy``): under torch's sync debug mode
+    ("error": a call that makes the host wait for the GPU raises) the forward with every point hooked runs, where
+    the plain ``.cpu()`` copy raises at its first hook; ``step_done`` waits once, and every point is the plain
+    copy's bit for bit, those the forward later changes in place (the fused add + RMSNorm's residual, RoPE's q and
+    k) as they were at their hook."""
+    import tpcheck.capture.core as core
+    engine = on_device(VForCausalLM(load_hf_model(ckpt("tiny"))), "cuda")
+    inputs = [(torch.tensor(p, device="cuda"), torch.arange(len(p), device="cuda")) for p in PROMPTS]
+
+    def forward():
+        with torch.no_grad():
+            for ids, pos in inputs:
+                engine.logits_processor(engine.lm_head, engine.model(ids, pos))
+
+    def points(strict: bool) -> dict:
+        cap = install(engine, VLLM_MAP)
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if strict else "default")
+            try:
+                forward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            return cap.step_done(0, PROMPTS, [0, 0])
+        finally:
+            cap.remove()
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward()  # the stand-in alone never waits: what the strict capture below is held to
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got = points(strict=True)
+    assert cap_devices(got) == {"cpu"} and all(t.is_pinned() for _, t in got.values())
+    monkeypatch.setattr(core, "queued_host_copy", lambda t, streams: t.to("cpu", copy=True))  # the plain copy
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        points(strict=True)
+    want = points(strict=False)
+    assert list(got) == list(want)
+    for name, (p, t) in want.items():
+        assert got[name][0] == p and torch.equal(got[name][1], t), name
+
+
+def cap_devices(points: dict) -> set[str]:
+    return {t.device.type for _, t in points.values()}

@@ -150,6 +150,29 @@ def test_a_dump_never_changes_the_engines_numbers(ckpt, engines, tmp_path):
     assert generate_dumped(llm, prompts, params, tmp_path / "g") == llm.generate(prompts, params)
 
 
+def test_a_plain_generate_after_a_diff_or_a_dump_captures_nothing(ckpt, engines, tmp_path):
+    """The hooks a diff or a dump leaves installed in impl's ranks capture nothing outside them: a plain
+    ``generate`` after either leaves no point held in a rank (every point of each of its forwards was kept until
+    the next diff: a rank's memory grew with every token), and a dump after a plain ``generate`` records its own
+    forwards only (its first step's logits held the plain run's rows too)."""
+    from impl import SamplingParams
+    from tpcheck.engines.impl import generate_dumped, get_llm
+    d = ckpt("tiny")
+    llm = get_llm(engines, d, 2)
+    prompts = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
+    params = SamplingParams(max_tokens=3)
+    generate_dumped(llm, prompts, params, tmp_path / "first")
+    llm.generate(prompts, params)
+    assert llm.call("worker_fns:pending_points") == [[], []]
+    tpcheck.diff(model=d, tp=2, prompts=prompts, decode_steps=1, pool=engines)
+    assert get_llm(engines, d, 2) is llm  # the same engine: its hooks stay installed
+    llm.generate(prompts, params)
+    assert llm.call("worker_fns:pending_points") == [[], []]
+    generate_dumped(llm, prompts, params, tmp_path / "after")
+    dump = read_dump(tmp_path / "after")
+    assert [len(dump.points(s)["logits"]) for s in range(len(dump.tokens))] == [2, 2, 2]  # the sampled rows alone
+
+
 def test_a_moe_dump_keeps_the_routes_the_engine_took(ckpt, engines, tmp_path):
     """A dump holds each layer's ``moe.topk_ids`` (integer ids in a floating-point dump); ``compare`` follows them as
     the live run does: bfloat16 on tiny-moe-ties flips near-tie routes, and both give the same rows."""

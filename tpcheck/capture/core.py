@@ -76,6 +76,22 @@ def as_rows(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
     return row_view(t, token_dims).to("cpu", copy=True)
 
 
+def queued_host_copy(t: torch.Tensor, streams: set) -> torch.Tensor:
+    """A host copy of ``t`` that a CUDA tensor gets without waiting for it: the copy is queued on the current
+    stream into pinned memory (``non_blocking``) and ``t``'s stream is added to ``streams``; the copy holds ``t`` as
+    it is at this point of the stream's order (a kernel queued later that writes ``t`` in place, vLLM's fused add +
+    RMSNorm on the residual, runs after it), and is read only after each of ``streams`` is synchronized
+    (``Capture.step_done``). Why: a plain ``.cpu()`` waits for the GPU to finish everything queued before it, so a
+    hook's copy made the host wait ~15 times a layer and the GPU idle while the host queued the next kernels; a
+    decode step is bound by that queueing. A CPU tensor (or another device's) is copied at once, as ``as_rows``."""
+    if t.device.type != "cuda":
+        return t.to("cpu", copy=True)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)  # torch records the stream's use of the pinned block: freed early, not reused
+    streams.add(torch.cuda.current_stream(t.device))
+    return host
+
+
 def handoff(hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """A pipeline stage boundary's point (``layers.{i}.handoff``): the ``IntermediateTensors`` one stage hands the
     next, ``[rows, hidden_states | residual]``; both are replicated over the stage's TP ranks."""
@@ -105,7 +121,8 @@ class _Site:
 class Capture:
     """Hooks installed by ``install``. ``sites``: what is hooked; ``dropped``: points ``step_done`` dropped,
     with why; ``error``: why the capture stopped (a dump past its budget), or None; ``sink``: where each tensor
-    goes as it is captured instead (``install(sink=...)``)."""
+    goes as it is captured instead (``install(sink=...)``); ``armed``: False makes every hook a no-op (a capture
+    installed once on an engine that also serves undumped: impl's ranks arm it for the forwards they capture)."""
 
     model: nn.Module = field(repr=False)
     name_map: NameMap = field(repr=False)
@@ -117,8 +134,15 @@ class Capture:
     error: str | None = None
     step: int = 0
     sink: Callable[[str, torch.Tensor], None] | None = None
+    armed: bool = True
     _pending: dict = field(default_factory=dict, repr=False)
     _handles: list = field(default_factory=list, repr=False)
+    _streams: set = field(default_factory=set, repr=False)  # CUDA streams with a copy in flight (queued_host_copy)
+
+    def _settle(self) -> None:
+        """Wait for the host copies in flight (``queued_host_copy``): once a step, not once a hook."""
+        while self._streams:
+            self._streams.pop().synchronize()
 
     @property
     def names(self) -> list[str]:
@@ -144,15 +168,17 @@ class Capture:
                 raise ValueError(f"tpcheck.capture: {site.module_name}: fused point {site.name!r} wants a Fused "
                                  f"placement with parts {site.rule.parts}, got {placement}")
         entry = self._pending.setdefault(site.name, (placement, []))
-        entry[1].append(as_rows(value, site.rule.token_dims or self.name_map.token_dims))
+        entry[1].append(queued_host_copy(row_view(value, site.rule.token_dims or self.name_map.token_dims),
+                                         self._streams))
 
     def _hook_out(self, sites: list[_Site]):
         if self.sink is not None:
             return self._sink_hook(sites, False)
 
         def hook(module, args, output):
-            for s in sites:
-                self._put(s, module, _select(output, s.rule.index))
+            if self.armed:
+                for s in sites:
+                    self._put(s, module, _select(output, s.rule.index))
         return hook
 
     def _hook_in(self, sites: list[_Site]):
@@ -160,9 +186,10 @@ class Capture:
             return self._sink_hook(sites, True)
 
         def hook(module, args, kwargs):
-            for s in sites:
-                idx = s.rule.index
-                self._put(s, module, _select(args, idx) if isinstance(idx, int) else kwargs.get(idx))
+            if self.armed:
+                for s in sites:
+                    idx = s.rule.index
+                    self._put(s, module, _select(args, idx) if isinstance(idx, int) else kwargs.get(idx))
         return hook
 
     def _sink_hook(self, sites: list[_Site], is_input: bool):
@@ -215,6 +242,7 @@ class Capture:
         consumed; ``starts``: their first positions (the writer needs both)."""
         step = self.step if step is None else step
         self.step = step + 1
+        self._settle()  # the step's copies are complete from here on
         pending, self._pending = self._pending, {}
         rows = None if tokens is None else sum(len(t) for t in tokens)
         points = {}
@@ -243,6 +271,7 @@ class Capture:
 
     def clear(self) -> None:
         """Forget what was captured since the last ``step_done`` (a warm-up or profiling forward)."""
+        self._settle()
         self._pending = {}
 
     def remove(self) -> None:
@@ -251,6 +280,7 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._settle()
         self._pending = {}
         close = getattr(self.writer, "close", None)
         if close is not None:

@@ -25,14 +25,17 @@ _STATE = "_tpcheck"
 
 
 def setup(runner, num_blocks: int | None, block_size: int, dump: dict | None = None,
-          points: str | None = None) -> None:
+          points: str | None = None, serving: bool = False) -> None:
     """Allocate a KV cache of the given layout (``num_blocks`` None: the engine's own cache serves, blocks of
     ``block_size``) and install the capture hooks (once per loaded model): the
     points of ``tpcheck.capture.IMPL_MAP`` (the same hooks an engine installs for dumps), plus the teacher
     pre-hooks that ``--isolate`` uses. ``dump``: ``tpcheck.capture.dump.DumpWriter`` keywords (``root``, ``dtype``,
     ``points``, ``budget_bytes``): this rank also writes every propagated step's points there itself.
     ``points``: a regex of the points to capture (``--points`` / ``--layers``): hooks only where they come from,
-    and only the selected layers' KV cache read back."""
+    and only the selected layers' KV cache read back. The hooks capture inside ``step`` only, or with ``serving``
+    every forward until ``serving_end`` (impl's own scheduler dumping): a plain forward of the same engine after a
+    diff or a dump copies nothing and keeps nothing (each one's every point was kept until the next diff: ~30 MiB
+    a rank over 200 tokens of ``small``, and its time)."""
     if num_blocks is not None:
         runner.allocate_kv_cache(num_blocks, block_size)
     elif runner.block_size != block_size:
@@ -48,7 +51,11 @@ def setup(runner, num_blocks: int | None, block_size: int, dump: dict | None = N
         st["handoff"].remove()
         st["capture"], st["points"] = install(runner.model, IMPL_MAP, points=points), points
         st["handoff"] = Handoffs(runner, points)
+    if st.get("writer") is not None:  # a serving dump not ended (its generate failed): its queued steps written
+        st["writer"].close()
     st["writer"], st["step"] = None, 0
+    st["capture"].clear()
+    st["capture"].armed = st["handoff"].armed = serving
     if dump is not None:
         st["writer"] = DumpWriter(rank=get_tp_rank(), tp=get_tp_size(), engine="impl", **dump)
 
@@ -57,17 +64,19 @@ def step(runner, batch, teacher: dict | None = None, kv_lens: list[int] | None =
     """Run one step (``ModelRunner.step`` with every token's logits) and return its points
     ``{name: (placement, tensor)}``; with ``kv_lens``, also each layer's cache contents for every prompt."""
     st = getattr(runner.model, _STATE)
-    cap = st["capture"]
+    cap, hand = st["capture"], st["handoff"]
     cap.clear()
     st["teacher"].inputs = teacher
+    armed, cap.armed, hand.armed = cap.armed, True, True
     try:
         runner.step(batch, all_logits=True)
         points = cap.step_done()
-        points.update(st["handoff"].take())
+        points.update(hand.take())
     finally:
         st["teacher"].inputs = None
+        cap.armed = hand.armed = armed
         cap.clear()
-        st["handoff"].take()
+        hand.take()
     if kv_lens is not None:
         keep = None if st["points"] is None else re.compile(st["points"])
         kv = read_kv(runner, [table for _, _, table in batch], kv_lens)
@@ -153,7 +162,12 @@ def serving_step(runner, ids: list[str], tokens: list[list[int]], starts: list[i
 
 
 def serving_end(runner) -> None:
-    """Close the dump: later forwards are captured for nobody."""
+    """Close the dump (its writer's queued steps written first: a failed write is raised here); later forwards
+    are captured for nobody."""
     st = getattr(runner.model, _STATE)
-    st["writer"] = None
+    writer, st["writer"] = st["writer"], None
+    st["capture"].armed = st["handoff"].armed = False
     st["capture"].clear()
+    st["handoff"].take()
+    if writer is not None:
+        writer.close()

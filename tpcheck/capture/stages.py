@@ -34,6 +34,7 @@ class HandoffHooks:
 
     def __init__(self, module, received: int | None, sent: int | None, kwarg: str, points: str | None = None):
         self._got: dict[str, torch.Tensor] = {}
+        self.armed = True  # False: the hooks copy nothing (``tpcheck.capture.core.Capture.armed``)
         self._handles = []
         keep = None if points is None else re.compile(points)
         received, sent = (None if i is None or (keep is not None and not keep.fullmatch(f"layers.{i}.handoff"))
@@ -46,13 +47,14 @@ class HandoffHooks:
     def _received(self, layer: int, kwarg: str):
         def hook(module, args, kwargs):
             inter = kwargs.get(kwarg, args[2] if len(args) > 2 else None)
-            if inter is not None:
+            if inter is not None and self.armed:
                 self._got[f"layers.{layer}.handoff"] = handoff(inter["hidden_states"], inter["residual"]).cpu()
         return hook
 
     def _sent(self, layer: int):
         def hook(module, args, out):
-            self._got[f"layers.{layer}.handoff"] = handoff(out["hidden_states"], out["residual"]).cpu()
+            if self.armed:
+                self._got[f"layers.{layer}.handoff"] = handoff(out["hidden_states"], out["residual"]).cpu()
         return hook
 
     def take(self) -> dict:

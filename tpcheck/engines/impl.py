@@ -10,6 +10,7 @@ from impl import LLM
 from impl.errors import ConfigError
 from impl.pipeline import parse_partition
 from tpcheck.capture import impl as capture_impl
+from tpcheck.capture.core import QUEUE_MB
 from tpcheck.capture.points import point_stage, split_point
 from tpcheck.engines.adapter import Points, by_point
 from tpcheck.judge.coverage import CoverageError
@@ -171,7 +172,7 @@ def handoff_mismatch(name: str, receiver: int, sent: list | None, received: list
 
 
 def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str | os.PathLike = "dump",
-                    points: str | None = None) -> list[list[int]]:
+                    points: str | None = None, queue_mb: int = QUEUE_MB) -> list[list[int]]:
     """``llm.generate(prompts, params)`` with every rank dumping each scheduler step into ``root``
     (``tpcheck compare root --model CKPT`` judges it): impl's continuous batching as it ran, requests joining
     when admitted, prefills and recomputes after preemption included, each step naming its requests (the
@@ -179,11 +180,16 @@ def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str |
     regex of the points to dump. The scheduler starts afresh (a dump must not begin on blocks cached by earlier
     requests); a prefill that starts past position 0 on another request's blocks (a prefix-cache hit) records the
     sequence's token ids from position 0 in the step (``prompts``), and ``compare``'s golden runs the cached
-    positions first."""
+    positions first. Each rank's files are written by a thread of its writer's own while the engine runs on
+    (``queue_mb`` MiB of steps may wait, ``TPCHECK_DUMP_QUEUE_MB``'s default; past it a step waits; 0: each step
+    written inside it), all written before this returns."""
+    if queue_mb < 0:
+        raise ValueError(f"queue_mb must be >= 0, got {queue_mb}")
     dtype = str(llm.dtype).removeprefix("torch.")
     llm.reset_scheduler()
     llm.call(capture_impl.setup, None, llm.block_size,
-             {"root": str(root), "dtype": dtype, "points": points, "model": llm.model_dir}, None)
+             {"root": str(root), "dtype": dtype, "points": points, "model": llm.model_dir,
+              "background_bytes": queue_mb * 2**20 or None}, None, serving=True)  # a thread writes, as vLLM's
     scheduler, executor = llm.scheduler, llm.executor
     schedule, call, last = scheduler.schedule, executor.call, {}
 
