@@ -139,6 +139,11 @@ class Capture:
     _handles: list = field(default_factory=list, repr=False)
     _streams: set = field(default_factory=set, repr=False)  # CUDA streams with a copy in flight (queued_host_copy)
 
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` as a hook makes it (``queued_host_copy``): a CUDA tensor's is read only after this
+        step's ``step_done`` (or ``clear``)."""
+        return queued_host_copy(t, self._streams)
+
     def _settle(self) -> None:
         """Wait for the host copies in flight (``queued_host_copy``): once a step, not once a hook."""
         while self._streams:
@@ -168,8 +173,7 @@ class Capture:
                 raise ValueError(f"tpcheck.capture: {site.module_name}: fused point {site.name!r} wants a Fused "
                                  f"placement with parts {site.rule.parts}, got {placement}")
         entry = self._pending.setdefault(site.name, (placement, []))
-        entry[1].append(queued_host_copy(row_view(value, site.rule.token_dims or self.name_map.token_dims),
-                                         self._streams))
+        entry[1].append(self.host_copy(row_view(value, site.rule.token_dims or self.name_map.token_dims)))
 
     def _hook_out(self, sites: list[_Site]):
         if self.sink is not None:

@@ -134,7 +134,8 @@ class StepDump:
         ids = kwargs.get("input_ids", args[0] if args else None)
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
         if ids is not None and pos is not None and self.sched is not None:
-            self.inputs = (ids.detach().to("cpu", copy=True), pos.detach().to("cpu", copy=True))
+            # queued like the points' copies (read in close_step, after step_done waited for them)
+            self.inputs = (self.cap.host_copy(ids.detach()), self.cap.host_copy(pos.detach()))
             self.batch = batch_rows(self.runner, self.sched)  # after the runner's _update_states
 
     def stop(self, why: str) -> None:
