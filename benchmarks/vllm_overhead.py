@@ -4,6 +4,7 @@ and vLLM's generate throughput with the ``TPCHECK_DUMP`` plugin off, on (every p
 (``TPCHECK_DUMP_QUEUE_MB=0``): until ``generate`` returns, and until the last file is on disk. Runs in vLLM's own environment (``docs/vllm.md``)::
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py [--preset small-hd32] [--repeats 3] [--tokens 32]
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py --per-kind    # each point kind dumped alone
 
 Every measurement is a fresh process (vLLM's start is in the time to verdict, not in the throughput: a
 warm-up ``generate`` runs before the timed one), the variants interleaved so a load change on the machine hits
@@ -70,6 +71,14 @@ def generate(ckpt: Path, tp: int, tokens: int, batch: int, seq: int, dump: str |
              points: str | None) -> tuple[float, float]:
     """Generated tokens per second of one fresh vLLM process (dump: the TPCHECK_DUMP directory, or None): until
     ``generate`` returns, and until the dump's last file is written (its writer threads flushed)."""
+    r = generate_run(ckpt, tp, tokens, batch, seq, dump, points)
+    return r["tokens"] / r["s"], r["tokens"] / r["written"]
+
+
+def generate_run(ckpt: Path, tp: int, tokens: int, batch: int, seq: int, dump: str | None,
+                 points: str | None) -> dict:
+    """``generate``'s one fresh vLLM process: ``{"s": until generate returns, "written": until the last file is
+    written, "tokens": generated}``."""
     env = dict(os.environ, **ENV)
     env.pop("TPCHECK_DUMP", None)
     if dump is not None:
@@ -81,8 +90,49 @@ def generate(ckpt: Path, tp: int, tokens: int, batch: int, seq: int, dump: str |
     line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
     if run.returncode != 0 or not line:
         raise SystemExit(f"generate (dump={dump}): exit {run.returncode}\n{run.stderr[-3000:]}")
-    r = json.loads(line[-1][len("RESULT "):])
-    return r["tokens"] / r["s"], r["tokens"] / r["written"]
+    return json.loads(line[-1][len("RESULT "):])
+
+
+def per_kind(a, ckpt: Path) -> None:
+    """Each point kind dumped alone (``TPCHECK_DUMP_POINTS``: that kind's points of the model), one fresh process
+    per run, the kinds and the dump off interleaved: bytes per token per layer (every rank's files over the positions
+    the requests ran, ``batch x (seq + tokens - 1)``, and the layers that have the kind; the logits are the sampled
+    rows only, so theirs is per position run, not per row written) and the time per hook per step ((seconds until
+    written - the dump off's) / steps / the kind's hooks; ranks hook in parallel)."""
+    import re
+    import shutil
+    from impl.config import load_config
+    from tpcheck.capture.points import kind_of, model_point_names
+    kinds: dict[str, list[str]] = {}
+    for name in model_point_names(load_config(ckpt), False):
+        kinds.setdefault(kind_of(name).name, []).append(name)
+    secs: dict[str, list[float]] = {k: [] for k in ["off", *kinds]}
+    size: dict[str, int] = {}
+    os.environ["TPCHECK_DUMP_QUEUE_MB"] = "256"
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.repeats):
+            for kind in secs:
+                dump = None if kind == "off" else f"{tmp}/{r}-{kind}"
+                pts = None if kind == "off" else "|".join(re.escape(p) for p in kinds[kind])
+                out = generate_run(ckpt, a.tp, a.tokens, a.batch, a.seq_len, dump, pts)
+                secs[kind].append(out["written"])
+                if dump is not None:
+                    size[kind] = sum(p.stat().st_size for p in Path(dump).rglob("*") if p.is_file())
+                    shutil.rmtree(dump)
+                log(f"repeat {r}: {kind} {out['written']:.3f}s")
+    off = statistics.median(secs["off"])
+    positions = a.batch * (a.seq_len + a.tokens - 1)
+    print(f"\n{a.preset}, tp {a.tp}, {a.batch} requests x {a.seq_len} tokens, {a.tokens} new tokens each ({a.tokens} steps), "
+          f"{a.repeats} repeats; the dump off {off:.3f} s ({min(secs['off']):.3f}..{max(secs['off']):.3f})")
+    rows = []
+    for kind, names in kinds.items():
+        extra = [1e3 * (t - off) / a.tokens / len(names) for t in secs[kind]]
+        rows.append([kind, str(len(names)), f"{size[kind] / positions / len(names):.0f}",
+                     f"{statistics.median(extra):.3f} ({min(extra):.3f}..{max(extra):.3f})"])
+    print_table(["kind", "hooks", "bytes/token/layer", "ms/hook/step, median (min..max)"], rows)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "seconds": secs, "bytes": size, "positions": positions}, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,11 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="requests per generate")
     ap.add_argument("--points", default=r"logits|layers\.\d+\.out", help="the TPCHECK_DUMP_POINTS selection")
     ap.add_argument("--generate-only", action="store_true", help="skip the time-to-verdict diffs")
+    ap.add_argument("--per-kind", action="store_true", help="instead: each point kind dumped alone (bytes per token "
+                                                            "per layer, time per hook)")
+    ap.add_argument("--json", help="--per-kind: also write the figures here")
     a = ap.parse_args(argv)
     from tpcheck.engines.vllm import vllm_env
     from tpcheck.inputs.checkpoints import cached_checkpoint
     vllm_env(a.tp)  # what --engine vllm sets (OMP thread binding per rank, ...), for the generate runs too
     ckpt = cached_checkpoint(a.preset)
+    if a.per_kind:
+        per_kind(a, ckpt)
+        return 0
     verdict: dict[str, list[float]] = {"impl": [], "vllm": []}
     names = ("off", "all points", "selection", "all points, in the step", "selection, in the step")
     gen: dict[str, list[float]] = {n: [] for n in names}

@@ -115,6 +115,20 @@ def test_hf_map_matches_hf_capture(ckpt):
     assert n_hooks(model) == before  # HFCapture's own hooks stay
 
 
+def test_a_disarmed_capture_copies_nothing(ckpt):
+    """``Capture.armed`` False: the hooks stay installed and a forward copies and keeps nothing; armed again, the
+    next step is captured whole (the same points as a capture that was never disarmed)."""
+    model = load_hf_model(ckpt("tiny"))
+    cap = install(model, HF_MAP)
+    cap.armed = False
+    HFCapture(model).step(PROMPTS, [new_cache(model) for _ in PROMPTS], [0, 0])
+    assert cap.step_done(0) == {}
+    cap.armed = True
+    HFCapture(model).step(PROMPTS, [new_cache(model) for _ in PROMPTS], [0, 0])
+    assert sorted(cap.step_done(1, PROMPTS, [0, 0])) == sorted(HF_MAP.reports(2))
+    cap.remove()
+
+
 # ---- (3) from_env --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", [None, ""])
