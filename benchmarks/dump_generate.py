@@ -6,7 +6,7 @@ thread of each rank's writer writes it) against the same ``generate`` with no du
 and each layer's ``out``: what a dump's local pass needs; the selection of ``vllm_overhead.py``), each written by the
 ranks' writer threads (the default) and inside the step (``queue_mb=0``). Each side's time runs until
 ``generate_dumped`` returns, every file written. On a CUDA device a hook's copy is queued
-(``tpcheck.capture.core.queued_host_copy``), so the forward does not wait for it. The sides alternate (off, every
+(``tpcheck.capture.copies.queued_host_copy``), so the forward does not wait for it. The sides alternate (off, every
 point, selection, off, ...); tokens/s of the medians, the time ratio against the dump off with its spread (each
 repeat's dumped time over that repeat's time with the dump off). The dump goes to a temporary directory (``--dir``
 to choose its disk), removed after each run.
@@ -102,6 +102,13 @@ def main() -> int:
     finally:
         pool.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    report(a, secs, size)
+    return 0
+
+
+def report(a, secs: dict[str, list[float]], size: dict[str, int]) -> None:
+    """Print each side's median seconds, tokens/s, time against the dump off (with the per-repeat spread) and MiB;
+    with ``--json``, write them."""
     tokens = a.batch * a.new_tokens
     figures = {}
     for name, v in secs.items():
@@ -118,7 +125,6 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"args": vars(a), "figures": figures}, fh, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

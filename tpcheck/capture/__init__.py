@@ -5,7 +5,8 @@ an engine's modules to them (``maps``), in-rank hooks that take them (``core``: 
 
 ``import tpcheck.capture`` is the in-rank API a user's engine calls: ``tpcheck.capture.from_env(model, VLLM_MAP,
 rank, tp, dtype, engine)``; the ready maps are re-exported here."""
-from tpcheck.capture.core import Capture, as_rows, from_env, install
+from tpcheck.capture.copies import as_rows
+from tpcheck.capture.core import Capture, from_env, install
 from tpcheck.capture.maps import HF_MAP, HF_TP_MAP, IMPL_MAP, MAPS, VLLM_MAP, VLLM_NORMS_ONLY_MAP
 from tpcheck.capture.rules import NameMap, Rule, declared, dtensor_placement, of_sibling, weight_placement
 

@@ -2,7 +2,7 @@
 
 A serving engine's worker returns from a step, then waits for the next: the step's files are written in that
 wait by this thread instead of inside the step. The tensors a job writes are already the capture's own copies
-(``tpcheck.capture.core.as_rows`` copies every captured tensor), so the engine may reuse its buffers at once.
+(``tpcheck.capture.copies.as_rows`` copies every captured tensor), so the engine may reuse its buffers at once.
 
 Back-pressure rather than loss: ``submit`` blocks while ``bound`` bytes are queued and not yet written, so a
 disk slower than the engine slows the engine down (bounded memory) instead of dropping steps. A job's error is

@@ -12,7 +12,8 @@ import re
 import torch
 
 from impl.placements import Shard
-from tpcheck.capture.core import as_rows, install
+from tpcheck.capture.copies import as_rows
+from tpcheck.capture.core import install
 from tpcheck.capture.stages import HandoffHooks
 from tpcheck.capture.maps import IMPL_MAP
 from tpcheck.capture.teacher import Teacher

@@ -28,7 +28,8 @@ import torch
 from impl.config import ConfigError, ModelConfig, load_config
 from impl.placements import Shard
 from tpcheck.engines.adapter import by_point
-from tpcheck.capture.core import as_rows, install
+from tpcheck.capture.copies import as_rows
+from tpcheck.capture.core import install
 from tpcheck.capture.maps import HF_TP_MAP
 from tpcheck.capture.teacher import Teacher
 from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, fill_caches, forward_one, load_hf_model, new_cache, \

@@ -1,0 +1,36 @@
+"""How a hook copies a tensor off the engine (``tpcheck.capture.core``): as ``[rows, features]`` (``row_view``), a
+CPU copy at once (``as_rows``), or on a CUDA device a copy queued on the stream that a step waits for once
+(``queued_host_copy``)."""
+from __future__ import annotations
+
+import torch
+
+
+def row_view(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
+    """``t`` detached as ``[rows, features]`` (a view where the layout allows): its first ``token_dims`` dims are
+    the rows."""
+    rows = 1
+    for d in t.shape[:token_dims]:
+        rows *= d
+    return t.detach().reshape(rows, -1)
+
+
+def as_rows(t: torch.Tensor, token_dims: int = 1) -> torch.Tensor:
+    """A CPU copy of ``t`` as ``[rows, features]``: its first ``token_dims`` dims are the rows."""
+    return row_view(t, token_dims).to("cpu", copy=True)
+
+
+def queued_host_copy(t: torch.Tensor, streams: set) -> torch.Tensor:
+    """A host copy of ``t`` that a CUDA tensor gets without waiting for it: the copy is queued on the current
+    stream into pinned memory (``non_blocking``) and ``t``'s stream is added to ``streams``; the copy holds ``t`` as
+    it is at this point of the stream's order (a kernel queued later that writes ``t`` in place, vLLM's fused add +
+    RMSNorm on the residual, runs after it), and is read only after each of ``streams`` is synchronized
+    (``Capture.step_done``). Why: a plain ``.cpu()`` waits for the GPU to finish everything queued before it, so a
+    hook's copy made the host wait ~15 times a layer and the GPU idle while the host queued the next kernels; a
+    decode step is bound by that queueing. A CPU tensor (or another device's) is copied at once, as ``as_rows``."""
+    if t.device.type != "cuda":
+        return t.to("cpu", copy=True)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)  # torch records the stream's use of the pinned block: freed early, not reused
+    streams.add(torch.cuda.current_stream(t.device))
+    return host
