@@ -153,3 +153,18 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     for line in (header, *rows):
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+
+
+# ---- dumps -----------------------------------------------------------------------------------------------
+def dir_bytes(root: Path) -> int:
+    """Bytes of every file under ``root`` (a dump: every rank's files)."""
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
+
+
+def kinds_of(cfg) -> dict[str, list[str]]:
+    """The model's point kinds (``tpcheck.capture.points.kind_of``) and each kind's points, in execution order."""
+    from tpcheck.capture.points import kind_of, model_point_names
+    out: dict[str, list[str]] = {}
+    for name in model_point_names(cfg, False):
+        out.setdefault(kind_of(name).name, []).append(name)
+    return out

@@ -25,20 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
-from common import add_json_arg  # noqa: E402
-
-
-def dir_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
-
-def kinds_of(cfg) -> dict[str, list[str]]:
-    """The model's point kinds (``tpcheck.capture.points.kind_of``) and each kind's points, in execution order."""
-    from tpcheck.capture.points import kind_of, model_point_names
-    out: dict[str, list[str]] = {}
-    for name in model_point_names(cfg, False):
-        out.setdefault(kind_of(name).name, []).append(name)
-    return out
+from common import add_json_arg, dir_bytes, kinds_of  # noqa: E402
 
 
 def main() -> int:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
-from common import add_json_arg, check_json_arg, make_log  # noqa: E402
+from common import add_json_arg, check_json_arg, dir_bytes, make_log  # noqa: E402
 
 SELECTION = r"logits|layers\.\d+\.out"
 
@@ -84,7 +84,7 @@ def main() -> int:
             kw = {"queue_mb": queue} if queued else {}
             out = generate_dumped(llm, prompts, params, root, points=points or None, **kw)
             secs = time.perf_counter() - t
-            size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+            size = dir_bytes(root)
             shutil.rmtree(root)
             return secs, size, out
 

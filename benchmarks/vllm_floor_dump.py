@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
-from common import check_json_arg, make_log, print_table  # noqa: E402
+from common import check_json_arg, dir_bytes, make_log, print_table  # noqa: E402
 from engine_floor import add_prompt_args, batches_of  # noqa: E402
 
 # a plain vLLM script (vLLM's defaults, eager): one generate per prompt, then each batch; greedy
@@ -40,10 +40,6 @@ PLAIN = textwrap.dedent("""
         for b in batches:
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in b], sp, use_tqdm=False)
     """)
-
-
-def dump_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def main(argv=None) -> int:
@@ -72,7 +68,7 @@ def main(argv=None) -> int:
                 if gen.returncode != 0:
                     log(f"tp={tp} {dtype}: the vLLM script failed ({gen.returncode}): {gen.stderr[-1500:]}")
                     return 1
-                size, t_gen = dump_size(dump), time.monotonic() - s
+                size, t_gen = dir_bytes(dump), time.monotonic() - s
                 s = time.monotonic()
                 cmp = subprocess.run([sys.executable, "-m", "tpcheck", "compare", str(dump), "--model", str(ckpt),
                                       "--json", str(rep)], capture_output=True, text=True)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import make_log, print_table  # noqa: E402
+from common import dir_bytes, kinds_of, make_log, print_table  # noqa: E402
 
 log = make_log("vllm_overhead")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -102,10 +102,7 @@ def per_kind(a, ckpt: Path) -> None:
     import re
     import shutil
     from impl.config import load_config
-    from tpcheck.capture.points import kind_of, model_point_names
-    kinds: dict[str, list[str]] = {}
-    for name in model_point_names(load_config(ckpt), False):
-        kinds.setdefault(kind_of(name).name, []).append(name)
+    kinds = kinds_of(load_config(ckpt))
     secs: dict[str, list[float]] = {k: [] for k in ["off", *kinds]}
     size: dict[str, int] = {}
     os.environ["TPCHECK_DUMP_QUEUE_MB"] = "256"
@@ -117,7 +114,7 @@ def per_kind(a, ckpt: Path) -> None:
                 out = generate_run(ckpt, a.tp, a.tokens, a.batch, a.seq_len, dump, pts)
                 secs[kind].append(out["written"])
                 if dump is not None:
-                    size[kind] = sum(p.stat().st_size for p in Path(dump).rglob("*") if p.is_file())
+                    size[kind] = dir_bytes(Path(dump))
                     shutil.rmtree(dump)
                 log(f"repeat {r}: {kind} {out['written']:.3f}s")
     off = statistics.median(secs["off"])
