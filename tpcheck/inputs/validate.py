@@ -109,17 +109,23 @@ def _short(v) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def tensor_digest(t) -> str:
-    """sha256 of a tensor's bytes (row-major, its own dtype), the content hash goldens and dumps record."""
+def tensor_bytes(t):
+    """A tensor's bytes (row-major, its own dtype) as a buffer: a view of a contiguous CPU tensor, not a copy (a
+    dump hashes and writes every tensor of every step)."""
     import torch  # reading a JSON result imports no torch; hashing a tensor has one already
     t = t.detach().contiguous().cpu()
-    # the bytes hashed in place (a numpy array is a buffer): a dump hashes every tensor of every step it writes
-    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"").hexdigest()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
-def tensor_record(t) -> dict:
-    """What a file claims about one tensor: its dtype, shape and content hash."""
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_digest(t)}
+def tensor_digest(t) -> str:
+    """sha256 of a tensor's bytes (``tensor_bytes``), the content hash goldens and dumps record."""
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+
+def tensor_record(t, digest: str | None = None) -> dict:
+    """What a file claims about one tensor: its dtype, shape and content hash (``digest``: already computed)."""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "sha256": tensor_digest(t) if digest is None else digest}
 
 
 def verify_tensor(t, record, where: str, error: type[Exception] = ValueError) -> None:

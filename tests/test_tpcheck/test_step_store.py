@@ -1,0 +1,66 @@
+"""``tpcheck.inputs.step_store.save_step`` writes a step's safetensors file itself: the library reads it back
+exactly, and the records it returns are ``tensor_record``'s."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tpcheck.inputs.step_store import load_step, save_step
+from tpcheck.inputs.validate import tensor_record
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "layers.0.out": torch.randn(4, 96, generator=g),
+        "logits": torch.randn(3, 1000, generator=g, dtype=torch.float64),
+        "layers.0.q": torch.randn(5, 7, generator=g).to(torch.bfloat16),  # an odd byte count: the next is unaligned
+        "layers.0.k": torch.randn(2, 3, generator=g).to(torch.float16),
+        "layers.0.moe.topk_ids": torch.randint(0, 8, (4, 2), generator=g),
+        "empty": torch.empty(0, 16),
+        "scalar": torch.tensor(2.5),
+        "mask": torch.tensor([True, False, True]),
+        "strided": torch.randn(6, 8, generator=g).t(),  # not contiguous: written row-major
+    }
+
+
+def test_the_library_reads_the_written_step_back_exactly(tmp_path):
+    tensors = _tensors()
+    records = save_step(tmp_path / "step0.safetensors", tensors)
+    back = load_file(str(tmp_path / "step0.safetensors"))
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        assert torch.equal(back[name], t), name
+        assert records[name] == tensor_record(t), name
+    assert load_step(tmp_path / "step0.safetensors", ValueError).keys() == tensors.keys()
+
+
+def test_the_header_is_the_formats(tmp_path):
+    """8-byte little-endian length, a JSON header padded to 8 bytes, the byte ranges back to back."""
+    tensors = _tensors()
+    save_step(tmp_path / "s.safetensors", tensors)
+    data = (tmp_path / "s.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    assert n % 8 == 0
+    header = json.loads(data[8:8 + n])
+    end = 0
+    for name, t in tensors.items():
+        begin, stop = header[name]["data_offsets"]
+        assert begin == end and stop - begin == t.numel() * t.element_size(), name
+        end = stop
+    assert len(data) == 8 + n + end
+
+
+def test_a_dtype_the_writer_does_not_name_goes_through_the_library(tmp_path):
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    t = torch.randn(4, 4).to(torch.float8_e4m3fn)
+    records = save_step(tmp_path / "f8.safetensors", {"x": t, "y": torch.ones(2)})
+    back = load_file(str(tmp_path / "f8.safetensors"))
+    assert torch.equal(back["x"].view(torch.uint8), t.view(torch.uint8))
+    assert records["x"] == tensor_record(t)
