@@ -516,7 +516,7 @@ def test_a_cuda_capture_queues_its_copies_and_waits_once_a_step(ckpt, monkeypatc
         torch.cuda.set_sync_debug_mode("default")
     got = points(strict=True)
     assert cap_devices(got) == {"cpu"}
-    monkeypatch.setattr(core, "queued_host_copy", lambda t, streams: t.to("cpu", copy=True))  # the plain copy
+    monkeypatch.setattr(core, "queued_host_copy", lambda t, devices: t.to("cpu", copy=True))  # the plain copy
     with pytest.raises(RuntimeError, match="synchroniz"):
         points(strict=True)
     want = points(strict=False)

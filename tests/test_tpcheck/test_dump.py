@@ -3,6 +3,7 @@ included; a dump that is incomplete, inconsistent or over budget is refused nami
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -171,6 +172,26 @@ def test_a_plain_generate_after_a_diff_or_a_dump_captures_nothing(ckpt, engines,
     generate_dumped(llm, prompts, params, tmp_path / "after")
     dump = read_dump(tmp_path / "after")
     assert [len(dump.points(s)["logits"]) for s in range(len(dump.tokens))] == [2, 2, 2]  # the sampled rows alone
+
+
+def test_a_serving_dump_of_a_selection_hooks_only_the_selection(ckpt, engines, tmp_path):
+    """``generate_dumped(points=...)`` installs the ranks' hooks where a selected point comes from (each hook copies
+    its tensor: the writer's filter alone copied every point, then dropped it), the tokens unchanged; a diff after
+    it hooks every point again."""
+    from impl import SamplingParams
+    from tpcheck.engines.impl import generate_dumped, get_llm
+    d = ckpt("tiny")
+    llm = get_llm(engines, d, 2)
+    prompts = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
+    params = SamplingParams(max_tokens=3)
+    sel = r"logits|layers\.\d+\.out"
+    assert generate_dumped(llm, prompts, params, tmp_path / "sel", points=sel) == llm.generate(prompts, params)
+    for names in llm.call("worker_fns:capture_names"):
+        assert names and all(re.fullmatch(sel, n) for n in names), names
+    dump = read_dump(tmp_path / "sel")
+    assert set(dump.points(0)) == {"logits", "layers.0.out", "layers.1.out"}
+    tpcheck.diff(model=d, tp=2, prompts=prompts, decode_steps=1, pool=engines)
+    assert all("layers.0.attn.q" in names for names in llm.call("worker_fns:capture_names"))
 
 
 def test_a_moe_dump_keeps_the_routes_the_engine_took(ckpt, engines, tmp_path):

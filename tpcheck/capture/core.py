@@ -108,17 +108,17 @@ class Capture:
     armed: bool = True
     _pending: dict = field(default_factory=dict, repr=False)
     _handles: list = field(default_factory=list, repr=False)
-    _streams: set = field(default_factory=set, repr=False)  # CUDA streams with a copy in flight (queued_host_copy)
+    _devices: set = field(default_factory=set, repr=False)  # CUDA devices with a copy in flight (queued_host_copy)
 
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of ``t`` as a hook makes it (``queued_host_copy``): a CUDA tensor's is read only after this
         step's ``step_done`` (or ``clear``)."""
-        return queued_host_copy(t, self._streams)
+        return queued_host_copy(t, self._devices)
 
     def _settle(self) -> None:
         """Wait for the host copies in flight (``queued_host_copy``): once a step, not once a hook."""
-        while self._streams:
-            self._streams.pop().synchronize()
+        while self._devices:
+            torch.cuda.synchronize(self._devices.pop())
 
     @property
     def names(self) -> list[str]:
