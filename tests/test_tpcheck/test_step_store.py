@@ -64,3 +64,19 @@ def test_a_dtype_the_writer_does_not_name_goes_through_the_library(tmp_path):
     back = load_file(str(tmp_path / "f8.safetensors"))
     assert torch.equal(back["x"].view(torch.uint8), t.view(torch.uint8))
     assert records["x"] == tensor_record(t)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_hashed_side_by_side_the_records_are_the_same(tmp_path, monkeypatch, threads):
+    """Where threads hash a step's tensors while it is written (``HASH_THREADS``), every record is the one hashed in
+    order, whatever the split of the tensors into runs (more threads than tensors included)."""
+    import tpcheck.inputs.step_store as store
+    tensors = _tensors()
+    want = {n: tensor_record(t) for n, t in tensors.items()}
+    monkeypatch.setattr(store, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(store, "HASH_THREADS", threads)
+    monkeypatch.setattr(store, "_POOL", None)
+    assert store.save_step(tmp_path / "p.safetensors", tensors) == want
+    assert store._POOL is not None  # the threads did hash them
+    back = load_file(str(tmp_path / "p.safetensors"))
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
