@@ -80,3 +80,28 @@ def test_hashed_side_by_side_the_records_are_the_same(tmp_path, monkeypatch, thr
     assert store._POOL is not None  # the threads did hash them
     back = load_file(str(tmp_path / "p.safetensors"))
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
+
+
+def _save_in_child(path) -> None:
+    import tpcheck.inputs.step_store as store
+    store.save_step(path, _tensors())
+
+
+def test_a_forked_process_hashes_with_a_pool_of_its_own(tmp_path, monkeypatch):
+    """A process forked after its parent hashed side by side (a rank forked from a driver that saved a golden) has
+    its parent's pool object but none of its threads: it makes its own, where the inherited one never ran a job."""
+    import multiprocessing
+    import tpcheck.inputs.step_store as store
+    monkeypatch.setattr(store, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(store, "HASH_THREADS", 2)
+    monkeypatch.setattr(store, "_POOL", None)
+    store.save_step(tmp_path / "parent.safetensors", _tensors())
+    child = multiprocessing.get_context("fork").Process(target=_save_in_child, args=(tmp_path / "child.safetensors",))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked process hung waiting for its parent's hashing threads")
+    assert child.exitcode == 0
+    assert load_file(str(tmp_path / "child.safetensors")).keys() == _tensors().keys()

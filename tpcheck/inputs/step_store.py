@@ -66,7 +66,7 @@ def save_step(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
 # thread
 HASH_THREADS = min(4, (os.cpu_count() or 1) // 4) if (os.cpu_count() or 1) >= 8 else 0
 PARALLEL_BYTES = 4 << 20
-_POOL: ThreadPoolExecutor | None = None
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the pool)
 
 
 def _digests(views: list, sizes: list[int]) -> Callable[[], list[str]]:
@@ -80,8 +80,8 @@ def _digests(views: list, sizes: list[int]) -> Callable[[], list[str]]:
     if HASH_THREADS < 2 or total < PARALLEL_BYTES or len(views) < 2:
         return lambda: [hashlib.sha256(v).hexdigest() for v in views]
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="tpcheck-hash")
+    if _POOL is None or _POOL[0] != os.getpid():  # a forked process has none of its parent's threads: its own pool
+        _POOL = (os.getpid(), ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="tpcheck-hash"))
     runs, start, acc = [], 0, 0
     for i, n in enumerate(sizes):
         acc += n
@@ -89,7 +89,7 @@ def _digests(views: list, sizes: list[int]) -> Callable[[], list[str]]:
             runs.append((start, i + 1))
             start = i + 1
     runs.append((start, len(views)))
-    jobs = [_POOL.submit(lambda a, b: [hashlib.sha256(v).hexdigest() for v in views[a:b]], a, b) for a, b in runs]
+    jobs = [_POOL[1].submit(lambda a, b: [hashlib.sha256(v).hexdigest() for v in views[a:b]], a, b) for a, b in runs]
     return lambda: [d for job in jobs for d in job.result()]
 
 

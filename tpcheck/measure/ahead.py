@@ -25,14 +25,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 MIN_ELEMENTS = 1 << 15  # a point this large goes ahead (module docstring): 128 tokens of a 256-wide point
-_POOL: ThreadPoolExecutor | None = None
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the pool)
 
 
 def _pool() -> ThreadPoolExecutor:
+    """The shared pool of this process: a forked process inherits its parent's pool object but none of its threads
+    (a job submitted there would never run), so it makes its own."""
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="tpcheck-measure")
-    return _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(WORKERS, thread_name_prefix="tpcheck-measure"))
+    return _POOL[1]
 
 
 class Ahead:
