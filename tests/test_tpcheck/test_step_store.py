@@ -25,6 +25,7 @@ def _tensors() -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(2.5),
         "mask": torch.tensor([True, False, True]),
         "strided": torch.randn(6, 8, generator=g).t(),  # not contiguous: written row-major
+        "offset": torch.arange(20.0).reshape(4, 5)[1:],  # a contiguous view that starts inside its storage
     }
 
 
