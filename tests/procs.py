@@ -29,3 +29,19 @@ def descendants() -> set[int]:
         # a rank forked by the server has the server's command line: only this process's own children are helpers
         out |= {p for p in frontier if not (procs[p][1] and procs[p][0] == me)}
     return out
+
+
+def run_forked(target, *args, hung: str, timeout_s: float = 60.0) -> int:
+    """Run ``target(*args)`` in a forked child and return its exit code; a child still running after ``timeout_s``
+    is killed and the test fails with ``hung``."""
+    import multiprocessing
+
+    import pytest
+    child = multiprocessing.get_context("fork").Process(target=target, args=args)
+    child.start()
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(hung)
+    return child.exitcode

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import tpcheck.measure.ahead as ahead
+from procs import run_forked
 from tpcheck.measure.ahead import Ahead
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
@@ -39,19 +40,11 @@ def _take_in_child() -> None:
 def test_a_forked_process_measures_with_a_pool_of_its_own(monkeypatch):
     """A process forked after its parent measured ahead has the parent's pool object but none of its threads: it
     makes its own (the inherited one never ran a job: the child waited forever)."""
-    import multiprocessing
     monkeypatch.setattr(ahead, "WORKERS", 2)
     a = Ahead()
     a.submit("k", lambda: 1, elements=ahead.MIN_ELEMENTS)
     assert a.take("k") == 1
-    child = multiprocessing.get_context("fork").Process(target=_take_in_child)
-    child.start()
-    child.join(60)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        pytest.fail("the forked process hung waiting for its parent's measuring threads")
-    assert child.exitcode == 0
+    assert run_forked(_take_in_child, hung="the forked process hung waiting for its parent's measuring threads") == 0
 
 
 def test_one_worker_or_a_small_point_computes_nothing_ahead(monkeypatch):

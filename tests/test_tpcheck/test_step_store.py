@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+from procs import run_forked
 from safetensors.torch import load_file
 
 from tpcheck.inputs.step_store import load_step, save_step
@@ -91,18 +92,11 @@ def _save_in_child(path) -> None:
 def test_a_forked_process_hashes_with_a_pool_of_its_own(tmp_path, monkeypatch):
     """A process forked after its parent hashed side by side (a rank forked from a driver that saved a golden) has
     its parent's pool object but none of its threads: it makes its own, where the inherited one never ran a job."""
-    import multiprocessing
     import tpcheck.inputs.step_store as store
     monkeypatch.setattr(store, "PARALLEL_BYTES", 0)
     monkeypatch.setattr(store, "HASH_THREADS", 2)
     monkeypatch.setattr(store, "_POOL", None)
     store.save_step(tmp_path / "parent.safetensors", _tensors())
-    child = multiprocessing.get_context("fork").Process(target=_save_in_child, args=(tmp_path / "child.safetensors",))
-    child.start()
-    child.join(60)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        pytest.fail("the forked process hung waiting for its parent's hashing threads")
-    assert child.exitcode == 0
+    assert run_forked(_save_in_child, tmp_path / "child.safetensors",
+                      hung="the forked process hung waiting for its parent's hashing threads") == 0
     assert load_file(str(tmp_path / "child.safetensors")).keys() == _tensors().keys()
