@@ -14,6 +14,8 @@ import torch
 import transformers
 
 from impl.errors import ConfigError
+from impl.gemma_config import GemmaOptions, gemma_layer_types, read_gemma
+from impl.layers.activation import ACTIVATIONS
 from impl.layers.rotary import Llama3RopeScaling
 from impl.moe_config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoeConfig, MoeSpelling, read_moe
 from impl.quant import Int8Scheme, QuantConfigError
@@ -54,7 +56,10 @@ class Family:
       ``sliding_window`` applies to every layer), ``"layer_types"`` (Qwen3: the layers HF marks
       ``sliding_attention``), ``"none"`` (Llama has no sliding window);
     * ``moe``: how a mixture-of-experts family spells its experts (``impl.moe_config.MoeSpelling``); None for a
-      dense family."""
+      dense family;
+    * ``act_key``: the config key naming the MLP's activation (``hidden_act``; Gemma's ``hidden_activation``);
+    * ``gemma``: Gemma 3's decoder (``impl.gemma_config``): ``(1 + w)`` norms, four norms per layer, a scaled
+      embedding, a RoPE base per layer type, the attention scaled by ``query_pre_attn_scalar``."""
 
     config_class: str
     hf_model_class: str
@@ -64,6 +69,8 @@ class Family:
     qk_norm: bool
     sliding: str
     moe: MoeSpelling | None = None
+    act_key: str = "hidden_act"
+    gemma: bool = False
 
     @property
     def available(self) -> bool:
@@ -100,6 +107,10 @@ FAMILIES: dict[str, Family] = {
                         qkv_bias="attention_bias", mlp_bias=False, qk_norm=True, sliding="refuse", moe=QWEN3_MOE),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", "impl.models.mixtral:MixtralForCausalLM",
                       qkv_bias=False, mlp_bias=False, qk_norm=False, sliding="all", moe=MIXTRAL),
+    # Gemma 3's text decoder (transformers >= 4.50): sliding-window and global layers (HF's layer_types)
+    "gemma3_text": Family("Gemma3TextConfig", "Gemma3ForCausalLM", "impl.models.gemma3:Gemma3ForCausalLM",
+                          qkv_bias="attention_bias", mlp_bias=False, qk_norm=True, sliding="layer_types",
+                          act_key="hidden_activation", gemma=True),
 }
 
 
@@ -185,6 +196,8 @@ def _sliding_windows(family: Family, hf: PretrainedConfig, path: Path) -> tuple[
         layers = [True] * n
     else:  # "layer_types": transformers >= 4.53 lists them; older versions derive them the same way
         types = getattr(hf, "layer_types", None)
+        if types is None and family.gemma:
+            types = gemma_layer_types(hf)
         if types is None:
             use = bool(getattr(hf, "use_sliding_window", False)) and window is not None
             types = ["sliding_attention" if use and i >= hf.max_window_layers else "full_attention" for i in range(n)]
@@ -231,6 +244,8 @@ class ModelConfig:
     rope_scaling: Llama3RopeScaling | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer attends to all its past
     moe: MoeConfig | None = None  # mixture of experts: the experts and which layers are sparse
+    hidden_act: str = "silu"  # the MLP's gated activation (impl.layers.activation.ACTIVATIONS)
+    gemma: GemmaOptions | None = None  # Gemma 3 (impl.gemma_config): local RoPE base, attention scale
     quant: Int8Scheme | GptqScheme | AwqScheme | None = None  # quantized linears (impl.quant*); None: float
 
     @property
@@ -240,6 +255,17 @@ class ModelConfig:
     def sliding_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` (None: full causal attention)."""
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The RoPE base of decoder layer ``layer``: Gemma 3's sliding layers have their own (``rope_local_base_freq``)."""
+        if self.gemma is not None and self.sliding_window(layer) is not None:
+            return self.gemma.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def attn_scale(self) -> float:
+        """The softmax scale of the attention scores: ``head_dim ** -0.5``, Gemma 3's ``query_pre_attn_scalar ** -0.5``."""
+        return self.gemma.attn_scale if self.gemma is not None else self.head_dim ** -0.5
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` is a mixture-of-experts block (else a dense MLP)."""
@@ -318,11 +344,14 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         first = " ".join(str(e).split())[:300]  # HF's message spans lines: one line, the details kept
         raise ConfigError(f"{path}: transformers' {cls.__name__} refuses it: {type(e).__name__}: {first}") from None
     _check_sizes(hf, path)
-    theta = _rope_theta(raw, hf, path)
-    scaling = _rope_scaling(hf, path)
-    act = getattr(hf, "hidden_act", "silu")
-    if act != "silu":  # the MLP is SiluAndMul; another activation would be computed wrongly, not refused
-        raise ConfigError(f"{path}: hidden_act={act!r} is not supported (only 'silu')")
+    if family.gemma:
+        theta, gemma = read_gemma(raw, hf, path, TRANSFORMERS_5)
+        scaling = None
+    else:
+        theta, gemma, scaling = _rope_theta(raw, hf, path), None, _rope_scaling(hf, path)
+    act = getattr(hf, family.act_key, "silu")
+    if act not in ACTIVATIONS:  # another activation would be computed wrongly, not refused
+        raise ConfigError(f"{path}: {family.act_key}={act!r} is not supported (only {', '.join(map(repr, ACTIVATIONS))})")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     qkv_bias, o_bias = family_biases(family, hf)
     moe = read_moe(family.moe, raw, hf, path, model_type) if family.moe is not None else None
@@ -338,6 +367,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         model_type=model_type, qkv_bias=qkv_bias, o_proj_bias=o_bias,
         mlp_bias=family.mlp_bias and bool(getattr(hf, "mlp_bias", False)), qk_norm=family.qk_norm,
         rope_scaling=scaling, sliding_windows=_sliding_windows(family, hf, path), moe=moe, quant=quant,
+        hidden_act=act, gemma=gemma,
     )
 
 

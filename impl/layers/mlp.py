@@ -7,21 +7,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from impl.layers.activation import SiluAndMul
+from impl.layers.activation import ACTIVATIONS
 from impl.layers.linear import MergedColumnParallelLinear, QuantScheme, RowParallelLinear
 from impl.quant_gptq import layer_name
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` of width ``intermediate_size``; biases on all three when ``bias``."""
+    """``down(act(gate(x)) * up(x))`` of width ``intermediate_size``; biases on all three when ``bias``; ``act``: a
+    name in ``impl.layers.activation.ACTIVATIONS`` (``silu``; Gemma's ``gelu_pytorch_tanh``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32, reduce_results: bool = True,
-                 quant: QuantScheme | None = None):
+                 quant: QuantScheme | None = None, act: str = "silu"):
         super().__init__()
         n = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [n, n], bias=bias, dtype=dtype, quant=quant)
-        self.act_fn = SiluAndMul()
+        self.act_fn = ACTIVATIONS[act]()
         with layer_name("down_proj"):
             self.down_proj = RowParallelLinear(n, hidden_size, bias=bias, dtype=dtype, reduce_results=reduce_results,
                                                quant=quant)

@@ -45,9 +45,9 @@ class DecoderAttention(nn.Module):
         with layer_name(f"model.layers.{layer_idx}.self_attn.o_proj"):
             self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype,
                                             quant=cfg.quant)
-        self.rotary_emb = RotaryEmbedding(d, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(d, cfg.layer_rope_theta(layer_idx), cfg.rope_scaling)
         qkv = self.qkv_proj  # an FP8 KV cache's per-head scales follow the rank's KV heads (replicas included)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, cfg.sliding_window(layer_idx),
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, cfg.attn_scale, cfg.sliding_window(layer_idx),
                               kv_quant=getattr(cfg.quant, "kv_cache", None), total_kv_heads=cfg.num_kv_heads,
                               first_kv_head=qkv.tp_rank // qkv.kv_replicas * self.num_kv_heads)
 
@@ -69,17 +69,20 @@ class DecoderLayer(nn.Module):
     """``h = x + attn(norm(x)); out = h + mlp(norm(h))``; ``mlp`` is a ``SparseMoeBlock`` on the sparse layers
     (experts split over ``ep_size`` groups of the tp ranks), the dense ``GatedMLP`` on the others."""
 
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  attention_cls: type[DecoderAttention] = DecoderAttention, ep_size: int = 1):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = attention_cls(cfg, layer_idx, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.is_sparse(layer_idx):
             self.mlp = SparseMoeBlock(cfg, dtype, ep_size)
         else:
             with layer_name(f"model.layers.{layer_idx}.mlp"):
-                self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, quant=cfg.quant)
+                self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, quant=cfg.quant,
+                                    act=cfg.hidden_act)
 
         self.sent: dict[str, torch.Tensor] | None = None  # the last layer of a stage before the last: what it sends
 
@@ -97,16 +100,20 @@ class DecoderModel(nn.Module):
     stage's layers (the others ``PPMissingLayer``, so module names stay global), the embedding on the first stage
     only and the final norm on the last only."""
 
+    embed_cls: type[nn.Module] = VocabParallelEmbedding
+    layer_cls: type[nn.Module] = DecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_cls: type[DecoderAttention] = DecoderAttention,
                  ep_size: int = 1, stage: Stage | None = None):
         super().__init__()
         self.stage = stage or single_stage(cfg.num_layers)
         st = self.stage
-        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype) if st.is_first
+        self.embed_tokens = (self.embed_cls(cfg.vocab_size, cfg.hidden_size, dtype) if st.is_first
                              else PPMissingLayer())
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, attention_cls, ep_size) if st.holds_layer(i)
+        self.layers = nn.ModuleList([self.layer_cls(cfg, i, dtype, attention_cls, ep_size) if st.holds_layer(i)
                                      else PPMissingLayer() for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if st.is_last else PPMissingLayer()
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype) if st.is_last else PPMissingLayer()
         if not st.is_last:
             self.layers[st.end - 1].sent = {}
 
@@ -133,6 +140,7 @@ class DecoderForCausalLM(nn.Module):
 
     model_type: str = ""
     attention_cls: type[DecoderAttention] = DecoderAttention
+    model_cls: type[DecoderModel] = DecoderModel
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -145,7 +153,7 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"{type(self).__name__} builds model_type {self.model_type!r}, the config is "
                              f"{cfg.model_type!r} (build the model through impl.models.model_class)")
         self.cfg, self.ep_size = cfg, ep_size
-        self.model = DecoderModel(cfg, dtype, self.attention_cls, ep_size, stage)
+        self.model = self.model_cls(cfg, dtype, self.attention_cls, ep_size, stage)
         self.stage = self.model.stage
         # the LM head on the last stage only; tied, it shares the embedding's parameter when the stage has it,
         # else (pp > 1) it is its own parameter that the loader fills from model.embed_tokens.weight (as vLLM)

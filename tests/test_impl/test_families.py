@@ -75,7 +75,7 @@ def test_unsupported_model_type_refused(model_type, fam, tmp_path):
     d = edit_config(fam("llama"), tmp_path / "x", edit)
     with pytest.raises(ConfigError) as ei:
         load_config(d)
-    assert str(ei.value) == f"{d / 'config.json'}: model_type is {model_type!r}; supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
+    assert str(ei.value) == f"{d / 'config.json'}: model_type is {model_type!r}; supported: gemma3_text, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
 
 
 @pytest.mark.parametrize("preset", ["llama", "mistral", "qwen3"])

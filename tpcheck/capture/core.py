@@ -144,6 +144,8 @@ class Capture:
                 raise ValueError(f"tpcheck.capture: {site.module_name}: fused point {site.name!r} wants a Fused "
                                  f"placement with parts {site.rule.parts}, got {placement}")
         entry = self._pending.setdefault(site.name, (placement, []))
+        if site.rule.heads_first:
+            value = value.transpose(-3, -2)
         entry[1].append(self.host_copy(row_view(value, site.rule.token_dims or self.name_map.token_dims)))
 
     def _hook_out(self, sites: list[_Site]):
@@ -178,6 +180,8 @@ class Capture:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"tpcheck.capture: {site.module_name} ({site.rule.point}) gave a "
                                 f"{type(value).__name__}, not a tensor: fix the rule's index")
+            if site.rule.heads_first:
+                value = value.transpose(-3, -2)
             return row_view(value, site.rule.token_dims or dims)
 
         if is_input:
@@ -290,7 +294,7 @@ def install(model: nn.Module, name_map: NameMap, writer=None, points: str | None
     for mname in modules:
         for rule in name_map.rules:
             m = rule.pattern.fullmatch(mname)
-            if m:
+            if m and rule.applies(mname, modules):
                 layer = int(m.group("layer")) if "layer" in m.groupdict() else None
                 matches.append((mname, rule, layer))
                 if layer is not None:

@@ -6,7 +6,8 @@ KV-cache points (``layers.{i}.kv.k|v``) rows are every cached position of every 
 
 Some points exist only in some model families: ``attn.q_norm`` / ``attn.k_norm`` (``QK_NORM_POINTS``) are
 the outputs of the per-head RMSNorms of q and k, before RoPE, of models with ``ModelConfig.qk_norm``
-(Qwen3). ``point_names`` lists a model's points (``model_point_names(cfg)`` reads the flags from its
+(Qwen3, Gemma 3); ``attn.post_norm`` / ``mlp.post_norm`` (``SANDWICH_POINTS``) the norms Gemma 3 applies to the
+attention's and the MLP's outputs before each residual add. ``point_names`` lists a model's points (``model_point_names(cfg)`` reads the flags from its
 config); ``all_point_names`` every name tpcheck knows, whatever the model (what a name map is checked
 against)."""
 from __future__ import annotations
@@ -62,6 +63,9 @@ KIND_TABLE = (
     Kind("kv.k", family="kv", rows="cache"), Kind("kv.v", family="kv", rows="cache"),
     Kind("attn.context"),
     Kind("attn.out", exact_ops="input"),
+    # Gemma 3's "sandwich" norms: post_attention_layernorm on the attention's output before the residual add, and
+    # post_feedforward_layernorm on the MLP's (its MLP input norm, pre_feedforward_layernorm, is post_attn_norm)
+    Kind("attn.post_norm", family="sandwich"),
     Kind("attn.residual", exact_ops="both"),
     Kind("post_attn_norm", exact_ops="checked"),
     # a mixture-of-experts layer: router logits [rows, E], the chosen experts [rows, k] (ids) and their weights
@@ -74,6 +78,7 @@ KIND_TABLE = (
     Kind("moe.shared", family="shared"), Kind("moe.shared_gate", family="shared"),
     Kind("mlp.gate", family="dense"), Kind("mlp.up", family="dense"), Kind("mlp.act", family="dense"),
     Kind("mlp.out", routed=True, exact_ops="input"),
+    Kind("mlp.post_norm", family="sandwich", routed=True),
     # a pipeline stage boundary after this layer (impl.pipeline): the IntermediateTensors the next stage received,
     # [hidden_states | residual] along features (the layer's mlp.out, then its attn.residual); the engine also
     # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.stage_points). Before ``out``, the sum
@@ -89,6 +94,7 @@ _OUTSIDE_LAYERS = ("embed", "final_norm", "logits")
 LAYER_POINTS = tuple(k.name for k in KIND_TABLE if k.name not in _OUTSIDE_LAYERS)
 KV_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "kv")
 QK_NORM_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "qk_norm")
+SANDWICH_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "sandwich")
 DENSE_MLP_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "dense")  # a sparse layer has MOE_POINTS
 MOE_POINTS = tuple(k.name for k in KIND_TABLE if k.family in ("moe", "shared"))
 SHARED_POINTS = tuple(k.name for k in KIND_TABLE if k.family == "shared")
@@ -98,13 +104,15 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
 def point_names(num_layers: int, with_kv: bool = False, qk_norm: bool = False, sparse=(),
-                shared: bool = False, every: bool = False, handoffs=()) -> list[str]:
+                shared: bool = False, every: bool = False, handoffs=(), sandwich: bool = False) -> list[str]:
     """The points of a model of ``num_layers`` decoder layers, in execution order. ``with_kv``: the KV-cache
     points too (a run with decode steps reads the cache back); ``qk_norm``: the model normalises q and k per
     head before RoPE (``ModelConfig.qk_norm``), so it has ``attn.q_norm`` / ``attn.k_norm``; ``sparse``: the
     layers that are mixture-of-experts blocks (``MOE_POINTS`` instead of ``DENSE_MLP_POINTS``), ``shared``:
     those have a shared expert; ``handoffs``: the layers after which a pipeline stage hands its
-    ``IntermediateTensors`` to the next (``layers.{i}.handoff``); ``every``: every name of every kind of layer.
+    ``IntermediateTensors`` to the next (``layers.{i}.handoff``); ``sandwich``: the model normalises the attention's
+    and the MLP's outputs before their residual adds (Gemma 3: ``attn.post_norm``, ``mlp.post_norm``);
+    ``every``: every name of every kind of layer.
     The default is a dense model
     without q/k norms (Qwen2, Llama, Mistral): every point such a model has, and no other."""
     names = ["embed"]
@@ -112,6 +120,7 @@ def point_names(num_layers: int, with_kv: bool = False, qk_norm: bool = False, s
         moe = i in sparse
         names += [f"layers.{i}.{p}" for p in LAYER_POINTS
                   if (with_kv or p not in KV_POINTS) and (qk_norm or p not in QK_NORM_POINTS) and
+                  (sandwich or p not in SANDWICH_POINTS) and
                   (every or (p not in MOE_POINTS if not moe else p not in DENSE_MLP_POINTS and
                                                                  (shared or p not in SHARED_POINTS))) and
                   (every or p not in PP_POINTS or i in handoffs)]
@@ -124,7 +133,8 @@ def model_point_names(cfg: ModelConfig, with_kv: bool = False, handoffs=()) -> l
     moe = getattr(cfg, "moe", None)
     sparse = () if moe is None else {i for i in range(cfg.num_layers) if cfg.is_sparse(i)}
     return point_names(cfg.num_layers, with_kv, qk_norm=cfg.qk_norm, sparse=sparse,
-                       shared=moe is not None and moe.shared_expert_intermediate_size > 0, handoffs=handoffs)
+                       shared=moe is not None and moe.shared_expert_intermediate_size > 0, handoffs=handoffs,
+                       sandwich=getattr(cfg, "gemma", None) is not None)
 
 
 def stage_handoffs(partition) -> tuple[int, ...]:
@@ -140,7 +150,7 @@ def stage_handoffs(partition) -> tuple[int, ...]:
 def all_point_names(num_layers: int) -> list[str]:
     """Every canonical name of a ``num_layers``-layer model of any family, in execution order: what a reported
     or mapped name is checked against (a name outside it is a misconfigured map)."""
-    return point_names(num_layers, with_kv=True, qk_norm=True, every=True)
+    return point_names(num_layers, with_kv=True, qk_norm=True, every=True, sandwich=True)
 
 
 def point_order(name: str) -> int:

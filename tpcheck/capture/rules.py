@@ -13,6 +13,7 @@ from tpcheck.capture.points import all_point_names, point_names
 
 _LAYER_GROUP = "{layer}"
 _FORMAT_KEYS = re.compile(r"\{(\w*)\}")
+_LAYER_PATH = re.compile(r"^(.*?layers\.\d+)(\.|$)")  # a module's decoder layer
 
 PlacementSpec = object  # a Placement, or a callable (module, parent module) -> Placement, read at each call
 
@@ -30,7 +31,12 @@ class Rule:
     keyword name) or which element of a tuple output (position) / attribute of an object output (name); a
     plain tensor output is element 0, and has no other element (the site then gives nothing that call).
     ``token_dims``: how many leading dims of this site's tensor are tokens, where it differs from the map's
-    (Hugging Face's MoE modules work on ``[tokens, ...]``, its other modules on ``[batch, seq, ...]``)."""
+    (Hugging Face's MoE modules work on ``[tokens, ...]``, its other modules on ``[batch, seq, ...]``).
+    ``heads_first``: the tensor is ``[batch, heads, seq, head_dim]`` and its rows are taken after moving the heads
+    behind the sequence (HF's Gemma 3 normalises q and k after transposing them). ``layer_has`` / ``layer_lacks``:
+    the rule applies only in decoder layers (``...layers.{i}``) that have / lack a submodule of that name: one map
+    serves families whose same-named module gives different points (Gemma 3's ``post_attention_layernorm``
+    normalises the attention's output, the other families' the MLP's input)."""
 
     module: str
     point: str
@@ -39,6 +45,9 @@ class Rule:
     index: int | str = 0
     parts: tuple[str, ...] = ()
     token_dims: int | None = None  # this site's leading token dims, where they differ from the map's
+    heads_first: bool = False  # the tensor is [batch, heads, seq, head_dim] (HF Gemma 3's q/k norms): heads moved
+    layer_has: str = ""    # the rule applies only in a decoder layer with a submodule of this name
+    layer_lacks: str = ""  # ... only in one without it (Gemma 3's post_attention_layernorm is another point)
 
     def __post_init__(self):
         keys = set(_FORMAT_KEYS.findall(self.point)) - {"layer", "prev", "last"}
@@ -53,6 +62,18 @@ class Rule:
         for name in self.names(3, 5):  # a point name tpcheck does not know is a misconfigured map
             if name not in _CANONICAL:
                 raise ValueError(f"rule {self.module!r}: {name!r} is not a canonical point (tpcheck.capture.points)")
+
+    def applies(self, module_name: str, modules: dict) -> bool:
+        """Whether this matched rule applies at ``module_name`` (``layer_has`` / ``layer_lacks`` against the
+        decoder layer holding it; ``modules``: the model's ``named_modules()``)."""
+        if not (self.layer_has or self.layer_lacks):
+            return True
+        m = _LAYER_PATH.match(module_name)
+        if m is None:
+            return not self.layer_has
+        prefix = m.group(1) + "."
+        return ((not self.layer_has or prefix + self.layer_has in modules) and
+                (not self.layer_lacks or prefix + self.layer_lacks not in modules))
 
     @property
     def pattern(self) -> re.Pattern:

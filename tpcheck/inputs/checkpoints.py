@@ -160,7 +160,8 @@ def _check_impl_reads(model_dir: pathlib.Path, cfg) -> None:
     """The written config as impl reads it (``impl.config.load_config``: an option impl refuses is a ConfigError
     naming it) has the optional tensors ``_tensor_specs`` draws: one reading of the family flags, not two."""
     mc = load_config(model_dir)
-    got = {"qkv_bias": mc.qkv_bias, "o_proj_bias": mc.o_proj_bias, "mlp_bias": mc.mlp_bias, "qk_norm": mc.qk_norm}
+    got = {"qkv_bias": mc.qkv_bias, "o_proj_bias": mc.o_proj_bias, "mlp_bias": mc.mlp_bias, "qk_norm": mc.qk_norm,
+           "gemma": mc.gemma is not None}
     want = family_options(cfg)
     if got != want:
         raise ValueError(f"{model_dir}: impl reads the optional tensors {got}, the checkpoint writer {want}")

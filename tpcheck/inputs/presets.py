@@ -38,6 +38,12 @@ and 4, with KV heads replicated at tp 4):
 * ``llama-hd32``      Llama 3 with head_dim 32 (hidden 128, 4 heads / 2 KV heads, 2 layers, llama3 RoPE,
                       tied, vocab 256): the Llama shape ``--engine vllm`` runs on CPU.
 * ``small-qwen3``     4 layers, 8 heads / 2 KV heads, head_dim 32 != 128 / 8, q/k norms; untied.
+* ``tiny-gemma3``     Gemma 3 (text): a sliding layer (window 8, RoPE base 1e4) then a global one (1e6); four
+                      ``(1 + w)`` norms a layer, per-head q/k norms, GeGLU (tanh GELU), the embedding scaled by
+                      sqrt(hidden), scores by ``query_pre_attn_scalar`` 24 != head_dim 32; 4 heads / 1 KV head
+                      (replicated at tp 2 and 4); tied.
+* ``small-gemma3``    Gemma 3 at Gemma's 5:1 pattern: 6 layers (5 sliding, window 12; 1 global), 4 heads / 1 KV
+                      head, head_dim 64; tied.
 * ``deep-sink``       trained-model magnitudes at depth: Llama with attention_bias + mlp_bias, 24 layers, hidden
                       128, 4 heads / 2 KV heads (head_dim 32), intermediate 256, vocab 384, untied, drawn with
                       the attention-sink recipe (``tpcheck.inputs.sink_recipe``): one residual channel at token 0
@@ -154,6 +160,17 @@ PRESETS.update({
                         intermediate_size=384,
                         num_hidden_layers=24, model_type="llama", vocab_size=384, attention_bias=True, mlp_bias=True,
                         tie_word_embeddings=False, rope_theta=10000.0),
+    # Gemma 3 (text): sliding and global layers with their own RoPE bases, (1 + w) norms four per layer, GeGLU
+    "tiny-gemma3": dict(_FAMILY, **dict(_TINY_SHAPE, num_attention_heads=4, num_key_value_heads=1, intermediate_size=80),
+                        model_type="gemma3_text", vocab_size=262, head_dim=32, tie_word_embeddings=True,
+                        rope_theta=1000000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=24,
+                        hidden_activation="gelu_pytorch_tanh", sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "small-gemma3": dict(_FAMILY, hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                         intermediate_size=256, num_hidden_layers=6, model_type="gemma3_text", vocab_size=1000,
+                         max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=1000000.0,
+                         rope_local_base_freq=10000.0, query_pre_attn_scalar=64, hidden_activation="gelu_pytorch_tanh",
+                         sliding_window=12, layer_types=["sliding_attention"] * 5 + ["full_attention"]),
 })
 
 _MOE_ATTN = dict(_FAMILY, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256,

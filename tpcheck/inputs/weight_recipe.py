@@ -6,7 +6,8 @@ Value recipe (float32 ``torch.Generator`` seeded with ``seed``, then cast to ``d
 tensors are drawn in one fixed order, so output is bit-for-bit deterministic for
 (preset, seed, dtype) and independent of ``shards``): linear weights N(0, 1/fan_in),
 embeddings N(0, 1), biases N(0, 0.5**2), norm weights ``1 + s*u`` with u ~ U(0.2, 0.6)
-and a random sign s.  Activations stay O(1)-O(10) through many layers, finite in fp16.
+and a random sign s (Gemma 3's norms, which scale by ``1 + w``, store ``s*u``: the same scales; its two extra norms
+per layer are drawn after the other two).  Activations stay O(1)-O(10) through many layers, finite in fp16.
 ``_tensor_specs`` lists the tensors each family has, in draw order; for a Qwen2 config they are the
 ones (and the order) of RECIPE_VERSION 1, so Qwen2 checkpoints are unchanged byte for byte; dense families'
 specs do not change with the mixture-of-experts ones (a sparse layer's MLP tensors replace the dense ones in
@@ -39,7 +40,7 @@ def family_options(cfg) -> dict[str, bool]:
     family = _family(cfg)
     qkv, o = family_biases(family, cfg)
     return {"qkv_bias": qkv, "o_proj_bias": o, "mlp_bias": family.mlp_bias and bool(getattr(cfg, "mlp_bias", False)),
-            "qk_norm": family.qk_norm}
+            "qk_norm": family.qk_norm, "gemma": family.gemma}
 
 
 def moe_options(cfg) -> dict | None:
@@ -97,15 +98,20 @@ def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
         specs += linear(a + "q_proj", (q, h), opt["qkv_bias"]) + linear(a + "k_proj", (kv, h), opt["qkv_bias"])
         specs += linear(a + "v_proj", (kv, h), opt["qkv_bias"]) + linear(a + "o_proj", (h, q), opt["o_proj_bias"])
         if opt["qk_norm"]:
-            specs += [(a + "q_norm.weight", (d,), "norm"), (a + "k_norm.weight", (d,), "norm")]
+            norm = "gemma_norm" if opt["gemma"] else "norm"
+            specs += [(a + "q_norm.weight", (d,), norm), (a + "k_norm.weight", (d,), norm)]
         if moe is not None and moe["sparse_layers"][i]:
             specs += _moe_specs(i, h, moe)
         else:
             for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
                 specs += linear(m + name, shape, opt["mlp_bias"])
-        specs += [(f"model.layers.{i}.input_layernorm.weight", (h,), "norm"),
-                  (f"model.layers.{i}.post_attention_layernorm.weight", (h,), "norm")]
-    specs.append(("model.norm.weight", (h,), "norm"))
+        norm = "gemma_norm" if opt["gemma"] else "norm"
+        specs += [(f"model.layers.{i}.input_layernorm.weight", (h,), norm),
+                  (f"model.layers.{i}.post_attention_layernorm.weight", (h,), norm)]
+        if opt["gemma"]:  # Gemma 3's norms before and after the MLP (the one above is after attention)
+            specs += [(f"model.layers.{i}.pre_feedforward_layernorm.weight", (h,), norm),
+                      (f"model.layers.{i}.post_feedforward_layernorm.weight", (h,), norm)]
+    specs.append(("model.norm.weight", (h,), "gemma_norm" if opt["gemma"] else "norm"))
     if not cfg.tie_word_embeddings:
         specs.append(("lm_head.weight", (v, h), "linear"))
     return specs
@@ -121,7 +127,8 @@ def _draw(shape: tuple[int, ...], kind: str, gen: torch.Generator, bias_std: flo
         return torch.randn(shape, generator=gen).mul_(bias_std)
     u = torch.rand(shape, generator=gen).mul_(0.4).add_(0.2)
     sign = torch.randint(0, 2, shape, generator=gen).mul_(2).sub_(1)
-    return u.mul_(sign).add_(1.0)
+    # Gemma stores the offset from 1 (its norms scale by 1 + w): the same scales, written as Gemma writes them
+    return u.mul_(sign) if kind == "gemma_norm" else u.mul_(sign).add_(1.0)
 
 
 _ROUTER = re.compile(r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.gate\.weight")
