@@ -65,7 +65,7 @@ KIND_TABLE = (
     Kind("attn.out", exact_ops="input"),
     # Gemma 3's "sandwich" norms: post_attention_layernorm on the attention's output before the residual add, and
     # post_feedforward_layernorm on the MLP's (its MLP input norm, pre_feedforward_layernorm, is post_attn_norm)
-    Kind("attn.post_norm", family="sandwich"),
+    Kind("attn.post_norm", family="sandwich", exact_ops="both"),
     Kind("attn.residual", exact_ops="both"),
     Kind("post_attn_norm", exact_ops="checked"),
     # a mixture-of-experts layer: router logits [rows, E], the chosen experts [rows, k] (ids) and their weights
@@ -78,7 +78,7 @@ KIND_TABLE = (
     Kind("moe.shared", family="shared"), Kind("moe.shared_gate", family="shared"),
     Kind("mlp.gate", family="dense"), Kind("mlp.up", family="dense"), Kind("mlp.act", family="dense"),
     Kind("mlp.out", routed=True, exact_ops="input"),
-    Kind("mlp.post_norm", family="sandwich", routed=True),
+    Kind("mlp.post_norm", family="sandwich", routed=True, exact_ops="both"),
     # a pipeline stage boundary after this layer (impl.pipeline): the IntermediateTensors the next stage received,
     # [hidden_states | residual] along features (the layer's mlp.out, then its attn.residual); the engine also
     # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.stage_points). Before ``out``, the sum

@@ -71,7 +71,7 @@ def _add_checkpoint_commands(sub) -> None:
 def _add_check(sub) -> None:
     ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
     src = ck.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral or Qwen3)")
+    src.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral, Qwen3 or Gemma 3)")
     src.add_argument("--preset", default="tiny", choices=checkpoints.preset_names(),
                      help="synthetic checkpoint used when --model is not given (default: tiny)")
     ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")

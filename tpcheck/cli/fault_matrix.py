@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on st
 # that has the option (tpcheck.inputs.checkpoints: tiny-llama, tiny-mistral, tiny-qwen3)
 PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small",
                 "tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe",
-                "tiny-mixtral", "small-w8a8", "small-w8a8-tensor", "small-gptq", "small-gptq-act",
+                "tiny-mixtral", "tiny-gemma3", "small-w8a8", "small-w8a8-tensor", "small-gptq", "small-gptq-act",
                 "small-awq", "small-fp8", "small-fp8-tensor", "small-fp8-static", "small-fp8-kv", "small-fp8-kv-head")
 TP_ORDER = (1, 2, 4)
 DTYPE_ORDER = ("float32", "bfloat16")

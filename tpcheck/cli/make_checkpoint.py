@@ -2,11 +2,15 @@
 (``--quantize SCHEME``); or the quantization of an existing float checkpoint (``--model SRC_DIR --quantize SCHEME``).
 
 The quantized formats, as vLLM reads them: compressed-tensors INT8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ
-(``gptq-w4g32`` ..., ``tpcheck.inputs.quantize_gptq``), 4-bit AWQ (``awq-w4g32`` ..., ``tpcheck.inputs.quantize_awq``)."""
+(``gptq-w4g32`` ..., ``tpcheck.inputs.quantize_gptq``), 4-bit AWQ (``awq-w4g32`` ..., ``tpcheck.inputs.quantize_awq``).
+
+``--from-gguf FILE.gguf``: the float32 checkpoint of a llama.cpp GGUF file of a Gemma 3 text model, its weights
+dequantized (``tpcheck.inputs.gguf_checkpoint``; the file, its sha256 and tensor types in tpcheck_source.json)."""
 from __future__ import annotations
 
 import argparse
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from tpcheck.cli.lazy import Lazy
@@ -15,6 +19,7 @@ checkpoints = Lazy("tpcheck.inputs.checkpoints")  # these import torch: only the
 quantize = Lazy("tpcheck.inputs.quantize")
 quantize_gptq = Lazy("tpcheck.inputs.quantize_gptq")
 quantize_awq = Lazy("tpcheck.inputs.quantize_awq")
+gguf_checkpoint = Lazy("tpcheck.inputs.gguf_checkpoint")
 
 
 def _schemes() -> dict[str, str]:
@@ -31,6 +36,9 @@ def register(subparsers) -> None:
     src.add_argument("--preset", choices=checkpoints.preset_names(), help="write this synthetic preset")
     src.add_argument("--model", type=Path, metavar="SRC_DIR",
                      help="a float Hugging Face checkpoint directory to quantize (needs --quantize)")
+    src.add_argument("--from-gguf", type=Path, metavar="FILE.gguf",
+                     help="convert a GGUF file of a Gemma 3 text model (llama.cpp's) to a float32 Hugging Face "
+                          "checkpoint, its weights dequantized")
     mk.add_argument("--out", required=True, type=Path)
     mk.add_argument("--quantize", choices=list(_schemes()), metavar="SCHEME",
                     help="write the checkpoint quantized: " + "; ".join(f"{k}: {v}" for k, v in _schemes().items()))
@@ -44,6 +52,8 @@ def register(subparsers) -> None:
 
 def run(a) -> int:
     """Write the checkpoint; print what was written."""
+    if a.from_gguf is not None:
+        return _run_from_gguf(a)
     if a.model is not None:
         if a.quantize is None:
             raise ValueError("--model SRC_DIR needs --quantize SCHEME (a float checkpoint is written from --preset)")
@@ -70,4 +80,19 @@ def run(a) -> int:
     n = len(quantize.quantized_names(out))
     print(f"{out}\nwrote the {a.quantize} quantization of {source}: {n} linear weights quantized "
           f"({_schemes()[a.quantize]})")
+    return 0
+
+
+def _run_from_gguf(a) -> int:
+    """``--from-gguf``: convert, then print the directory and what it holds (progress went to stderr)."""
+    given = [f for f, v in (("--quantize", a.quantize), ("--seed", a.seed), ("--dtype", a.dtype),
+                            ("--shards", a.shards)) if v is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not with --from-gguf (it writes the dequantized weights in float32, "
+                         "as one model.safetensors)")
+    done = gguf_checkpoint.convert_gguf(a.from_gguf, a.out)
+    counts = Counter(done.tensor_types.values())
+    print(f"{done.out}\nwrote the float32 dequantization of {a.from_gguf} (sha256 {done.sha256[:12]}...): "
+          f"{len(done.tensor_types)} tensors (" + ", ".join(f"{n} {t}" for t, n in counts.most_common())
+          + f") in {done.seconds:.1f} s")
     return 0

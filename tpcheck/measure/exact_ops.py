@@ -24,6 +24,9 @@ Checked points and the HF computation each must equal (``x_i`` is layer ``i``'s 
 * ``layers.{i}.post_attn_norm``  ``layers[i].post_attention_layernorm(attn.residual)``
 * ``layers.{i}.out``             ``attn.residual + mlp.out``
 * ``final_norm``                 ``model.norm(x_L)``
+* Gemma 3 (four norms a layer): ``attn.post_norm`` = ``post_attention_layernorm(attn.out)``, ``attn.residual`` =
+  ``x_i + attn.post_norm``, ``post_attn_norm`` = ``pre_feedforward_layernorm(attn.residual)``, ``mlp.post_norm``
+  = ``post_feedforward_layernorm(mlp.out)``, ``out`` = ``attn.residual + mlp.post_norm``
 * ``layers.{i}.attn.q_norm``     ``layers[i].self_attn.q_norm(attn.q)`` per head (Qwen3; ``k_norm`` likewise on
                                  ``attn.k``): an RMSNorm over each head's ``head_dim`` values, which TP never
                                  splits (a rank holds whole heads)
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 
 from tpcheck.capture.points import KIND_TABLE, split_point
+from tpcheck.measure.own_input import SANDWICH_INPUTS, layer_norm
 
 #: point kinds whose engine tensors the checked ops read (kept for the step when --exact-ops is on)
 INPUT_KINDS = frozenset(k.name for k in KIND_TABLE if k.exact_ops in ("input", "both"))
@@ -65,17 +69,20 @@ def expected(model: nn.Module, name: str, get: Callable[[str], torch.Tensor],
                 return None
             # [rows, heads * head_dim] -> per head, as HF's attention views it; .forward: no capture hook
             return norm.forward(x.reshape(x.shape[0], -1, d)).reshape(x.shape)
-        if kind in ("final_norm", "input_norm", "post_attn_norm"):
+        sandwich = layer is not None and hasattr(m.layers[layer], "pre_feedforward_layernorm")  # Gemma 3
+        if kind in ("final_norm", "input_norm", "post_attn_norm", "attn.post_norm", "mlp.post_norm"):
             if kind == "final_norm":
                 norm, x = m.norm, layer_input(len(m.layers))
             elif kind == "input_norm":
                 norm, x = m.layers[layer].input_layernorm, layer_input(layer)
             else:
-                norm, x = m.layers[layer].post_attention_layernorm, get(p + "attn.residual")
+                source = {"post_attn_norm": "attn.residual", "attn.post_norm": "attn.out", "mlp.post_norm": "mlp.out"}
+                norm, x = layer_norm(m.layers[layer], kind), get(p + source[kind])
             # .forward: bypasses the capture hooks installed on these modules
             return norm.forward(x) if x.shape[-1:] == norm.weight.shape else None
-        a, b = ((layer_input(layer), get(p + "attn.out")) if kind == "attn.residual"
-                else (get(p + "attn.residual"), get(p + "mlp.out")))
+        second = SANDWICH_INPUTS[kind][1] if sandwich else ("attn.out" if kind == "attn.residual" else "mlp.out")
+        a, b = ((layer_input(layer), get(p + second)) if kind == "attn.residual"
+                else (get(p + "attn.residual"), get(p + second)))
     except KeyError:  # an input the engine does not emit: the row is judged by the gate alone
         return None
     return a + b if a.shape == b.shape else None  # HF: residual + hidden_states

@@ -63,6 +63,15 @@ OWN_INPUTS: dict[str, tuple[str, ...]] = {
     "mlp.out": ("mlp.act",), "out": ("attn.residual", "mlp.out"), "final_norm": (PREV,), "logits": ("final_norm",),
     "moe.topk_weights": ("moe.router", "moe.topk_ids"),
 }
+#: Gemma 3 (``sandwich``): its attention and MLP outputs are normalised before their residual adds
+SANDWICH_INPUTS: dict[str, tuple[str, ...]] = {
+    "attn.post_norm": ("attn.out",), "attn.residual": (PREV, "attn.post_norm"), "mlp.post_norm": ("mlp.out",),
+    "out": ("attn.residual", "mlp.post_norm"),
+}
+#: point kind -> the decoder layer's norm that computes it (the other families; ``SANDWICH_NORMS`` for Gemma 3)
+NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
+SANDWICH_NORMS = {"input_norm": "input_layernorm", "attn.post_norm": "post_attention_layernorm",
+                  "post_attn_norm": "pre_feedforward_layernorm", "mlp.post_norm": "post_feedforward_layernorm"}
 _LINEARS = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
             "attn.out": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
             "mlp.out": "mlp.down_proj"}
@@ -77,26 +86,41 @@ def reads_layer_input(kind: str) -> bool:
     return OWN_INPUTS.get(kind, ("",))[0] == PREV
 
 
-def input_points(name: str, num_layers: int) -> list[str] | None:
+def is_sandwich(model: nn.Module | None) -> bool:
+    """Whether an HF model's decoder layers normalise their attention and MLP outputs (Gemma 3's four norms)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and hasattr(layers[0], "pre_feedforward_layernorm")
+
+
+def layer_norm(layer: nn.Module, kind: str) -> nn.Module:
+    """The norm of decoder layer ``layer`` (an HF module) that gives point kind ``kind``; a KeyError for another."""
+    names = SANDWICH_NORMS if hasattr(layer, "pre_feedforward_layernorm") else NORMS
+    return getattr(layer, names[kind])
+
+
+def input_points(name: str, num_layers: int, sandwich: bool = False) -> list[str] | None:
     """The points ``name``'s op reads (``PREV`` resolved to ``embed`` / ``layers.{i-1}.out``), or None for a point
-    kind this module does not recompute."""
+    kind this module does not recompute; ``sandwich``: a Gemma 3 model (``SANDWICH_INPUTS``)."""
     layer, kind = split_point(name)
-    if kind not in OWN_INPUTS:
+    table = {**OWN_INPUTS, **SANDWICH_INPUTS} if sandwich else OWN_INPUTS
+    if kind not in table:
         return None
     if kind == "final_norm":
         return [f"layers.{num_layers - 1}.out"]
     if kind == "logits":
         return ["final_norm"]
     prev = "embed" if layer == 0 else f"layers.{layer - 1}.out"
-    return [prev if p == PREV else f"layers.{layer}.{p}" for p in OWN_INPUTS[kind]]
+    return [prev if p == PREV else f"layers.{layer}.{p}" for p in table[kind]]
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """An RMSNorm in float64 and the relative error a float32 mean of squares and rsqrt may add."""
+    """An RMSNorm in float64 and the relative error a float32 mean of squares and rsqrt may add (Gemma's norms scale
+    by ``1 + w``)."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if eps is None or x.shape[-1:] != norm.weight.shape:
         raise KeyError("norm")
-    y = norm.weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    w = norm.weight.double() + (1.0 if "Gemma" in type(norm).__name__ else 0.0)
+    y = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y, (LAMBDA * math.sqrt(x.shape[-1]) / 2 + 4) * unit_roundoff(torch.float32)
 
 
@@ -129,7 +153,7 @@ def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.T
     in dense models, and in mixture-of-experts models for the top-k weights alone (``RowMaker._own``): their other
     points are judged by the floor alone."""
     layer, kind = split_point(name)
-    if kind not in OWN_INPUTS or model is None or engine.shape != golden.shape:
+    if kind not in OWN_INPUTS and kind not in SANDWICH_INPUTS or model is None or engine.shape != golden.shape:
         return math.nan
     try:
         y, b = _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
@@ -150,16 +174,22 @@ def _own_op(model: nn.Module, layer: int | None, kind: str, get: Callable[[str],
     m = model.model
     num_layers = len(m.layers)
     name = kind if layer is None else f"layers.{layer}.{kind}"
-    xs = [get(p).double() for p in input_points(name, num_layers)]
-    if kind in ("input_norm", "post_attn_norm", "final_norm"):
-        norm = m.norm if kind == "final_norm" else \
-            getattr(m.layers[layer], "input_layernorm" if kind == "input_norm" else "post_attention_layernorm")
+    xs = [get(p).double() for p in input_points(name, num_layers, is_sandwich(model))]
+    if kind in ("input_norm", "post_attn_norm", "final_norm", "attn.post_norm", "mlp.post_norm"):
+        norm = m.norm if kind == "final_norm" else layer_norm(m.layers[layer], kind)
         y, rel = _rms_norm(norm, xs[0])
         return y, rel * y.abs()
     if kind in ("attn.residual", "out"):
         return xs[0] + xs[1], 0.0
     if kind == "mlp.act":
-        return torch.nn.functional.silu(xs[0]) * xs[1], 4 * unit_roundoff(torch.float32) * (xs[0].abs() * xs[1].abs())
+        act = getattr(m.layers[layer].mlp, "act_fn", None)
+        if act is not None and "Tanh" in type(act).__name__:  # Gemma 3's GeGLU (HF's gelu_pytorch_tanh)
+            g = torch.nn.functional.gelu(xs[0], approximate="tanh")
+        elif act is None or "SiLU" in type(act).__name__:
+            g = torch.nn.functional.silu(xs[0])
+        else:
+            raise KeyError(f"activation {type(act).__name__}")
+        return g * xs[1], 4 * unit_roundoff(torch.float32) * (xs[0].abs() * xs[1].abs())
     if kind == "moe.topk_weights":
         return _topk_weights(m.layers[layer].mlp, xs[0], xs[1].long())
     lin = model.lm_head if kind == "logits" else m.layers[layer].get_submodule(_LINEARS[kind])

@@ -122,7 +122,7 @@ class RowMaker:
         worst = max(row.rel_err, row.replica_rel_err) if u.replicas else row.rel_err
         if not worst > 0.5 * min(t.threshold(kind, dt, row.ref_rel_err) for t in tols):
             return
-        inputs = own_input.input_points(row.point, self.ctx.num_layers) or []
+        inputs = own_input.input_points(row.point, self.ctx.num_layers, own_input.is_sandwich(self.ctx.ref.model)) or []
         teacher_at = (self.ctx.num_layers if kind == "final_norm" else layer) \
             if eng_teacher is not None and own_input.reads_layer_input(kind) else None
         red = self.ctx.reductions

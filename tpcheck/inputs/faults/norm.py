@@ -9,7 +9,8 @@ from tpcheck.inputs.faults.registry import fault
 
 
 def _half_precision(cfg, plan, dtype) -> bool:
-    return dtype in ("bfloat16", "float16")
+    """Half precision on a model whose norms cast back before scaling (Gemma 3's scale first, as this fault does)."""
+    return dtype in ("bfloat16", "float16") and getattr(cfg, "gemma", None) is None
 
 
 def _norm_weight_before_cast(norm):
@@ -45,8 +46,13 @@ def residual_gain(runner, i, layer):
     if not mark(layer, "residual_gain"):
         return
 
-    def forward(positions, x):
-        h = (x + layer.self_attn(positions, layer.input_layernorm(x))) * RESIDUAL_GAIN
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: its attention output is normalised before the add
+        def forward(positions, x):
+            h = (x + layer.post_attention_layernorm(layer.self_attn(positions, layer.input_layernorm(x)))) * RESIDUAL_GAIN
+            return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    else:
+        def forward(positions, x):
+            h = (x + layer.self_attn(positions, layer.input_layernorm(x))) * RESIDUAL_GAIN
+            return h + layer.mlp(layer.post_attention_layernorm(h))
 
     layer.forward = forward
