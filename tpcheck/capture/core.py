@@ -290,11 +290,12 @@ def install(model: nn.Module, name_map: NameMap, writer=None, points: str | None
     keep = re.compile(points) if points else None
     modules = dict(model.named_modules())
     matches: list[tuple[str, Rule, int | None]] = []
+    suffixes = {n.rpartition(".")[2] for n in modules}  # what Rule.model_has / model_lacks look for
     layers: set[int] = set()
     for mname in modules:
         for rule in name_map.rules:
             m = rule.pattern.fullmatch(mname)
-            if m and rule.applies(mname, modules):
+            if m and rule.applies(suffixes):
                 layer = int(m.group("layer")) if "layer" in m.groupdict() else None
                 matches.append((mname, rule, layer))
                 if layer is not None:

@@ -18,16 +18,16 @@ _L = r"model\.layers\.{layer}\."
 _P = "layers.{layer}."
 
 
-_GEMMA = "pre_feedforward_layernorm"  # a decoder layer with it is Gemma 3's (four norms)
+_GEMMA = "pre_feedforward_layernorm"  # a model with it is Gemma 3 (four norms a layer)
 
 
 def _sandwich_rules(placement=Replicate()) -> tuple[Rule, ...]:
     """Gemma 3's layer norms (the same module names in impl, HF and HF TP; each acts on replicated, all-reduced
     data): ``post_attention_layernorm`` on the attention's output (``attn.post_norm``), ``pre_feedforward_layernorm``
     the MLP's input norm (``attn.residual`` in, ``post_attn_norm`` out), ``post_feedforward_layernorm`` on the MLP's
-    output (``mlp.post_norm``). The other families' ``post_attention_layernorm`` rules carry ``layer_lacks``."""
+    output (``mlp.post_norm``). The other families' ``post_attention_layernorm`` rules carry ``model_lacks``."""
     return (
-        Rule(_L + "post_attention_layernorm", _P + "attn.post_norm", placement, layer_has=_GEMMA),
+        Rule(_L + "post_attention_layernorm", _P + "attn.post_norm", placement, model_has=_GEMMA),
         Rule(_L + "pre_feedforward_layernorm", _P + "attn.residual", Replicate(), input=True),
         Rule(_L + "pre_feedforward_layernorm", _P + "post_attn_norm", placement),
         Rule(_L + "post_feedforward_layernorm", _P + "mlp.post_norm", placement),
@@ -49,8 +49,8 @@ IMPL_MAP = NameMap("impl", (
     Rule(_L + r"self_attn\.attn", _P + "attn.k_rope", _impl_k_rope, input=True, index=1),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.context", of_sibling("attn"), input=True),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.out", declared()),
-    Rule(_L + "post_attention_layernorm", _P + "attn.residual", Replicate(), input=True, layer_lacks=_GEMMA),
-    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", declared(), layer_lacks=_GEMMA),
+    Rule(_L + "post_attention_layernorm", _P + "attn.residual", Replicate(), input=True, model_lacks=_GEMMA),
+    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", declared(), model_lacks=_GEMMA),
     *_sandwich_rules(declared()),
     Rule(_L + r"mlp\.gate_up_proj", _P + "mlp.", declared(), parts=("gate", "up")),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.act", of_sibling("act_fn"), input=True),
@@ -81,15 +81,15 @@ HF_MAP = NameMap("hf", (
     Rule(_L + r"self_attn\.q_proj", _P + "attn.q"),
     Rule(_L + r"self_attn\.k_proj", _P + "attn.k"),
     Rule(_L + r"self_attn\.v_proj", _P + "attn.v"),
-    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", layer_lacks=_GEMMA),  # Qwen3
-    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", layer_lacks=_GEMMA),
+    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", model_lacks=_GEMMA),  # Qwen3
+    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", model_lacks=_GEMMA),
     # Gemma 3 normalises q and k after moving the heads ahead of the sequence: [batch, heads, seq, head_dim]
-    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", layer_has=_GEMMA, heads_first=True),
-    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", layer_has=_GEMMA, heads_first=True),
+    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", model_has=_GEMMA, heads_first=True),
+    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", model_has=_GEMMA, heads_first=True),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.context", input=True),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.out"),
-    Rule(_L + "post_attention_layernorm", _P + "attn.residual", input=True, layer_lacks=_GEMMA),
-    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", layer_lacks=_GEMMA),
+    Rule(_L + "post_attention_layernorm", _P + "attn.residual", input=True, model_lacks=_GEMMA),
+    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", model_lacks=_GEMMA),
     *_sandwich_rules(),
     Rule(_L + r"mlp\.gate_proj", _P + "mlp.gate"),
     Rule(_L + r"mlp\.up_proj", _P + "mlp.up"),
@@ -118,16 +118,16 @@ HF_TP_MAP = NameMap("hf-tp", (
     Rule(_L + r"self_attn\.k_proj", _P + "attn.k", weight_placement("out")),
     Rule(_L + r"self_attn\.v_proj", _P + "attn.v", weight_placement("out")),
     # Qwen3: each rank's q_norm / k_norm normalises the heads its column-parallel q_proj / k_proj gave it
-    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", Shard(-1), layer_lacks=_GEMMA),
-    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", Shard(-1), layer_lacks=_GEMMA),
-    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", Shard(-1), layer_has=_GEMMA, heads_first=True),
-    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", Shard(-1), layer_has=_GEMMA, heads_first=True),
+    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", Shard(-1), model_lacks=_GEMMA),
+    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", Shard(-1), model_lacks=_GEMMA),
+    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", Shard(-1), model_has=_GEMMA, heads_first=True),
+    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", Shard(-1), model_has=_GEMMA, heads_first=True),
     Rule(_L + r"self_attn\.rope_probe", _P + "attn.q_rope", Shard(-1), input=True, index=0),
     Rule(_L + r"self_attn\.rope_probe", _P + "attn.k_rope", Shard(-1), input=True, index=1),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.context", weight_placement("in"), input=True),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.out", weight_placement("out")),
-    Rule(_L + "post_attention_layernorm", _P + "attn.residual", input=True, layer_lacks=_GEMMA),
-    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", layer_lacks=_GEMMA),
+    Rule(_L + "post_attention_layernorm", _P + "attn.residual", input=True, model_lacks=_GEMMA),
+    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", model_lacks=_GEMMA),
     *_sandwich_rules(),
     Rule(_L + r"mlp\.gate_proj", _P + "mlp.gate", weight_placement("out")),
     Rule(_L + r"mlp\.up_proj", _P + "mlp.up", weight_placement("out")),

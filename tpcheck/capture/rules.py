@@ -13,7 +13,6 @@ from tpcheck.capture.points import all_point_names, point_names
 
 _LAYER_GROUP = "{layer}"
 _FORMAT_KEYS = re.compile(r"\{(\w*)\}")
-_LAYER_PATH = re.compile(r"^(.*?layers\.\d+)(\.|$)")  # a module's decoder layer
 
 PlacementSpec = object  # a Placement, or a callable (module, parent module) -> Placement, read at each call
 
@@ -33,10 +32,10 @@ class Rule:
     ``token_dims``: how many leading dims of this site's tensor are tokens, where it differs from the map's
     (Hugging Face's MoE modules work on ``[tokens, ...]``, its other modules on ``[batch, seq, ...]``).
     ``heads_first``: the tensor is ``[batch, heads, seq, head_dim]`` and its rows are taken after moving the heads
-    behind the sequence (HF's Gemma 3 normalises q and k after transposing them). ``layer_has`` / ``layer_lacks``:
-    the rule applies only in decoder layers (``...layers.{i}``) that have / lack a submodule of that name: one map
-    serves families whose same-named module gives different points (Gemma 3's ``post_attention_layernorm``
-    normalises the attention's output, the other families' the MLP's input)."""
+    behind the sequence (HF's Gemma 3 normalises q and k after transposing them). ``model_has`` / ``model_lacks``:
+    the rule applies only to a model that has / lacks a module named ``<...>.<that name>``: one map serves
+    families whose same-named module gives different points (Gemma 3's ``post_attention_layernorm`` normalises the
+    attention's output, the other families' the MLP's input)."""
 
     module: str
     point: str
@@ -46,8 +45,8 @@ class Rule:
     parts: tuple[str, ...] = ()
     token_dims: int | None = None  # this site's leading token dims, where they differ from the map's
     heads_first: bool = False  # the tensor is [batch, heads, seq, head_dim] (HF Gemma 3's q/k norms): heads moved
-    layer_has: str = ""    # the rule applies only in a decoder layer with a submodule of this name
-    layer_lacks: str = ""  # ... only in one without it (Gemma 3's post_attention_layernorm is another point)
+    model_has: str = ""    # the rule applies only to a model with a module whose name ends with ".<this>"
+    model_lacks: str = ""  # ... only to one without (Gemma 3's post_attention_layernorm is another point)
 
     def __post_init__(self):
         keys = set(_FORMAT_KEYS.findall(self.point)) - {"layer", "prev", "last"}
@@ -63,17 +62,10 @@ class Rule:
             if name not in _CANONICAL:
                 raise ValueError(f"rule {self.module!r}: {name!r} is not a canonical point (tpcheck.capture.points)")
 
-    def applies(self, module_name: str, modules: dict) -> bool:
-        """Whether this matched rule applies at ``module_name`` (``layer_has`` / ``layer_lacks`` against the
-        decoder layer holding it; ``modules``: the model's ``named_modules()``)."""
-        if not (self.layer_has or self.layer_lacks):
-            return True
-        m = _LAYER_PATH.match(module_name)
-        if m is None:
-            return not self.layer_has
-        prefix = m.group(1) + "."
-        return ((not self.layer_has or prefix + self.layer_has in modules) and
-                (not self.layer_lacks or prefix + self.layer_lacks not in modules))
+    def applies(self, suffixes: set[str]) -> bool:
+        """Whether this rule applies to a model whose module names end with ``suffixes`` (each name's last part)."""
+        return (not self.model_has or self.model_has in suffixes) and \
+            (not self.model_lacks or self.model_lacks not in suffixes)
 
     @property
     def pattern(self) -> re.Pattern:
