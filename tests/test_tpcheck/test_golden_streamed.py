@@ -20,8 +20,8 @@ from tpcheck.reference.streamed import HEAD_ROW_ALIGN, streamed_hf_capture
 from tpcheck.reference.reductions import Reductions
 
 STEPS = 2
-# the other families load_hf_model builds: llama3 RoPE scaling, attention biases, a sliding window, q/k norms
-FAMILIES = ("tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3")
+# the other families load_hf_model builds: llama3 RoPE scaling, attention biases, a sliding window, q/k norms, Gemma 3
+FAMILIES = ("tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3", "tiny-gemma3")
 
 
 @pytest.fixture(scope="module")

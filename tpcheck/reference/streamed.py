@@ -15,7 +15,7 @@ and emulated TP reductions work as on the in-memory model. Then:
   error), so at most one matrix is resident;
 * vectors (RMSNorm weights, Qwen3's q/k norms, biases) are read once at build time and stay: a hidden-size vector or two per
   layer, and ``tpcheck.measure.exact_ops`` calls the norms of the reference model directly, outside any forward;
-* the embedding reads only the rows of the tokens in the forward;
+* the embedding reads only the rows of the tokens in the forward (times Gemma 3's embedding scale, as HF's);
 * the LM head (``lm_head.weight``, or ``model.embed_tokens.weight`` when ``tie_word_embeddings``) is applied in
   vocab chunks of about the largest matrix of a layer, each chunk read, multiplied and dropped in turn;
 * the rotary buffers (``inv_freq``, not in the checkpoint) come from HF's own rotary module built on the CPU,
@@ -199,6 +199,10 @@ class Streamer:
         self.arena_numel = max(need + [min(head_chunk_rows, self.vocab) * self.hidden])
         self._arena: torch.Tensor | None = None  # allocated at the first cast read
         self._resident: nn.Module | None = None  # the module whose weights are loaded now
+        # Gemma 3's scaled embedding (HF: ``F.embedding(...) * embed_scale.to(weight dtype)``, the scale a float32
+        # tensor of ``scalar_embed_scale``): its non-persistent buffer sits on the meta device, so it is rebuilt here
+        scale = getattr(model.model.embed_tokens, "scalar_embed_scale", None)
+        self._embed_scale = None if scale is None else torch.tensor(scale).to(self.dtype)
         model.model.embed_tokens.forward = self._embed
         model.lm_head.forward = self._head
 
@@ -273,7 +277,8 @@ class Streamer:
         if bad.numel():
             raise IndexError(f"token id {int(bad[0])} is outside the embedding's {self.vocab} rows")
         table = self.reader.rows(self.embed_name, self.dtype, uniq.tolist())
-        return table[inverse].reshape(*input_ids.shape, self.hidden)
+        out = table[inverse].reshape(*input_ids.shape, self.hidden)
+        return out if self._embed_scale is None else out * self._embed_scale
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """``F.linear(x, W)`` over the vocab in chunks of ``head_chunk_rows`` rows, each read then dropped."""
