@@ -180,19 +180,30 @@ def _vllm_k_rope(module, parent):
 
 
 VLLM_MAP = NameMap("vllm", (
-    Rule(r"model\.embed_tokens", "embed"),                                 # all-reduced: Replicate
+    Rule(r"model\.embed_tokens", "embed", model_lacks=_GEMMA),             # all-reduced: Replicate
+    # Gemma 3 scales the embedding outside embed_tokens (Gemma3Model.embed_input_ids): layer 0's input holds it
+    Rule(r"model\.layers\.0", "embed", input=True, index=1, model_has=_GEMMA),
     Rule(_L + "input_layernorm", _P + "input_norm", index=0),
     Rule(_L + "input_layernorm", "layers.{prev}.out", index=1),            # fused add+norm: updated residual
     Rule(_L + r"self_attn\.qkv_proj", _P + "attn.", vllm_qkv_placement, index=0, parts=("q", "k", "v")),
+    # per-head q/k norms (Qwen3, Gemma 3: [tokens, local heads, head_dim]), placed like the heads they normalise
+    Rule(_L + r"self_attn\.q_norm", _P + "attn.q_norm", Shard(-1)),
+    Rule(_L + r"self_attn\.k_norm", _P + "attn.k_norm", _vllm_k_rope),
     Rule(_L + r"self_attn\.attn", _P + "attn.q_rope", Shard(-1), input=True, index=0),
     Rule(_L + r"self_attn\.attn", _P + "attn.k_rope", _vllm_k_rope, input=True, index=1),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.context", Shard(-1), input=True),
     Rule(_L + r"self_attn\.o_proj", _P + "attn.out", index=0),             # (output, bias): after all-reduce
-    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", index=0),
-    Rule(_L + "post_attention_layernorm", _P + "attn.residual", index=1),
+    Rule(_L + "post_attention_layernorm", _P + "post_attn_norm", index=0, model_lacks=_GEMMA),
+    Rule(_L + "post_attention_layernorm", _P + "attn.residual", index=1, model_lacks=_GEMMA),
+    # Gemma 3: post_attention_layernorm is a plain norm of the attention's output; pre_feedforward_layernorm the fused
+    # add + norm (its second output the residual after the attention); post_feedforward_layernorm the MLP's output's
+    Rule(_L + "post_attention_layernorm", _P + "attn.post_norm", model_has=_GEMMA),
+    Rule(_L + "pre_feedforward_layernorm", _P + "post_attn_norm", index=0),
+    Rule(_L + "pre_feedforward_layernorm", _P + "attn.residual", index=1),
     Rule(_L + r"mlp\.gate_up_proj", _P + "mlp.", vllm_gate_up_placement, index=0, parts=("gate", "up")),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.act", Shard(-1), input=True),
     Rule(_L + r"mlp\.down_proj", _P + "mlp.out", index=0),
+    Rule(_L + "post_feedforward_layernorm", _P + "mlp.post_norm"),
     # mixture of experts: the router (a replicated linear: (logits, bias)); the experts its router object chose,
     # through the module tpcheck.capture.vllm_routes attaches (attach_route_probes: call it before install); the
     # FusedMoE runner's output, all-reduced, is the sparse block's (no shared expert outside it)

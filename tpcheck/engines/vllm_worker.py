@@ -92,6 +92,15 @@ def cache_layout(cache: torch.Tensor) -> str:
     raise ValueError(f"tpcheck: a KV cache of shape {tuple(cache.shape)}: no known layout")
 
 
+def _kv_cache_group(runner, attn) -> int:
+    """The KV-cache group of an attention layer: a model with sliding-window and full-attention layers (Gemma 3,
+    Mistral's hybrids) gets one group per kind, each with its own block table per request (``block_ids[group]``);
+    the others one group."""
+    groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None) or []
+    name = getattr(attn, "layer_name", None)
+    return next((g for g, grp in enumerate(groups) if name in getattr(grp, "layer_names", ())), 0)
+
+
 # ---------------------------------------------------------------- teacher forcing through the fused norms
 
 class NormTeacher:
@@ -285,9 +294,10 @@ class TPCheckWorker:
             if layout == "cpu":
                 index = self._tpcheck_index(layer.self_attn.attn, cache)
             kv = Shard(-1, getattr(layer.self_attn.qkv_proj, "num_kv_head_replicas", 1))
+            group = _kv_cache_group(runner, layer.self_attn.attn)
             ks, vs = [], []
             for r, n in zip(req_ids, lens):
-                k, v = paged_kv_rows(cache, layout, runner.requests[r].block_ids[0], n, index)
+                k, v = paged_kv_rows(cache, layout, runner.requests[r].block_ids[group], n, index)
                 ks.append(k)
                 vs.append(v)
             for name, part in zip(names, (ks, vs)):
