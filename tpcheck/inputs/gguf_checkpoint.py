@@ -20,6 +20,7 @@ does not know (it could change the model), a tensor type ``gguf.quants`` cannot 
 counterpart or an HF parameter with no GGUF tensor is a ``GGUFError`` naming it (exit 2 in the CLI)."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -48,6 +49,8 @@ logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on st
 
 ARCH = "gemma3"
 SOURCE_FILE = "tpcheck_source.json"
+#: written to SOURCE_FILE; a change of what a conversion writes bumps it (``public_checkpoint`` converts again)
+CONVERTER_VERSION = 1
 #: blk.N.<gguf> -> model.layers.N.<hf> (gguf.get_tensor_name_map(MODEL_ARCH.GEMMA3, n) read backwards)
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -67,10 +70,10 @@ REQUIRED_KEYS = {
 }
 #: gemma3.<key>s read when present (``gemma3_config``); any other gemma3.* key is refused
 OPTIONAL_KEYS = ("attention.value_length", "rope.dimension_count", "vocab_size", "rope.freq_base_swa",
-                 "attention.sliding_window_pattern", "rope.scaling.type", "rope.scaling.factor",
-                 "attn_logit_softcapping", "final_logit_softcapping")
+                 "rope.scaling.type", "rope.scaling.factor", "attn_logit_softcapping", "final_logit_softcapping")
 # what a Gemma 3 GGUF does not carry, as llama.cpp's loader (llama-model.cpp, LLM_ARCH_GEMMA3) hard-codes it and
-# transformers' Gemma3TextConfig defaults it: every 6th layer global, the local layers' RoPE base 1e4
+# transformers' Gemma3TextConfig defaults it: every 6th layer global, the local layers' RoPE base 1e4 (a file with
+# an attention.sliding_window_pattern key is refused: llama.cpp's gemma3 loader does not read one)
 SLIDING_WINDOW_PATTERN = 6
 LOCAL_ROPE_BASE = 10000.0
 
@@ -130,7 +133,7 @@ def gemma3_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         raise GGUFError(f"{path}: GGUF metadata key {unknown[0]!r} is not understood by this converter (it may change "
                         "the model); refusing rather than ignoring it")
     cfg: dict[str, Any] = {hf: _value(reader, f"{ARCH}.{k}", path) for k, hf in REQUIRED_KEYS.items()}
-    opt = {k: reader.fields[f"{ARCH}.{k}"].contents() for k in OPTIONAL_KEYS if f"{ARCH}.{k}" in reader.fields}
+    opt = {k: _optional(reader, f"{ARCH}.{k}") for k in OPTIONAL_KEYS if f"{ARCH}.{k}" in reader.fields}
     head_dim, n_layers = cfg["head_dim"], cfg["num_hidden_layers"]
     for k in ("attention.value_length", "rope.dimension_count"):  # HF has one head_dim, rotated in full
         if opt.get(k, head_dim) != head_dim:
@@ -146,21 +149,15 @@ def gemma3_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     if opt.get("vocab_size", vocab) != vocab or n_tokens != vocab:
         raise GGUFError(f"{path}: token_embd has {vocab} rows but the tokenizer {n_tokens} tokens"
                         f" (vocab_size {opt.get('vocab_size')})")
-    pattern = opt.get("attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
-    # llama.cpp's hparams.set_swa_pattern: an int n makes layer i sliding unless i % n == n - 1; a list of bools
-    # says per layer (true: sliding); HF's layer_types spell the same
-    sliding = [bool(p) for p in pattern] if isinstance(pattern, list) else \
-        [i % pattern < pattern - 1 for i in range(n_layers)]
-    if len(sliding) != n_layers:
-        raise GGUFError(f"{path}: attention.sliding_window_pattern has {len(sliding)} layers, block_count {n_layers}")
     scaling = _rope_scaling(opt, path)
+    p = SLIDING_WINDOW_PATTERN  # llama.cpp's set_swa_pattern(6): layer i slides unless i % 6 == 5 (HF: (i + 1) % 6)
     return {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "torch_dtype": "float32",
         **cfg, "vocab_size": vocab,
         # llama.cpp: rope.freq_base_swa when written, else its hard-coded 1e4 (transformers' default_theta["local"])
         "rope_local_base_freq": float(opt.get("rope.freq_base_swa", LOCAL_ROPE_BASE)),
         "rope_scaling": scaling,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "layer_types": ["sliding_attention" if i % p < p - 1 else "full_attention" for i in range(n_layers)],
         # llama.cpp scales the scores by key_length ** -0.5, by (hidden / heads) ** -0.5 for the 27B (62 layers;
         # gemma_pytorch's config): each equals the Hub config's query_pre_attn_scalar (256 for 270M..12B, 168 for
         # 27B). transformers' GGUF loader leaves its class default 256, which agrees wherever head_dim is 256.
@@ -173,8 +170,7 @@ def gemma3_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
         "bos_token_id": _value(reader, "tokenizer.ggml.bos_token_id", path),
         "eos_token_id": _value(reader, "tokenizer.ggml.eos_token_id", path),
-        "pad_token_id": reader.fields["tokenizer.ggml.padding_token_id"].contents()
-        if "tokenizer.ggml.padding_token_id" in reader.fields else None,  # no pad token: none (not HF's 0)
+        "pad_token_id": _optional(reader, "tokenizer.ggml.padding_token_id"),  # none in the file: none (not HF's 0)
     }
 
 
@@ -280,18 +276,37 @@ def convert_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike) -> Conver
         _write_tokenizer(path, tmp)
         types = {t.name: t.tensor_type.name for t, _ in todo}
         source = {"gguf_file": path.name, "sha256": digest, "size_bytes": path.stat().st_size,
-                  "general.name": reader.fields["general.name"].contents() if "general.name" in reader.fields else None,
-                  "dequantized_to": "float32", "converter": __name__,
+                  "general.name": _optional(reader, "general.name"), "file_type": _file_type(reader),
+                  "dequantized_to": "float32", "converter": __name__, "converter_version": CONVERTER_VERSION,
                   "tensor_type_counts": dict(sorted(Counter(types.values()).items())), "tensor_types": types}
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         for f in tmp.iterdir():
             os.chmod(f, 0o644)  # safetensors creates its files 0600
         os.chmod(tmp, 0o755)
-        os.replace(tmp, out)  # POSIX: onto a missing or empty directory
+        try:
+            os.replace(tmp, out)  # POSIX: onto a missing or empty directory
+        except OSError as e:  # filled meanwhile (a concurrent conversion)
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise FileExistsError(f"checkpoint destination exists and is not empty: {out}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Conversion(out, digest, types, time.perf_counter() - start)
+
+
+def _optional(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _file_type(reader: gguf.GGUFReader) -> str | None:
+    """llama.cpp's name of the file's quantization mix (``general.file_type`` 15: ``MOSTLY_Q4_K_M``)."""
+    value = _optional(reader, "general.file_type")
+    try:
+        return None if value is None else gguf.LlamaFileType(value).name
+    except ValueError:
+        return str(value)
 
 
 def _write_tokenizer(path: Path, dest: Path) -> None:
