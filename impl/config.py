@@ -137,6 +137,8 @@ def hf_rope_theta(hf: PretrainedConfig) -> float:
     wins when a file has both), the top-level ``rope_theta`` in 4.x (where a ``rope_parameters`` key is
     just an unread attribute)."""
     params = _rope_parameters(hf)
+    if "full_attention" in params:  # Gemma 3: one dict per layer type; the global layers' base is its rope_theta
+        params = params["full_attention"] or {}
     return float(params["rope_theta"] if "rope_theta" in params else hf.rope_theta)
 
 
