@@ -126,7 +126,7 @@ def test_rope_theta_both_layouts_agrees_with_hf(tmp_path):
 
 @pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v2", None])
 def test_unsupported_model_type_refused(model_type, tmp_path):
-    """Anything outside impl.config.FAMILIES (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe) is
+    """Anything outside impl.config.FAMILIES (gemma3_text, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe) is
     refused, listing those."""
     def edit(raw):
         if model_type is None:
@@ -134,7 +134,7 @@ def test_unsupported_model_type_refused(model_type, tmp_path):
         else:
             raw["model_type"] = model_type
 
-    with pytest.raises(ConfigError, match="supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe") as ei:
+    with pytest.raises(ConfigError, match="supported: gemma3_text, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe") as ei:
         load_config(write_config(tmp_path, "tiny", edit))
     assert f"model_type is {model_type!r}" in str(ei.value)
 
