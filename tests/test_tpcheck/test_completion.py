@@ -35,7 +35,7 @@ def script(tmp_path_factory):
     ("tpcheck faults matrix --no", ["--no-clean"]),
     ("tpcheck diff --eng", ["--engine"]),
     ("tpcheck diff --engine h", ["hf-tp"]),
-    ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-hd32", "small-llama", "small-qwen3", "small-w8a8",
+    ("tpcheck diff --tp 2 --preset small", ["small", "small-outliers", "small-hd32", "small-llama", "small-qwen3", "small-gemma3", "small-w8a8",
                                              "small-w8a8-tensor", "small-gptq", "small-gptq-act",
                                              "small-awq", "small-fp8", "small-fp8-tensor", "small-fp8-static",
                                              "small-fp8-kv", "small-fp8-kv-head"]),

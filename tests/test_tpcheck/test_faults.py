@@ -30,9 +30,11 @@ AWQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.fau
 KV = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_kv"]  # FP8 KV cache
 # pipeline-stage faults need --pp 2: tests/test_tpcheck/test_pipeline_diff.py
 PIPELINE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.pipeline"]
+# Gemma 3's own faults need a Gemma 3 preset: tests/test_tpcheck/test_gemma3.py
+GEMMA = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.gemma"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
            and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT, *GPTQ, *AWQ, *KV,
-                         *PIPELINE)]
+                         *PIPELINE, *GEMMA)]
 
 
 def smallest_tp(fault, cfg) -> int:
@@ -61,7 +63,7 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 53
+    assert len(names) == len(set(names)) == len(FAULTS) == 56
     assert PIPELINE == ["pp_residual_not_sent", "pp_final_norm_mid_stage", "pp_lm_head_untied",
                         "pp_stage_relative_positions", "pp_boundary_layer_twice", "pp_kv_global_layer_id"]
     assert all(FAULTS[n].pp == 2 and not FAULTS[n].per_layer for n in PIPELINE)
@@ -130,7 +132,7 @@ def test_applies(ckpt):
                                            "kv_replica_index", "full_state_dict_every_rank", "vocab_ids_not_masked",
                                            "every_rank_loads_rank0_shard", "rmsnorm_weight_before_cast",
                                            "rope_theta_default", "allreduce_low_precision", *FAMILY, *MOE, *QUANT,
-                                           *GPTQ, *AWQ, *KV)]
+                                           *GPTQ, *AWQ, *KV, *GEMMA)]
 
 
 
@@ -138,7 +140,7 @@ def test_each_fault_declared_once_with_its_patch():
     """One registry: every fault carries its patch and predicate (module-level: a Fault pickles), catalogue
     numbers give the listing order, and a second declaration of a name or number is refused."""
     numbers = [f.number for f in FAULTS.values()]  # 1-35, FP8's 36-37, GPTQ's 40-42, AWQ's 43-45, the pipeline's 46-51,
-    assert numbers == list(range(1, 38)) + list(range(40, 56))  # the FP8 KV cache's 52-55
+    assert numbers == list(range(1, 38)) + list(range(40, 59))  # the FP8 KV cache's 52-55, Gemma 3's 56-58
     for f in FAULTS.values():
         assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.inputs.faults."), f.name
         assert pickle.loads(pickle.dumps(f)) == f
@@ -147,7 +149,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 53  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 56  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

@@ -1,4 +1,4 @@
-"""Synthetic Hugging Face checkpoints of every family impl runs (Qwen2, Llama, Mistral, Qwen3): random weights
+"""Synthetic Hugging Face checkpoints of every family impl runs (Qwen2, Llama, Mistral, Qwen3, Gemma 3): random weights
 in the real HF layout.
 
 These are the test inputs for the whole project.  ``transformers`` loads them with the family's own class
