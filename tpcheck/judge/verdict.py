@@ -5,13 +5,18 @@ A diff run (``tpcheck.pipeline.diff``) records measurements (``rel_err``, the re
 ``max_abs``, how far replicas differ between ranks: ``rank_spread``, the gain, ...) and structural findings (a
 shape that differs from the golden, ranks holding other shapes, an op whose bits differ from HF's under
 ``--exact-ops``), each written in the row's ``note``. A row passes when ``rel_err <= threshold``
-(``Tolerances.threshold``: ``k * ref_rel_err + floor``, or ``rel_max``) for every replica of the point (the worst
+(``Tolerances.threshold``: ``k * ref_rel_err + floor``, or ``rel_max``; plus ``rel_floor``, one ulp of the element
+that holds the tensor's norm, which a reference that rounded that element luckily does not sample:
+``tpcheck.measure.metrics.ulp_floor``) for every replica of the point (the worst
 other one's is ``replica_rel_err``, below), ``max_abs <= abs_max`` where a bound is set, ``|gain| <=
 gain_threshold`` where a gain was measured, and it has no structural finding; or, failing only the ``rel_err``
 gate, as *inherited* (``inherited`` column) when its op recomputed on the engine's own inputs errs within the same
 threshold beyond a correct kernel's rounding (``own_err``, ``tpcheck.measure.own_input``; for every replica) and
 every input of that op passed: the excess came in through inputs that are themselves within their floors. NaN
-never passes.
+never passes, except where Hugging Face at the run's dtype is non-finite too: the dtype cannot hold the model's
+activations there (a trained model's ~1e5 in float16), which is no finding about the engine; those rows are left
+unjudged and ``meta["overflow"]`` names the first (the run is then neither a pass nor a divergence: ``tpcheck diff``
+exits 2 naming the dtype).
 
 **Replicas** (``rank_spread``, ``replica_rel_err``): a correct engine's replicas may differ: vLLM's CPU all-reduce
 adds the partials in a rank-dependent order, so at tp >= 3 each rank rounds the same sum its own way, and where
@@ -116,6 +121,8 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
     spread = np.where(measured, np.nan, spread)
     structural = (t["note"].fillna("").astype(str) != "").to_numpy()
     thr = np.array([tol.threshold(k, dtype, r) for k, r in zip(t["kind"], ref)], dtype=float)
+    if "rel_floor" in t:  # one ulp of the element that holds the norm, beyond the references' (metrics.ulp_floor)
+        thr = thr + np.nan_to_num(_col(t, "rel_floor"))
     bound = np.array([np.nan if (b := tol.abs_max(k, dtype)) is None else b for k in t["kind"]], dtype=float)
     gthr = gain_thresholds(t, dtype, tol)
     signed = _col(t, "gain")
@@ -139,10 +146,21 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
     with np.errstate(divide="ignore", invalid="ignore"):
         own_excess = np.maximum.reduce([own / np.where(thr > 0, thr, np.inf), rank_excess, gain_excess])
     ok, excess = ok | inherited, np.where(inherited, own_excess, excess)
+    # the dtype's own overflow: the engine non-finite where Hugging Face at the same dtype is too (float16 and a
+    # trained model's ~1e5 activations): no verdict about the engine there, and the run says so (``overflow``)
+    overflow = ~np.isfinite(rel) & ~np.isfinite(ref) & ~structural
+    ok, excess = ok | overflow, np.where(overflow, np.nan, excess)
     t["threshold"], t["gain_threshold"], t["excess"] = thr, gthr, excess
     t["passed"], t["inherited"] = ok.astype(bool), inherited
     t["by_rounding"] = (gain > gthr) & (gain <= glim)  # within the gain's threshold only by the declared rounding
-    return DiffResult(t, {**result.meta, "tolerances": tol.source})
+    meta = {**result.meta, "tolerances": tol.source}
+    meta.pop("overflow", None)
+    if overflow.any():
+        o = t[overflow]
+        first = o.loc[o[["step", "order"]].apply(tuple, axis=1).idxmin()]
+        meta["overflow"] = {"point": first.point, "step": int(first.step), "mode": first["mode"],
+                            "rows": int(overflow.sum())}
+    return DiffResult(t, meta)
 
 
 def _inherited(t: pd.DataFrame, ok: np.ndarray, own_ok: np.ndarray, num_layers: int | None) -> np.ndarray:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -257,20 +258,116 @@ def row_gains(x: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torc
     return med.masked_fill(few, math.nan), se.masked_fill(few, math.nan)
 
 
-def gain_fields(x: torch.Tensor, golden: torch.Tensor) -> dict[str, float]:
+def gain_fields(x: torch.Tensor, golden: torch.Tensor, scale: RowScale | None = None) -> dict[str, float]:
     """The engine's ``Row`` gain columns: ``gain``, ``gain_se``, ``gain_n`` and ``gain_floor``, NaN where no gain is
     measured.
 
-    ``gain_floor = GAIN_C * U_FP32 * sqrt(features)`` covers a per-row scalar that any engine rounds once in float32
-    in its own way: RMSNorm's ``rsqrt(mean(x^2) + eps)`` sums ``features`` squares (a random walk of roundings,
-    relative error ~ ``u sqrt(n)``; a fused kernel sums them in another order than HF), then rounds the rsqrt; a
-    softmax's denominator likewise. That scales every element of a row alike: a true gain, of one row, which the
-    engine's spread does not see and a reference (another summation order) need not sample. It matters in float32
-    alone (bfloat16's noise is ~1e5 times larger)."""
+    ``gain_floor`` is the larger of two allowances for a per-row scale that a correct engine rounds otherwise:
+
+    * ``GAIN_C * U_FP32 * sqrt(features)``: a per-row scalar any engine rounds once in float32 in its own way:
+      RMSNorm's ``rsqrt(mean(x^2) + eps)`` sums ``features`` squares (a random walk of roundings, relative error ~
+      ``u sqrt(n)``; a fused kernel sums them in another order than HF), then rounds the rsqrt; a softmax's
+      denominator likewise. That scales every element of a row alike: a true gain, of one row, which the engine's
+      spread does not see and a reference (another summation order) need not sample. It matters in float32 alone;
+    * ``scale`` (``RowScale``, ``row_scale_allowance``): the same per-row scale from the norm's *input*, rounded to
+      the run's dtype: a row whose RMS one massive element dominates (a trained model's sink token) takes its scale
+      from that element's rounding, and a correct engine that rounds it one ulp otherwise (another accumulation
+      order before the cast) scales the whole row by up to ``2u`` (``2^-7`` in bfloat16): a gain of every element of
+      the row, as large as a bug's, and of either sign. Each qualifying element is allowed its row's share; the
+      gain is a median, so the allowance is the median of those shares over the qualifying elements (a prompt of
+      one token: that row's; many tokens of which one is a sink: small), times the times the scale enters the
+      point (``mult``: 2 after the MLP's product), or their maximum where attention mixes the rows first (every
+      query reads the sink's value row). A bug that scales every row (the ``residual_gain`` fault, on the residual
+      stream, outside any norm's scope) is judged as before."""
     g = gain_of(x, golden)
     if g.n < MIN_ELEMENTS:
         return {"gain": math.nan, "gain_se": math.nan, "gain_n": math.nan, "gain_floor": math.nan,
                 "gain_se_cols": math.nan, "gain_groups": math.nan}
     features = golden.shape[-1] if golden.dim() else 1
-    return {"gain": g.gain, "gain_se": g.se, "gain_n": float(g.n), "gain_floor": GAIN_C * U_FP32 * math.sqrt(features),
+    floor = GAIN_C * U_FP32 * math.sqrt(features)
+    if scale is not None:
+        floor = max(floor, _scale_share(x, golden, scale))
+    return {"gain": g.gain, "gain_se": g.se, "gain_n": float(g.n), "gain_floor": floor,
             "gain_se_cols": g.se_cols, "gain_groups": float(g.groups) if g.groups else math.nan}
+
+
+_PREV, _LAST = "<layer input>", "<last layer's out>"
+#: point kind -> (the norm input its rows' scale comes from, how many times the scale enters it, whether attention
+#: mixes the rows in between): the points from a norm to the next one (``gain_fields``); others get no allowance
+SCALE_SOURCES: dict[str, tuple[str, int, bool]] = {
+    "input_norm": (_PREV, 1, False), "attn.q": (_PREV, 1, False), "attn.k": (_PREV, 1, False),
+    "attn.v": (_PREV, 1, False), "attn.context": (_PREV, 1, True), "attn.out": (_PREV, 1, True),
+    "post_attn_norm": ("attn.residual", 1, False), "mlp.gate": ("attn.residual", 1, False),
+    "mlp.up": ("attn.residual", 1, False), "mlp.act": ("attn.residual", 2, False),
+    "mlp.out": ("attn.residual", 2, False), "final_norm": (_LAST, 1, False), "logits": (_LAST, 1, False),
+}
+#: Gemma 3 adds a norm after the attention and one after the MLP, each with its own input
+SANDWICH_SCALE_SOURCES = {"attn.post_norm": ("attn.out", 1, False), "mlp.post_norm": ("mlp.out", 1, False)}
+
+
+def scale_source(name: str, num_layers: int, sandwich: bool = False) -> tuple[str, int, bool] | None:
+    """(the point whose golden rows set point ``name``'s per-row scale allowance, its multiplicity, mixed), or None
+    (``SCALE_SOURCES``; ``sandwich``: a Gemma 3 model)."""
+    m = re.match(r"^layers\.(\d+)\.(.+)$", name)
+    layer, kind = (int(m.group(1)), m.group(2)) if m else (None, name)
+    src = (SANDWICH_SCALE_SOURCES.get(kind) if sandwich else None) or SCALE_SOURCES.get(kind)
+    if src is None:
+        return None
+    point, mult, mixed = src
+    if point == _LAST:
+        return (f"layers.{num_layers - 1}.out" if num_layers else "embed"), mult, mixed
+    if layer is None:
+        return None
+    if point == _PREV:
+        return ("embed" if layer == 0 else f"layers.{layer - 1}.out"), mult, mixed
+    return f"layers.{layer}.{point}", mult, mixed
+
+
+@dataclass(frozen=True)
+class RowScale:
+    """The per-row scale allowance of a point (``row_scale_allowance`` of the norm input it descends from), how many
+    times the row's scale enters the point (``mult``) and whether attention has mixed the rows (``mixed``)."""
+
+    rows: torch.Tensor
+    mult: int = 1
+    mixed: bool = False
+
+
+def row_scale_allowance(source: torch.Tensor, dtype: torch.dtype, engine: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row of a norm's input ``source`` (its golden, ``[rows, features]``): ``2u sqrt(sum x^4) / sum x^2``, the
+    relative change of the row's RMS when each element moves by up to one ulp of ``dtype`` (``2u``) with random
+    sign (``2u`` for a row one element dominates, ``2u / sqrt(n)`` for ``n`` alike), plus, given the ``engine``'s own
+    rows of that input, the relative error of their RMS: the row scale the norm passes on, measured (an upstream
+    bug fails at that input first, so excusing what it passes on cannot hide it)."""
+    x = source.detach().to(torch.float64).reshape(source.shape[0], -1)
+    sq = x.square()
+    ss = sq.sum(-1)
+    share = sq.square().sum(-1).sqrt() / ss.clamp(min=1e-300)
+    out = (2 * unit_roundoff(dtype) * share).masked_fill(ss == 0, 0.0)
+    if engine is not None and engine.shape[0] == source.shape[0] and engine.numel() == source.numel():
+        e = engine.detach().to(torch.float64).reshape(x.shape)
+        rel = (e.square().sum(-1).sqrt() / ss.sqrt().clamp(min=1e-300) - 1).abs()
+        out = out + torch.nan_to_num(rel.masked_fill(ss == 0, 0.0), nan=0.0, posinf=0.0)
+    return out
+
+
+def _scale_share(x: torch.Tensor, golden: torch.Tensor, scale: RowScale) -> float:
+    """The gain a correct engine's per-row scales may add up to (``gain_fields``): the median of the row allowances
+    over the qualifying elements (their maximum where attention mixed the rows), times ``scale.mult``; 0 where the
+    rows do not line up."""
+    gq = _qualifying(x, golden)
+    a = scale.rows.to(torch.float64)
+    if gq is None or a.numel() == 0:
+        return 0.0
+    q = gq[1]
+    if q.dim() != 2 or q.shape[0] != a.shape[0]:
+        return 0.0
+    if scale.mixed:
+        return scale.mult * float(a.max())
+    counts = q.sum(-1).to(torch.float64)
+    order = torch.argsort(a)
+    cum = counts[order].cumsum(0)
+    if cum.numel() == 0 or float(cum[-1]) == 0:
+        return 0.0
+    at = int(torch.searchsorted(cum, cum[-1] / 2))
+    return scale.mult * float(a[order][min(at, a.numel() - 1)])

@@ -23,6 +23,23 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+def ulp_floor(golden: torch.Tensor, dtype: torch.dtype) -> float:
+    """``2u max|g| / |g|`` (u of ``dtype``): how much ``rel_err`` one ulp at the largest element (the most two correct
+    roundings of a value differ by) adds. Over ``n`` elements alike ``2u / sqrt(n)``: no floor at all on a tensor of
+    thousands, whose ``rel_err`` is an average the references sample well. But where one element holds the norm (a
+    one-token prompt through a trained model's sink: a massive activation of ~1e5 against ~1e3 elsewhere)
+    ``rel_err`` *is* that element's relative error, one sample between 0 and ``2u``, and so is a reference's: ``k``
+    times a reference that rounded luckily cannot bound a correct engine an ulp away, and nothing finer than one
+    ulp of that element can be asked of it. NaN for a tensor that is not floating or has no norm."""
+    if not golden.is_floating_point() or not dtype.is_floating_point or golden.numel() == 0:
+        return math.nan
+    g = golden.detach().to(torch.float64).reshape(-1)
+    norm = float(g.norm())
+    if not norm > 0 or not math.isfinite(norm):
+        return math.nan
+    return 2 * unit_roundoff(dtype) * float(g.abs().max()) / norm
+
+
 CHUNK = 1 << 18  # float64 elements of one chunk of rows (2 MiB, a core's L2 here; at least one row): ``_sweep``
 
 

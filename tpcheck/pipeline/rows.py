@@ -17,8 +17,8 @@ from tpcheck.judge.coverage import check_known
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure import exact_ops, own_input
 from tpcheck.measure.ahead import Ahead
-from tpcheck.measure.gain import gain_fields
-from tpcheck.measure.metrics import compare, mismatch, rel_err
+from tpcheck.measure.gain import RowScale, gain_fields, row_scale_allowance, scale_source
+from tpcheck.measure.metrics import compare, mismatch, rel_err, ulp_floor
 from tpcheck.measure.unshard import unshard
 from tpcheck.pipeline.routes import sort_routes
 from tpcheck.result.table import NAN, Row
@@ -37,6 +37,7 @@ class RowMaker:
         self.reported: set[str] = set()  # the canonical points the engine reported (coverage)
         self.rows_not_produced: dict[str, int] = {}  # point -> golden rows the engine did not produce (coverage)
         self._ahead = Ahead()  # a step's statistics computed ahead (_rows)
+        self._scales: dict[str, RowScale | None] = {}  # a step's per-row scale allowances (_rows)
 
     def rows(self, step, points, gold, batch: StepBatch, order: list[int], eng_teacher, subsets) -> list[Row]:
         """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too);
@@ -72,12 +73,14 @@ class RowMaker:
         engine_of = {u.name: u.tensor for u, sub in units if sub is None}  # the op inputs own_input reads
         replicas_of = {u.name: u.replicas for u, sub in units if sub is None and u.replicas}  # rank r's, where differ
         self._ahead = Ahead()  # each whole point's statistics, started now in worker threads (_row takes them)
+        self._scales = {u.name: self._row_scale(u.name, gold, engine_of, eng_teacher) for u, subset in units
+                        if subset is None and u.name in gold}  # each whole point's per-row scale allowance
         for u, subset in units:
             g = gold.get(u.name)
             if g is not None and subset is None and self._selected(u.name) and kind_of(u.name).judged != "set" \
                     and not self.routes.excluded(u.name, self.isolated) and u.tensor.shape == g.shape:
                 self._ahead.submit(u.name, measure, u.tensor, g, list(u.replicas.values()), self.isolated,
-                                   elements=g.numel())
+                                   self._scales.get(u.name), elements=g.numel())
         for u, subset in units:
             if u.name not in gold or not self._selected(u.name):
                 continue
@@ -180,7 +183,8 @@ class RowMaker:
             note = f"shape {list(u.tensor.shape)} != golden {list(gold.shape)}"
         else:  # computed ahead for a whole point (rows), here for the rows of a subset or with some left out
             stats, replica_errs, gains = self._ahead.take(u.name) if whole and u.name in self._ahead else \
-                measure(u.tensor, gold, list(u.replicas.values()), self.isolated)
+                measure(u.tensor, gold, list(u.replicas.values()), self.isolated,
+                        self._scales.get(u.name) if whole else None)
             stats["rel_err"] = self.floor.engine_rel_err(u.name, stats["rel_err"], stats["ref_norm"], gold.shape[0])
             if u.replicas:  # every replica judged against the golden (tpcheck.judge.verdict)
                 errs = [self.floor.engine_rel_err(u.name, e, stats["ref_norm"], gold.shape[0]) for e in replica_errs]
@@ -200,18 +204,38 @@ class RowMaker:
                         f"(max |diff| {float((u.tensor.double() - want.double()).abs().max()):.3g})")
         # threshold, excess and passed are the judge's (tpcheck.judge): a row holds measurements and, in its
         # note, structural findings
+        stats.setdefault("rel_floor", ulp_floor(gold, self.ctx.dtype) if u.tensor.shape == gold.shape else NAN)
         return Row(point=u.name, layer=layer, step=step, mode=self.mode, kind=kind, **stats,
                    **self.floor.row_fields(u.name), **u.rank_fields(), op_mismatch=op_mismatch, note=note,
                    rows_excluded=float(rows_excluded) if rows_excluded else NAN, order=point_order(u.name))
+
+    def _row_scale(self, name: str, gold: dict, engine_of: dict, eng_teacher) -> RowScale | None:
+        """The per-row scale allowance of a whole point in the local pass (``tpcheck.measure.gain.gain_fields``): from
+        the norm input it descends from, its golden rows at the run's dtype and the engine's own rows of it (the
+        teacher where that is the layer's input); None where there is none."""
+        if not self.isolated:
+            return None
+        src = scale_source(name, self.ctx.num_layers, own_input.is_sandwich(self.ctx.ref.model))
+        g = None if src is None else gold.get(src[0])
+        if g is None or g.dim() < 2 or g.shape[0] != gold[name].shape[0]:
+            return None
+        layer, kind = split_point(name)
+        prev = src[0] == "embed" or (src[0].endswith(".out") and split_point(src[0])[0] != layer)
+        at = (self.ctx.num_layers if layer is None else layer) if prev else None
+        e = eng_teacher[at] if eng_teacher is not None and at is not None and at in eng_teacher \
+            else engine_of.get(src[0])
+        return RowScale(row_scale_allowance(g, self.ctx.dtype, e), src[1], src[2])
 
     def _selected(self, name: str) -> bool:
         return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
 
 
-def measure(x: torch.Tensor, golden: torch.Tensor, replicas: list[torch.Tensor], gains: bool) -> tuple[dict, list, dict]:
+def measure(x: torch.Tensor, golden: torch.Tensor, replicas: list[torch.Tensor], gains: bool,
+            scale: RowScale | None = None) -> tuple[dict, list, dict]:
     """An engine point's statistics against the golden, pure (``tpcheck.measure.ahead`` runs them in worker
-    threads): ``compare``'s, each replica's ``rel_err`` and (``gains``: the local pass) ``gain_fields``."""
-    return compare(x, golden), [rel_err(t, golden) for t in replicas], gain_fields(x, golden) if gains else {}
+    threads): ``compare``'s, each replica's ``rel_err`` and (``gains``: the local pass) ``gain_fields`` (``scale``:
+    its per-row scale allowance)."""
+    return compare(x, golden), [rel_err(t, golden) for t in replicas], gain_fields(x, golden, scale) if gains else {}
 
 
 def _row_index(flat_row: int, row_lens: list[int], starts: list[int], order: list[int] | None = None) -> tuple[int, int]:

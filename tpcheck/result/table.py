@@ -54,6 +54,10 @@ class Row:
     ref_gain: float = NAN
     gain_floor: float = NAN
     gain_threshold: float = NAN
+    # the ulp floor (tpcheck.measure.metrics.ulp_floor): 2u max|g| / |g| of the golden at the run's dtype, what one
+    # ulp at its largest element adds to rel_err where few elements hold the tensor's norm, added to the
+    # threshold (NaN: a result made before it, or not floating)
+    rel_floor: float = NAN
     cosine: float = NAN
     max_abs: float = NAN
     max_abs_index: list | None = None  # (batch, token, feature) of max_abs
@@ -121,7 +125,8 @@ class DiffResult:
     def passed(self) -> bool:
         """Every point within its threshold, and coverage met (``tpcheck.judge.coverage``): a run that compared
         nothing, or lacks a required point, does not pass."""
-        return bool(len(self.table)) and bool(self.table["passed"].all()) and not self.coverage_problem
+        return bool(len(self.table)) and bool(self.table["passed"].all()) and not self.coverage_problem \
+            and not self.meta.get("overflow")
 
     @property
     def coverage_problem(self) -> str:
@@ -210,6 +215,12 @@ class DiffResult:
         m = self.meta
         pp = f" pp={m['pp']}" if m.get("pp", 1) > 1 else ""
         head = f"{'PASS' if self.passed else 'FAIL'}: tp={m.get('tp', '?')}{pp} {m['dtype']}, {len(self.table)} comparisons"
+        over = m.get("overflow")
+        if fd is None and over:
+            return (f"OVERFLOW: tp={m.get('tp', '?')}{pp} {m['dtype']}: {m['dtype']} cannot hold this model's "
+                    f"activations: from {over['point']} (step {over['step']}, {over['mode']}) Hugging Face at "
+                    f"{m['dtype']} is not finite either, so {over['rows']} rows were not judged (no finding about the "
+                    f"engine); every judged point within the noise floor. Run it in another dtype")
         if fd is None:
             worst = self.worst()
             tail = "" if worst is None else (f"; closest to its threshold: {worst.point} (step {worst.step}) at "
