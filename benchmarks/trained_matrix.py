@@ -107,7 +107,9 @@ def run_one(args, pool, prompts, tp: int, dtype: str, inject: str | None = None)
         r = tpcheck.diff(model=args.model, tp=tp, dtype=dtype, prompts=prompts, decode_steps=args.decode_steps,
                          pool=pool, **kw)
     w, fd = r.worst(), r.first_divergence
+    over = r.meta.get("overflow")
     return {"tp": tp, "dtype": dtype, "lens": [len(p) for p in prompts], "passed": r.passed,
+            "overflow": None if over is None else over["point"],
             "worst_point": None if w is None else w.point, "worst_excess": None if w is None else float(w.excess),
             "origin": None if fd is None else fd["point"], "origin_excess": None if fd is None else fd["excess"],
             "origin_step": None if fd is None else fd["step"], "gain": None if fd is None else fd["gain"],
@@ -153,24 +155,29 @@ def main(argv=None) -> int:
                 for prompts in runs:
                     row = run_one(args, pool, prompts, tp, dtype, args.inject)
                     out.append(row)
-                    verdict = "pass" if row["passed"] else f"FAIL at {row['origin']} ({row['origin_excess']:.3g}x)"
+                    verdict = "pass" if row["passed"] else f"OVERFLOW from {row['overflow']} (HF too)" \
+                        if row["overflow"] and row["origin"] is None else \
+                        f"FAIL at {row['origin']} ({row['origin_excess']:.3g}x)"
                     log(f"{args.engine} tp {tp} {dtype} lens {row['lens']}: {verdict}; worst {row['worst_point']} "
-                        f"{row['worst_excess']:.3g}x ({row['seconds']} s)")
+                        f"{row['worst_excess'] or float('nan'):.3g}x ({row['seconds']} s)")
                     if args.json:
                         Path(args.json).write_text(json.dumps(out, indent=1))
     finally:
         pool.close()
     print(f"\n{args.engine} on {args.model}" + (f", {args.inject} at layer {args.inject_layer}" if args.inject else ""))
-    print(f"{'tp':>3} {'dtype':>9} {'runs':>5} {'fail':>5} {'closest (pass)':>15}  failures (origin, excess)")
+    print(f"{'tp':>3} {'dtype':>9} {'runs':>5} {'fail':>5} {'overflow':>8} {'closest (pass)':>15}  "
+          "failures (origin, excess)")
     for tp in sorted({r["tp"] for r in out}):
         for dtype in dict.fromkeys(r["dtype"] for r in out):
             rs = [r for r in out if r["tp"] == tp and r["dtype"] == dtype]
             if not rs:
                 continue
-            fails = [r for r in rs if not r["passed"]]
-            closest = max((r["worst_excess"] for r in rs if r["passed"]), default=float("nan"))
+            fails = [r for r in rs if not r["passed"] and r["origin"] is not None]
+            over = [r for r in rs if r["origin"] is None and r.get("overflow")]
+            closest = max((r["worst_excess"] for r in rs if r["origin"] is None and r["worst_excess"] is not None
+                           and r["worst_excess"] == r["worst_excess"]), default=float("nan"))
             what = "; ".join(f"{r['origin']} {r['origin_excess']:.3g}x (lens {r['lens']})" for r in fails[:6])
-            print(f"{tp:>3} {dtype:>9} {len(rs):>5} {len(fails):>5} {closest:>14.3g}x  {what}")
+            print(f"{tp:>3} {dtype:>9} {len(rs):>5} {len(fails):>5} {len(over):>8} {closest:>14.3g}x  {what}")
     return 0
 
 

@@ -113,11 +113,14 @@ def test_a_one_token_moe_run_whose_weights_inherit_their_router_error_passes(ckp
     """Found by `tpcheck sweep --max-len 1` (tiny-mixtral tp 4 bfloat16, prompt [236], 4 decode steps): the
     propagated pass's top-k weights of layer 1 came to 1.38x their threshold (rel_err 0.0122 against references
     that rounded the two logits' difference luckily, 0.0026), from router logits within their floor (0.58x). The
-    weights recomputed from the engine's own router logits are exact: inherited, not failed."""
+    weights recomputed from the engine's own router logits are exact: inherited, not failed. Since the ulp floor
+    (``rel_floor``: one ulp of the larger of the two weights, which hold the tensor's norm) joined the threshold the
+    row passes raw; its own op is still exact, and without that floor it would still fail raw."""
     import tpcheck
     r = tpcheck.diff(model=str(ckpt("tiny-mixtral")), tp=4, dtype="bfloat16", prompts=[[236]], decode_steps=4,
                      pool=engines)
     assert r.passed, r.summary()
     t = r.table
     row = t[(t["point"] == "layers.1.moe.topk_weights") & (t["step"] == 0) & (t["mode"] == "propagated")].iloc[0]
-    assert row["rel_err"] > row["threshold"] and row["inherited"] and row["own_err"] <= row["threshold"]
+    assert row["passed"] and row["own_err"] <= row["threshold"]
+    assert row["rel_err"] > row["threshold"] - row["rel_floor"]  # over the references' floor alone

@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 
 from tpcheck.cli import exit_codes
-from tpcheck.cli.exit_codes import Exit, verdict
+from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
 
@@ -189,24 +189,7 @@ def _show(r, a) -> int:
         if path:
             write(path)
             print(f"wrote {path}")
-    return exit_code(r)
-
-
-def exit_code(r) -> int:
-    """A DiffResult's exit code: 1 when a point diverged, else 3 when coverage fails the run, else 2 when the dtype
-    overflowed in Hugging Face too (``meta["overflow"]``: the dtype cannot hold the model), else 0."""
-    if not bool(r.table["passed"].all()):
-        return Exit.DIVERGED
-    problem = r.meta.get("coverage", {}).get("problem")
-    if problem:
-        print(f"tpcheck: error: coverage: {problem}", file=sys.stderr)
-        return Exit.FAILED
-    over = r.meta.get("overflow")
-    if over:
-        print(f"tpcheck: error: --dtype {r.meta['dtype']}: the model's activations overflow it at {over['point']} "
-              f"(step {over['step']}) in Hugging Face too: not a verdict about the engine", file=sys.stderr)
-        return Exit.BAD_INPUT
-    return Exit.PASS
+    return result_exit_code(r)
 
 
 def _cmd_check(a, argv: list[str]) -> int:

@@ -7,6 +7,7 @@
      did not report what the verdict needs (coverage), or an I/O error (the path)"""
 from __future__ import annotations
 
+import sys
 from enum import IntEnum
 
 # the only declaration of the codes: the CLI, gate, sweep, compare-results and the fault matrix return these
@@ -21,3 +22,20 @@ class Exit(IntEnum):
 
 def verdict(passed: bool) -> Exit:
     return Exit.PASS if passed else Exit.DIVERGED
+
+
+def result_exit_code(r) -> int:
+    """A DiffResult's exit code: 1 when a point diverged, else 3 when coverage fails the run, else 2 when the dtype
+    overflowed in Hugging Face too (``meta["overflow"]``: the dtype cannot hold the model), else 0."""
+    if not bool(r.table["passed"].all()):
+        return Exit.DIVERGED
+    problem = r.meta.get("coverage", {}).get("problem")
+    if problem:
+        print(f"tpcheck: error: coverage: {problem}", file=sys.stderr)
+        return Exit.FAILED
+    over = r.meta.get("overflow")
+    if over:
+        print(f"tpcheck: error: --dtype {r.meta['dtype']}: the model's activations overflow it at {over['point']} "
+              f"(step {over['step']}) in Hugging Face too: not a verdict about the engine", file=sys.stderr)
+        return Exit.BAD_INPUT
+    return Exit.PASS
