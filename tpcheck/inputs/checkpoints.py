@@ -34,6 +34,7 @@ from tpcheck.inputs.presets import (  # noqa: F401
     describe_preset, preset_available, preset_config, preset_family, preset_names,
 )
 from tpcheck.inputs.sink_recipe import _add_sink, check_sink_config, sink_channels  # noqa: F401
+from tpcheck.inputs.gemma_recipe import PRESETS as GEMMA_SINKS, _add_gemma_sink, check_gemma_sink_config
 from tpcheck.inputs.weight_recipe import (  # noqa: F401
     _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
@@ -42,10 +43,11 @@ from tpcheck.inputs.kv_recipe import PRESETS as KV_PRESETS, spread_kv
 from impl.config import load_config
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
-# the massive-activation recipe (``_add_outliers``), the attention-sink recipe (``tpcheck.inputs.sink_recipe``),
-# the tensor draw order and the PRESETS configs (``tpcheck.inputs.presets``). It is part of the cache key
-# (``cache_key``), so a cache never hands back a checkpoint made by an older recipe. Bump it whenever any of these
-# changes what a (preset, seed, dtype) writes.
+# the massive-activation recipe (``_add_outliers``), the attention-sink recipes (``tpcheck.inputs.sink_recipe``;
+# Gemma 3's, ``tpcheck.inputs.gemma_recipe``), the tensor draw order and the PRESETS configs
+# (``tpcheck.inputs.presets``). It is part of the cache key (``cache_key``), so a cache never hands back a checkpoint
+# made by an older recipe. Bump it whenever any of these changes what a (preset, seed, dtype) writes (a new preset
+# changes nothing an existing one writes).
 # It lives here, where ``cache_key`` reads it, so that setting ``checkpoints.RECIPE_VERSION`` takes effect.
 RECIPE_VERSION = 1
 
@@ -90,7 +92,7 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
                 raise
     return make_config_checkpoint(preset_config(preset, dtype), out, seed=seed, dtype=dtype, shards=shards,
                                   outliers=OUTLIERS.get(preset, 0.0), router_ties=ROUTER_TIES.get(preset, 0.0),
-                                  sink=preset in SINKS)
+                                  sink=preset in SINKS or preset in GEMMA_SINKS)
 
 
 def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype: str = "float32",
@@ -102,12 +104,15 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
     ``bias_std`` scales every bias (default 0.5: the presets' recipe); ``outliers > 0`` adds the
     massive-activation recipe at that strength (``_add_outliers``; 1.0 is ``small-outliers``'); ``router_ties
     > 0`` draws every MoE router in near-tied pairs of rows at that spread (``_tie_router``); ``sink`` the
-    attention-sink recipe (``tpcheck.inputs.sink_recipe``: ``deep-sink``'s; a ValueError names what a config
-    lacks for it).  Presets written through here are bit-for-bit those of ``make_checkpoint``."""
+    attention-sink recipe of the config's family (Llama: ``tpcheck.inputs.sink_recipe``, ``deep-sink``'s; Gemma 3:
+    ``tpcheck.inputs.gemma_recipe``, ``gemma3-trained``'s; a ValueError names what a config lacks for it).
+    Presets written through here are bit-for-bit those of ``make_checkpoint``."""
     cfg = config_from_kwargs(config, dtype) if isinstance(config, dict) else config
     tdtype = _check_dtype(dtype)
+    gemma = family_options(cfg)["gemma"]
+    add_sink = _add_gemma_sink if gemma else _add_sink
     if sink:
-        check_sink_config(cfg)
+        (check_gemma_sink_config if gemma else check_sink_config)(cfg)
     specs = _tensor_specs(cfg)
     if not isinstance(shards, int) or not 1 <= shards <= len(specs):
         raise ValueError(f"shards must be an int in [1, {len(specs)}], got {shards!r}")
@@ -135,7 +140,7 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
                     t = _draw(shape, kind, gen, bias_std)
                     t = _add_outliers(name, t, cfg, outliers) if outliers else t
                     t = _tie_router(name, t, router_ties) if router_ties else t
-                    tensors[name] = (_add_sink(name, t, cfg) if sink else t).to(tdtype)
+                    tensors[name] = (add_sink(name, t, cfg) if sink else t).to(tdtype)
                     weight_map[name] = fname
             save_file(tensors, tmp / fname, metadata={"format": "pt"})
             del tensors
