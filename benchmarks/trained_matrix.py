@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inject-layer", type=int, default=None)
     ap.add_argument("--catalog", action="store_true", help="every per-layer fault that can show, at --inject-layer")
     ap.add_argument("--dump", action="store_true", help="judge each run through its dump (tpcheck compare)")
+    ap.add_argument("--faults", help="with --catalog: only these faults (comma-separated)")
     ap.add_argument("--json", help="write every run as JSON")
     args = ap.parse_args(argv)
     log = make_log("trained_matrix")
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
             pool.close()
     try:
         for tp in [int(x) for x in args.tp.split(",")]:
+            pool.close()  # one TP size's ranks at a time: a 262k-vocab model's ranks hold ~3 GB each
+            pool = EnginePool()
             for dtype in args.dtype.split(","):
                 for prompts in runs:
                     row = run_one(args, pool, prompts, tp, dtype, args.inject)
@@ -189,6 +192,8 @@ def catalog(args, pool, cfg, runs, log) -> int:
     for tp in [int(x) for x in args.tp.split(",")]:
         for dtype in args.dtype.split(","):
             for f in FAULTS.values():
+                if args.faults and f.name not in args.faults.split(","):
+                    continue
                 for prompts in runs:
                     lens = [len(p) for p in prompts]
                     if not f.per_layer or f.check != "diff" or f.silent_because(

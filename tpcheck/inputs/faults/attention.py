@@ -111,9 +111,15 @@ def _rope_theta_not_default(cfg, plan, dtype) -> bool:
     return cfg.rope_theta != DEFAULT_ROPE_THETA
 
 
+def _layer_theta_not_default(cfg, layer: int) -> bool:
+    """Layer ``layer`` rotates with a base other than 10000 (Gemma 3's sliding layers use their local 1e4)."""
+    return cfg.layer_rope_theta(layer) != DEFAULT_ROPE_THETA
+
+
 @fault(17, "rope_theta_default", "rope_theta silently defaulted to 10000 when the checkpoint's config says otherwise",
-       shows_when="checkpoints with rope_theta != 10000 (any position > 0)",
-       expected_origin="layers.{layer}.attn.q_rope", shows=_rope_theta_not_default)
+       shows_when="checkpoints with rope_theta != 10000 (any position > 0), on a layer that uses it (not a Gemma 3 "
+                  "sliding layer)",
+       expected_origin="layers.{layer}.attn.q_rope", shows=_rope_theta_not_default, in_layer=_layer_theta_not_default)
 def rope_theta_default(runner, i, layer):
     rot = layer.self_attn.rotary_emb
     if mark(rot, "rope_theta_default"):

@@ -82,9 +82,14 @@ class Fault:
     # name ``{stage1}``, the first layer of stage 1 in the run's partition, or ``{boundary}``, the last of stage 0
     # (the layer whose ``handoff`` point is what crosses that boundary)
     pp: int = 1
+    # the decoder layers that can show it (None: every layer): a RoPE-base fault cannot show on a Gemma 3 sliding
+    # layer, whose own base is the default it would set
+    in_layer: Callable[[ModelConfig, int], bool] | None = field(default=None, repr=False, compare=False)
 
     def shows_in_layer(self, cfg: ModelConfig, layer: int) -> bool:
         """Whether decoder ``layer`` of ``cfg`` can show this per-layer fault (a MoE fault: a sparse layer)."""
+        if self.in_layer is not None and not self.in_layer(cfg, layer):
+            return False
         return not self.sparse_only or (getattr(cfg, "moe", None) is not None and cfg.is_sparse(layer))
 
     @property
@@ -130,7 +135,8 @@ class Fault:
         if not self.applies(cfg, tp, dtype):
             return f"cannot show at tp {tp} in {dtype} with this model (shows: {self.shows_when})"
         if layer is not None and self.per_layer and not self.shows_in_layer(cfg, layer):
-            return f"acts on mixture-of-experts layers only, and layer {layer} of this model is dense"
+            return (f"acts on mixture-of-experts layers only, and layer {layer} of this model is dense"
+                    if self.in_layer is None else f"cannot show in layer {layer} of this model ({self.shows_when})")
         if self.decode_only and decode_steps == 0:
             return "shows only while decoding, and --decode-steps is 0"
         if self.check == "memory":
