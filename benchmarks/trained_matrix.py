@@ -92,7 +92,8 @@ def judged_dump(args, pool, prompts, tp: int, dtype: str, inject: str | None):
         dump, engine, stages = open_dump(Path(d), lambda n: Reductions(n, None))
         opts = DiffOptions(model=args.model, dtype=dump.dtype, prompts=engine.prompts,
                            decode_steps=engine.decode_steps, **stage_options(engine, stages, args.model))
-        return compare(engine, opts, None, RunOrigin(tp=dump.tp, stages=stages, engine=dump.engine, dump=d))
+        return compare(engine, opts, None, RunOrigin(tp=dump.tp, stages=stages, engine=dump.engine, dump=d,
+                                                     command=f"tpcheck compare {d} --model {args.model}"))
 
 
 def run_one(args, pool, prompts, tp: int, dtype: str, inject: str | None = None) -> dict:
