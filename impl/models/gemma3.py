@@ -24,7 +24,7 @@ from impl.config import ModelConfig
 from impl.layers.embedding import VocabParallelEmbedding
 from impl.layers.norm import GemmaHeadRMSNorm, GemmaRMSNorm
 from impl.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderLayer, DecoderModel
-from impl.placements import Shard
+from impl.models.qwen3 import Qwen3Attention
 
 
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
@@ -39,17 +39,12 @@ class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
         return super().forward(ids) * self.embed_scale
 
 
-class Gemma3Attention(DecoderAttention):
-    """``q = q_norm(q_proj(x))``, ``k = k_norm(k_proj(x))`` per head with Gemma's ``(1 + w)`` norm, then RoPE (the
-    layer's own base) and attention scaled by ``query_pre_attn_scalar ** -0.5`` (``ModelConfig.attn_scale``)."""
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's attention (``q = q_norm(q_proj(x))``, ``k = k_norm(k_proj(x))`` per head, then RoPE) with Gemma's
+    ``(1 + w)`` head norm; RoPE at the layer's own base and the scores scaled by ``query_pre_attn_scalar ** -0.5``
+    come from ``ModelConfig`` (``layer_rope_theta``, ``attn_scale``) in the shared ``DecoderAttention``."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
-        super().__init__(cfg, layer_idx, dtype)
-        self.q_norm = GemmaHeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, Shard(-1))
-        self.k_norm = GemmaHeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, Shard(-1, self.qkv_proj.kv_replicas))
-
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+    head_norm_cls = GemmaHeadRMSNorm
 
 
 class Gemma3DecoderLayer(DecoderLayer):

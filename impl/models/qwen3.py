@@ -20,10 +20,12 @@ class Qwen3Attention(DecoderAttention):
     or its replica of one KV head when tp > K) with no communication: the statistics of a head never
     involve another head."""
 
+    head_norm_cls: type[HeadRMSNorm] = HeadRMSNorm  # Gemma 3's: GemmaHeadRMSNorm
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__(cfg, layer_idx, dtype)
-        self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, Shard(-1))
-        self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, Shard(-1, self.qkv_proj.kv_replicas))
+        self.q_norm = self.head_norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype, Shard(-1))
+        self.k_norm = self.head_norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype, Shard(-1, self.qkv_proj.kv_replicas))
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from impl.layers.rotary import default_inv_freq
+from tpcheck.inputs.faults.families import _has_window, _smallest_window
 from tpcheck.inputs.faults.patching import mark
 from tpcheck.inputs.faults.registry import fault
 
@@ -16,12 +17,7 @@ def _gemma(cfg, plan, dtype) -> bool:
 
 
 def _gemma_windowed(cfg, plan, dtype) -> bool:
-    return _gemma(cfg, plan, dtype) and any(w is not None for w in cfg.sliding_windows)
-
-
-def _smallest_window(cfg) -> int | None:
-    windows = [w for w in cfg.sliding_windows if w is not None]
-    return min(windows) if windows else None
+    return _gemma(cfg, plan, dtype) and _has_window(cfg, plan, dtype)
 
 
 def _scale_by_w(norm):
