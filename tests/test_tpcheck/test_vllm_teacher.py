@@ -78,6 +78,25 @@ def test_each_layer_runs_on_the_teacher_input_and_the_capture_sees_its_own_outpu
     teacher.remove()
 
 
+def test_layer_0_runs_on_the_teacher_embedding_and_the_capture_sees_the_engines_own():
+    """A scaled embedding (Gemma 3's, its scale rounded to the dtype) differs from the golden's: layer 0 is forced too,
+    or the embedding's rounding would reach layer 0's residual points as that layer's own error."""
+    model = Decoder()
+    embed = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: embed.append(a[1].clone()))  # capture: first
+    seen = _own_outputs(model)
+    teacher = NormTeacher.of(model)
+    x = torch.tensor([[1.0], [2.0], [4.0]])
+    teacher.inputs = {0: torch.tensor([[3.0], [5.0]])}  # two rows: the third (padding) keeps its own input
+    model(x)
+    assert embed[0].flatten().tolist() == [1.0, 2.0, 4.0]  # the engine's own embedding, captured as ``embed``
+    assert seen[1][0].flatten().tolist() == [21.0, 35.0, 28.0]  # layer 0 on the teacher's: 7t; the padding's 7x
+    teacher.inputs = {0: torch.zeros(4, 1)}
+    with pytest.raises(RuntimeError, match=r"the input of layer 0 is \(4, 1\), the step's embedding \(3, 1\)"):
+        model(x)
+    teacher.remove()
+
+
 def test_refusals_name_what_is_at_fault():
     model = Decoder()
     teacher = NormTeacher.of(model)

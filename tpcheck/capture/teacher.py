@@ -14,7 +14,7 @@ from torch import nn
 class Teacher:
     """Pre-hooks on ``layers`` (decoder layer ``i``) and ``norm`` (the final norm, ``i = len(layers)``) that, while
     ``inputs`` is set (``{i: [rows, hidden]}``), replace the module's hidden-states input with ``inputs[i]`` (a module
-whose ``i`` it lacks keeps its own input: a replayed dump's layer 0 reads the model's own embedding), cast
+whose ``i`` it lacks keeps its own input: a replayed dump without ``embed`` leaves layer 0 its own embedding), cast
     to ``like.dtype`` on ``like.device`` (read at each call: the model, or impl's runner). ``arg``: the position of
     a decoder layer's hidden states among its positional arguments (HF: 0, ``hidden_states`` when passed by
     keyword; impl's ``layer(positions, x)``: 1); the norm's is its first. ``batch_dim``: add a leading batch dim

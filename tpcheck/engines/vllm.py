@@ -22,7 +22,7 @@ Teacher forcing of tokens: vLLM samples its own next token, but the model consum
 gives: the pre-hook writes it into ``input_ids`` (so the KV cache holds the harness's token; vLLM's own
 record of its output is ignored). Teacher forcing of hidden states (the local pass, on by default as for impl):
 each step's ``teacher`` goes to the ranks (``tpcheck_teach``), whose ``vllm_worker.NormTeacher`` calls the fused
-add + RMSNorm at each layer's entry on ``(0, the golden's input)``: an exact teacher input in any dtype. The KV cache is
+add + RMSNorm at each layer's entry on ``(0, the golden's input)`` (layer 0: its input replaced): an exact teacher input in any dtype. The KV cache is
 read back from vLLM's paged cache (``vllm_worker.paged_kv_rows``: the CPU backend's layout and the
 flash-attention layout). vLLM computes ``logits`` only for the rows it samples (at a prefill, each prompt's
 last): those rows are compared, and the run's coverage counts the others (``rows_not_produced``).
@@ -237,9 +237,9 @@ class VLLMAdapter:
         self.started = False
 
     def step(self, new_tokens: list[list[int]], teacher, capture_kv: bool) -> Points:
-        # layer 0 is left out: it reads the embedding, the golden's rounded to the dtype (NormTeacher)
+        # layer 0 included: a scaled embedding (Gemma 3) rounds otherwise than the golden's (NormTeacher)
         self._rpc("tpcheck_teach", None if teacher is None else
-                  {i: t.detach().to("cpu").contiguous() for i, t in teacher.items() if i > 0})
+                  {i: t.detach().to("cpu").contiguous() for i, t in teacher.items()})
         self._rpc("tpcheck_force", [list(t) for t in new_tokens] if self.started else None)
         self.engine.step()
         self.started = True

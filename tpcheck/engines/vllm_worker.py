@@ -109,11 +109,15 @@ class NormTeacher:
     vLLM's decoder layer ``i`` takes ``(positions, hidden_states, residual)`` and its ``input_layernorm`` computes
     ``residual' = hidden_states + residual`` (layer ``i - 1``'s output) and ``normed = rmsnorm(residual')``; the
     final ``model.norm`` does the same with the last layer's. While ``inputs`` is set (``{i: [rows, hidden]}``,
-    ``i = 1..L``, ``L`` the final norm's), the norm of entry ``i`` is called on ``(0, inputs[i])`` instead:
+    ``i = 0..L``, ``L`` the final norm's), the norm of entry ``i >= 1`` is called on ``(0, inputs[i])`` instead:
     ``0 + t`` is ``t`` exactly in any dtype and any rounding mode (``t`` is already in the model's dtype), so the
-    layer runs on the teacher's input and the norm's output is the engine's own kernel's RMSNorm of it. Layer 0 is
-    never forced: it reads the embedding, which is the golden's rounded to the dtype (a lookup; a vocabulary-parallel
-    one all-reduces one nonzero partial).
+    layer runs on the teacher's input and the norm's output is the engine's own kernel's RMSNorm of it. Layer 0
+    (called with no residual: it keeps its input as the residual) has its ``hidden_states`` argument replaced by
+    ``inputs[0]``: the embedding is a lookup, equal to the golden's rounded to the dtype, except where a model scales
+    it (Gemma 3: ``sqrt(hidden)``, rounded to the dtype before the product, so the engine's embedding carries a
+    systematic ~2^-9 gain in bfloat16 that the golden's lacks). Unforced, that gain would reach layer 0's residual
+    points as the layer's own error; the ``embed`` point (the layer's input, captured before this hook) stays the
+    engine's own and is judged there.
 
     The point ``layers.{i-1}.out`` (``VLLM_MAP``: the norm's second output) must stay the engine's own output of
     layer ``i - 1`` on its own (forced) input, not the teacher's: the pre-hook first runs the norm on copies of its
@@ -130,6 +134,8 @@ class NormTeacher:
         self._own: dict[int, torch.Tensor] = {}
         self._forced: dict[int, torch.Tensor] = {}
         self._handles = []
+        if start == 0 and end > 0:  # captured first (install runs after the capture's hooks): ``embed`` stays own
+            self._handles.append(layers[0].register_forward_pre_hook(self._pre_first, with_kwargs=True))
         for i, norm in norms:
             self._handles += [norm.register_forward_pre_hook(self._pre(i), with_kwargs=True),
                               norm.register_forward_hook(self._show_own(i), prepend=True),
@@ -164,6 +170,22 @@ class NormTeacher:
             fr[:t.shape[0]] = t
             return (fx, fr, *args[2:]), kwargs
         return hook
+
+    def _pre_first(self, mod, args, kwargs):
+        """Layer 0's input replaced by ``inputs[0]`` (its rows; padding vLLM may add keeps its own)."""
+        if self.inputs is None or 0 not in self.inputs:
+            return None
+        if len(args) < 2 or (len(args) > 2 and args[2] is not None):
+            raise RuntimeError("tpcheck: teacher forcing: decoder layer 0 was not called as (positions, "
+                               "hidden_states, residual=None)")
+        x = args[1]
+        t = self.inputs[0].to(dtype=x.dtype, device=x.device)
+        if t.shape[0] > x.shape[0] or t.shape[1:] != x.shape[1:]:
+            raise RuntimeError(f"tpcheck: teacher forcing: the input of layer 0 is {tuple(t.shape)}, the step's "
+                               f"embedding {tuple(x.shape)}")
+        fx = x.clone()
+        fx[:t.shape[0]] = t
+        return (args[0], fx, *args[2:]), kwargs
 
     def _show_own(self, i: int):
         def hook(mod, args, out):
@@ -249,7 +271,7 @@ class TPCheckWorker:
         self._tpcheck["force"] = tokens
 
     def tpcheck_teach(self, inputs: dict[int, torch.Tensor] | None) -> None:
-        """The inputs of decoder layers ``1..L`` (``L``: the final norm) at the next step, rows in the sequences'
+        """The inputs of decoder layers ``0..L`` (``L``: the final norm) at the next step, rows in the sequences'
         order (``NormTeacher``); None: the model's own."""
         teacher = self._tpcheck["teacher"]
         if teacher is None and inputs is not None:

@@ -4,8 +4,9 @@ A live engine's local pass feeds each of its decoder layers the golden's input o
 re-run, so the roles swap: the golden (float64) and both noise-floor references run each decoder layer ``i`` on the
 engine's own recorded input of that layer, the unsharded ``layers.{i-1}.out`` of the same step at every row (the
 residual stream layer ``i`` reads: for vLLM's fused add + RMSNorm, the next norm's updated residual,
-``tpcheck.capture.maps.VLLM_MAP``), and the final norm on ``layers.{L-1}.out``. Layer 0 reads the embedding,
-which each run computes itself. A request's attention history (its KV cache) comes from the same forced runs of
+``tpcheck.capture.maps.VLLM_MAP``), the final norm on ``layers.{L-1}.out``, and layer 0 on the engine's ``embed``
+where the dump has it (a lookup equals the golden's rounded to the dtype; a scaled one, Gemma 3's, rounds its scale
+to the dtype first, a systematic gain that is the embedding's error, judged at ``embed``, not layer 0's). A request's attention history (its KV cache) comes from the same forced runs of
 its earlier steps, so engine point minus forced golden is the layer's own error on the input it really had, and
 the references' rounding of that layer on that input is the floor: the same local floor and origin rule as a live
 engine's local pass, whose margin does not decay with depth.
@@ -43,13 +44,12 @@ def engine_inputs(points: dict, num_layers: int) -> dict[int, torch.Tensor]:
 
 def forced_step(engine, batch, with_kv: bool, num_layers: int, recorded: "RecordedInputs") -> tuple:
     """One step of a replayed dump's local pass: its recorded points, every layer's recorded input
-    (``engine_inputs``: what the engine's own-input checks read), the inputs the golden and the references are
-    forced onto (layer 0 left out: each run computes its own embedding) and, per request starting on a cached
-    prefix, the inputs of those positions (``RecordedInputs.add``)."""
+    (``engine_inputs``: what the engine's own-input checks read), the same inputs, which the golden and the
+    references are forced onto (layer 0 too, where the step has the engine's ``embed``), and, per request starting
+    on a cached prefix, the inputs of those positions (``RecordedInputs.add``)."""
     points = engine.step(batch.tokens, None, with_kv)
     inputs = engine_inputs(points, num_layers)
-    forced = {i: t for i, t in inputs.items() if i > 0}
-    return points, inputs, forced, recorded.add(batch, forced)
+    return points, inputs, inputs, recorded.add(batch, inputs)
 
 
 class RecordedInputs:
