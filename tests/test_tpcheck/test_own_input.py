@@ -23,7 +23,14 @@ def test_input_points():
     assert input_points("layers.2.attn.residual", 3) == ["layers.1.out", "layers.2.attn.out"]
     assert input_points("layers.1.mlp.act", 3) == ["layers.1.mlp.gate", "layers.1.mlp.up"]
     assert input_points("final_norm", 3) == ["layers.2.out"] and input_points("logits", 3) == ["final_norm"]
-    assert input_points("layers.0.attn.q_rope", 3) is None and input_points("embed", 3) is None
+    assert input_points("embed", 3) is None
+    # attention's ops (tpcheck.measure.own_attention): RoPE reads the projection (normed per head where the model
+    # normalises q and k), the context the roped queries and the cache read back (else the step's own keys)
+    assert input_points("layers.0.attn.q_rope", 3) == ["layers.0.attn.q"]
+    assert input_points("layers.0.attn.k_rope", 3, qk_norm=True) == ["layers.0.attn.k_norm"]
+    assert input_points("layers.2.attn.context", 3) == ["layers.2.attn.q_rope", "layers.2.kv.k", "layers.2.kv.v"]
+    assert input_points("layers.2.attn.context", 3, kv=False) == ["layers.2.attn.q_rope", "layers.2.attn.k_rope",
+                                                                   "layers.2.attn.v"]
 
 
 def test_a_correct_float32_op_has_no_own_error_and_a_wrong_one_does(ckpt, hf_model):
@@ -43,7 +50,7 @@ def test_a_correct_float32_op_has_no_own_error_and_a_wrong_one_does(ckpt, hf_mod
     assert err > 0.9 * rel > 0
     assert math.isnan(own_error(model, "layers.1.mlp.out", bad, gold["layers.1.mlp.out"], {}.__getitem__))
     assert math.isnan(own_error(model, "layers.0.attn.q_rope", f32["layers.0.attn.q_rope"],
-                                gold["layers.0.attn.q_rope"], get))
+                                gold["layers.0.attn.q_rope"], get))  # no row layout: the positions are unknown
 
 
 def test_a_cancelling_dot_product_may_carry_its_rounding(ckpt, hf_model):

@@ -176,9 +176,11 @@ def _inherited(t: pd.DataFrame, ok: np.ndarray, own_ok: np.ndarray, num_layers: 
         num_layers = int(layers.max()) + 1 if layers.notna().any() else 0
     passed = {(m, s, p): bool(v) for m, s, p, v in zip(t["mode"], t["step"], t["point"], ok)}
     sandwich = bool(t["point"].str.endswith(".attn.post_norm").any())  # Gemma 3: its residual adds read the norms
+    qk_norm = bool(t["point"].str.endswith(".attn.q_norm").any())  # Qwen3, Gemma 3: RoPE reads the normed q, k
     for i in sorted(candidates, key=lambda i: (t["mode"].iat[i], t["step"].iat[i], point_order(t["point"].iat[i]))):
         mode, step, point = t["mode"].iat[i], t["step"].iat[i], t["point"].iat[i]
-        inputs = own_input.input_points(point, num_layers, sandwich) or [None]
+        kv = (mode, step, point.replace(".attn.context", ".kv.k")) in passed  # the context read the cache back
+        inputs = own_input.input_points(point, num_layers, sandwich, qk_norm, kv) or [None]
         if mode == "isolated" and own_input.reads_layer_input(split_point(point)[1]):
             inputs = inputs[1:]  # the layer's input is the teacher: the golden's
         if all(passed.get((mode, step, p), False) for p in inputs):

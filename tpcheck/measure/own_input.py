@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from tpcheck.capture.points import split_point
+from tpcheck.measure import own_attention
 from tpcheck.measure.metrics import unit_roundoff
 
 PREV = "<layer input>"  # the layer's input: ``embed`` or the previous layer's ``out`` (the teacher when isolated)
@@ -98,10 +99,14 @@ def layer_norm(layer: nn.Module, kind: str) -> nn.Module:
     return getattr(layer, names[kind])
 
 
-def input_points(name: str, num_layers: int, sandwich: bool = False) -> list[str] | None:
+def input_points(name: str, num_layers: int, sandwich: bool = False, qk_norm: bool = False,
+                 kv: bool = True) -> list[str] | None:
     """The points ``name``'s op reads (``PREV`` resolved to ``embed`` / ``layers.{i-1}.out``), or None for a point
-    kind this module does not recompute; ``sandwich``: a Gemma 3 model (``SANDWICH_INPUTS``)."""
+    kind this module does not recompute; ``sandwich``: a Gemma 3 model (``SANDWICH_INPUTS``); ``qk_norm`` and
+    ``kv``: attention's (``tpcheck.measure.own_attention.inputs``)."""
     layer, kind = split_point(name)
+    if kind in own_attention.KINDS:
+        return [f"layers.{layer}.{p}" for p in own_attention.inputs(kind, qk_norm, kv)]
     table = {**OWN_INPUTS, **SANDWICH_INPUTS} if sandwich else OWN_INPUTS
     if kind not in table:
         return None
@@ -126,9 +131,7 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_parallel: bool, tp: int,
                       red_dtype: torch.dtype) -> torch.Tensor:
-    """``B``'s dot-product part (see the module docstring): the accumulation of any order at every element, the
-    probabilistic bound of any order where the dot product cancels."""
-    n = x.shape[-1]
+    """``B``'s dot-product part (see the module docstring) of a linear op."""
     w = lin.weight.double()
     mag = x.abs() @ w.abs().T
     sq = x.square() @ w.square().T
@@ -137,7 +140,15 @@ def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_para
         sq += lin.bias.double().square()
     u_acc = unit_roundoff(torch.float64) if lin.weight.dtype == torch.float64 else unit_roundoff(torch.float32)
     red = (tp - 1) * unit_roundoff(red_dtype) if row_parallel and tp > 1 else 0.0
-    # every element: n roundings of partial sums of the size of its largest terms, or of the result (random sign)
+    return dot_allowance(mag, sq, y, x.shape[-1], u_acc, red)
+
+
+def dot_allowance(mag: torch.Tensor, sq: torch.Tensor, y: torch.Tensor, n: int,
+                  u_acc: float = unit_roundoff(torch.float32), red: float = 0.0) -> torch.Tensor:
+    """What a dot product ``y`` of ``n`` terms (``mag = sum |a_i b_i|``, ``sq = sum a_i^2 b_i^2``) accumulated in
+    any order at ``u_acc`` may err: at every element, n roundings of partial sums of the size of its largest terms
+    or of the result (random sign); where it cancels, the probabilistic bound of any order; ``red`` (a row-parallel
+    sum's reduction) relative to the same scales."""
     acc = (LAMBDA * math.sqrt(n / 3) * u_acc + red) * torch.maximum(sq.sqrt(), y.abs())
     cancelling = mag >= KAPPA_MIN * math.sqrt(n) * y.abs()
     return torch.where(cancelling, torch.maximum(acc, (LAMBDA * math.sqrt(n) * u_acc + red) * mag), acc)
@@ -145,7 +156,8 @@ def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_para
 
 @torch.no_grad()
 def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.Tensor,
-              get: Callable[[str], torch.Tensor], tp: int = 1, red_dtype: torch.dtype | None = None) -> float:
+              get: Callable[[str], torch.Tensor], tp: int = 1, red_dtype: torch.dtype | None = None,
+              layout: own_attention.RowLayout | None = None) -> float:
     """``own_err`` of point ``name`` (module docstring): ``engine`` its engine tensor, ``golden`` the golden's,
     ``get(point)`` the engine's tensor of an input point (the teacher for ``PREV`` in an isolated pass), ``model``
     Hugging Face's model at the run's dtype (its weights and norms, as the engine holds them). NaN where the op
@@ -153,10 +165,14 @@ def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.T
     in dense models, and in mixture-of-experts models for the top-k weights alone (``RowMaker._own``): their other
     points are judged by the floor alone."""
     layer, kind = split_point(name)
-    if kind not in OWN_INPUTS and kind not in SANDWICH_INPUTS or model is None or engine.shape != golden.shape:
+    if kind not in OWN_INPUTS and kind not in SANDWICH_INPUTS and kind not in own_attention.KINDS or model is None \
+            or engine.shape != golden.shape:
         return math.nan
     try:
-        y, b = _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
+        if kind in own_attention.KINDS:
+            y, b = own_attention.op(model, layer, kind, get, layout, dot_allowance, engine.dtype)
+        else:
+            y, b = _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
     except (KeyError, AttributeError, IndexError, RuntimeError):
         return math.nan
     if y.shape != engine.shape:

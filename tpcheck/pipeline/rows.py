@@ -15,7 +15,7 @@ from tpcheck.capture.batches import StepBatch
 from tpcheck.capture.points import all_point_names, kind_of, point_order, point_stage, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.tolerances import Tolerances
-from tpcheck.measure import exact_ops, own_input
+from tpcheck.measure import exact_ops, own_attention, own_input
 from tpcheck.measure.ahead import Ahead
 from tpcheck.measure.gain import RowScale, gain_fields, row_scale_allowance, scale_source
 from tpcheck.measure.metrics import compare, mismatch, rel_err, ulp_floor
@@ -111,10 +111,12 @@ class RowMaker:
             where = (kv_lens, [0] * len(kv_lens)) if kind_of(u.name).rows == "cache" else (row_lens, starts)
             rows.append(self._row(u, g, step, *where, want, order, subset))
             if subset is None and (not self.ctx.sparse or kind_of(u.name).route == "weights"):
-                self._own(rows[-1], u, g, engine_of, replicas_of, eng_teacher)
+                self._own(rows[-1], u, g, engine_of, replicas_of, eng_teacher,
+                          own_attention.RowLayout(row_lens, starts, kv_lens))
         return rows
 
-    def _own(self, row: Row, u, golden: torch.Tensor, engine_of: dict, replicas_of: dict, eng_teacher) -> None:
+    def _own(self, row: Row, u, golden: torch.Tensor, engine_of: dict, replicas_of: dict, eng_teacher,
+             layout: own_attention.RowLayout) -> None:
         """``row.own_err`` (``tpcheck.measure.own_input``) where the point exceeds half its threshold (the smaller
         of the default and the run's tolerances'): its op recomputed on the engine's own inputs of this step (the
         teacher as the layer input when isolated); ``row.replica_own_err`` the same of each replica that differs,
@@ -136,7 +138,8 @@ class RowMaker:
                 if teacher_at is not None and p == inputs[0]:
                     return eng_teacher[teacher_at]
                 return engine_of[p] if rank is None else replicas_of.get(p, {}).get(rank, engine_of[p])
-            return own_input.own_error(self.ctx.ref.model, row.point, tensor, golden, get, getattr(red, "tp", 1), rd)
+            return own_input.own_error(self.ctx.ref.model, row.point, tensor, golden, get, getattr(red, "tp", 1), rd,
+                                       layout)
         row.own_err = own(u.tensor, None)
         if u.replicas:
             errs = [own(t, r) for r, t in u.replicas.items()]

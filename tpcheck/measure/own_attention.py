@@ -1,0 +1,162 @@
+"""Whose error is it, at attention's points: RoPE (``attn.q_rope`` / ``attn.k_rope``) and the attention context
+(``attn.context``) recomputed exactly (float64) on the engine's own inputs, with the rounding a correct kernel of
+any design may add (``tpcheck.measure.own_input`` gives the rule and the other ops).
+
+Why these ops need it: the noise floor's references all run Hugging Face's eager attention and its RoPE tables, so
+they sample one kernel's rounding. A correct kernel of another design rounds otherwise: vLLM's CPU attention (its
+own ``exp``, scores accumulated in blocks, the scale applied to q first) errs 2e-6 where HF's float32 eager errs
+4e-7 (Gemma 3 270M, a 3-token context, layer 11: 1.05x the floor), and an error inherited at ``attn.q`` fails one op
+later at ``attn.q_rope``, in correct code. The bounds below are what any correct float32-accumulating kernel may
+differ by from the exact op; a bug of attention (a wrong scale, a dropped or stale key, a mask off by one, the wrong
+RoPE base or position) moves the output by the weight of a key or a rotation, orders of magnitude above them.
+
+With ``u`` the unit roundoff of float32 (every kernel's accumulator) and ``u_d`` that of the run's dtype (where a
+kernel may round an intermediate: bfloat16 scores, weights, tables), per element:
+
+* **RoPE**, ``y = x cos(theta) + rotate_half(x) sin(theta)``, ``theta = pos * inv_freq``: the angle computed in
+  float32 errs ``2 u |theta|`` (the product and ``inv_freq``'s own rounding), ``cos`` / ``sin`` a few ``u`` more and
+  ``u_d`` when a table is kept in the dtype, the two products and their sum ``2 u_d``:
+  ``B = (|x| + |rotate_half(x)|) * s * (2 u |theta| + 4 u + 3 u_d)`` (``s`` the rotary's attention scaling);
+* **attention**, per query row and head, over its ``m`` visible keys (causal, the layer's sliding window):
+  a score ``s_j = c q.k_j`` (``c`` the layer's scaling) errs ``E_j = c * dot(q, k_j) + 2 u_d |s_j|``, where
+  ``dot`` is a dot product's accumulation in any order (``own_input.dot_allowance``, as for a linear); the
+  softmax turns score errors into weight errors ``p_j (d_j - sum_k p_k d_k)``, whose effect on the context is at
+  most ``sum_j p_j (E_j + E) (|v_j| + |ctx|)`` (``E = sum_k p_k E_k``); each weight's own ``exp`` (``4 u``), its
+  rounding to the dtype (``u_d``), the normalising sum's and the rescaling of an online softmax's running sums
+  (``lambda sqrt(m / 3) u`` each) and ``P V``'s accumulation (the same) add
+  ``(4 u + u_d + 3 lambda sqrt(m / 3) u) sum_j p_j |v_j|``.
+
+A point whose ``own_err`` (its error beyond ``B``) is within its threshold, and whose inputs passed, passes as
+inherited (``tpcheck.judge.verdict``): its op was right on the inputs it had."""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from tpcheck.measure.metrics import unit_roundoff
+
+ROPE_KINDS = ("attn.q_rope", "attn.k_rope")
+KINDS = (*ROPE_KINDS, "attn.context")
+
+
+class RowLayout(NamedTuple):
+    """Where a step's rows are: ``row_lens[b]`` rows of group ``b`` at positions ``starts[b]..``; its KV-cache
+    points' rows ``kv_lens[b]`` positions ``0..`` of the same group, in the same group order."""
+    row_lens: list[int]
+    starts: list[int]
+    kv_lens: list[int]
+
+    def positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(s, s + n) for n, s in zip(self.row_lens, self.starts)]) if self.row_lens \
+            else torch.zeros(0, dtype=torch.long)
+
+
+def inputs(kind: str, qk_norm: bool, kv: bool) -> tuple[str, ...]:
+    """The points (of the same layer) an attention op reads: RoPE its projection's (per-head normed, where the model
+    normalises q and k: Qwen3, Gemma 3) output; the context its roped queries and the KV cache (``kv``: the run
+    reads the cache back), else the step's own keys and values (a prefill without a cached prefix)."""
+    if kind in ROPE_KINDS:
+        return (kind.replace("_rope", "_norm") if qk_norm else kind.removesuffix("_rope"),)
+    return ("attn.q_rope", "kv.k", "kv.v") if kv else ("attn.q_rope", "attn.k_rope", "attn.v")
+
+
+def has_qk_norm(model: nn.Module | None) -> bool:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and hasattr(layers[0].self_attn, "q_norm")
+
+
+def op(model: nn.Module, layer: int, kind: str, get: Callable[[str], torch.Tensor], layout: RowLayout | None,
+       dot: Callable[..., torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``kind``'s op in float64 on the engine's inputs ``get(point)``, its allowance ``B``): see the module
+    docstring. ``dot(mag, sq, y, n)``: the accumulation allowance of dot products ``y`` of ``n`` terms with
+    ``sum |a||b| = mag`` and ``sum a^2 b^2 = sq``. A KeyError where the op cannot be recomputed here (no layout, an
+    input missing, logit soft-capping, a cached prefix whose keys the run did not read back)."""
+    if layout is None:
+        raise KeyError("layout")
+    attn = model.model.layers[layer].self_attn
+    at = f"layers.{layer}."
+    if kind in ROPE_KINDS:
+        return _rope(model, attn, get(at + inputs(kind, has_qk_norm(model), False)[0]).double(), layout.positions(),
+                     dtype)
+    try:
+        q, k, v = (get(at + p).double() for p in inputs(kind, False, True))
+        kv_lens = layout.kv_lens
+    except KeyError:
+        if any(layout.starts):
+            raise
+        q, k, v = (get(at + p).double() for p in inputs(kind, False, False))
+        kv_lens = layout.row_lens
+    return _attention(model, attn, q, k, v, layout._replace(kv_lens=kv_lens), dot, dtype)
+
+
+def _rope(model: nn.Module, attn: nn.Module, x: torch.Tensor, pos: torch.Tensor,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    hd = attn.head_dim
+    if x.shape[0] != len(pos) or x.shape[-1] % hd:
+        raise KeyError("rows")
+    cos1, sin1 = _cos_sin(model, attn, torch.ones(1, dtype=torch.long))
+    inv_freq = torch.atan2(sin1, cos1)  # the angle at position 1: inv_freq (< pi), whatever the rope type
+    scale = torch.sqrt(cos1 ** 2 + sin1 ** 2)  # the rotary's attention scaling (YaRN's), 1 for most
+    theta = pos.double()[:, None] * inv_freq
+    cos, sin = torch.cos(theta) * scale, torch.sin(theta) * scale
+    h = x.reshape(x.shape[0], -1, hd)
+    rot = torch.cat([-h[..., hd // 2:], h[..., :hd // 2]], dim=-1)
+    y = h * cos[:, None] + rot * sin[:, None]
+    u, ud = unit_roundoff(torch.float32), unit_roundoff(dtype)
+    b = (h.abs() + rot.abs()) * (scale * (2 * u * theta.abs() + 4 * u + 3 * ud))[:, None]
+    return y.reshape(x.shape), b.reshape(x.shape)
+
+
+def _cos_sin(model: nn.Module, attn: nn.Module, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary tables (float64) at positions ``pos``, for ``attn``'s layer type where the rotary keeps
+    one per type (Gemma 3's local and global bases)."""
+    rot = getattr(model.model, "rotary_emb", None)
+    if rot is None:
+        raise KeyError("rotary_emb")
+    x = torch.zeros(1, dtype=torch.float64)
+    args = [x, pos[None]]
+    if "layer_type" in inspect.signature(rot.forward).parameters:
+        args.append(getattr(attn, "layer_type", None))
+    cos, sin = rot(*args)
+    return cos[0].double(), sin[0].double()
+
+
+def _attention(model: nn.Module, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               layout: RowLayout, dot, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    hd, scaling = attn.head_dim, float(attn.scaling)
+    if getattr(attn, "attn_logit_softcapping", None) is not None:
+        raise KeyError("soft-capping")
+    window = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") else \
+        getattr(model.config, "sliding_window", None)  # Mistral: the config's, every layer
+    if q.shape[0] != sum(layout.row_lens) or k.shape[0] != sum(layout.kv_lens) or v.shape != k.shape:
+        raise KeyError("rows")
+    heads, kv_heads = q.shape[-1] // hd, k.shape[-1] // hd
+    if heads * hd != q.shape[-1] or kv_heads * hd != k.shape[-1] or heads % kv_heads:
+        raise KeyError("heads")
+    from tpcheck.measure.own_input import LAMBDA  # own_input dispatches here: imported at the call
+    u, ud = unit_roundoff(torch.float32), unit_roundoff(dtype)
+    ys, bs, r0, k0 = [], [], 0, 0
+    for n, start, m in zip(layout.row_lens, layout.starts, layout.kv_lens):
+        qb = q[r0:r0 + n].reshape(n, heads, hd).transpose(0, 1)  # [h, n, hd]
+        kb = k[k0:k0 + m].reshape(m, kv_heads, hd).repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        vb = v[k0:k0 + m].reshape(m, kv_heads, hd).repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        r0, k0 = r0 + n, k0 + m
+        qpos, kpos = torch.arange(start, start + n)[:, None], torch.arange(m)[None]
+        visible = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+        raw = qb @ kb.transpose(1, 2)  # [h, n, m]
+        s = (raw * scaling).masked_fill(~visible, -math.inf)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        y = p @ vb  # [h, n, hd]
+        mag, sq = qb.abs() @ kb.abs().transpose(1, 2), qb.square() @ kb.square().transpose(1, 2)
+        e = (scaling * dot(mag, sq, raw, hd) + 2 * ud * s.abs()).masked_fill(~visible, 0.0)
+        w = p * (e + (p * e).sum(-1, keepdim=True))  # |v_j - ctx| <= |v_j| + |ctx|: no [h, n, m, hd] product
+        seen = visible.sum(-1, keepdim=True).double()  # each row's m
+        per_weight = 4 * u + ud + 3 * LAMBDA * torch.sqrt(seen / 3) * u
+        b = w @ vb.abs() + w.sum(-1, keepdim=True) * y.abs() + per_weight * (p @ vb.abs())
+        ys.append(y.transpose(0, 1).reshape(n, heads * hd))
+        bs.append(b.transpose(0, 1).reshape(n, heads * hd))
+    return torch.cat(ys), torch.cat(bs)
