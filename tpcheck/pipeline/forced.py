@@ -8,8 +8,9 @@ residual stream layer ``i`` reads: for vLLM's fused add + RMSNorm, the next norm
 where the dump has it (a lookup equals the golden's rounded to the dtype; a scaled one, Gemma 3's, rounds its scale
 to the dtype first, a systematic gain that is the embedding's error, judged at ``embed``, not layer 0's).
 A request's attention history (its KV cache) comes from the same forced runs of its earlier steps, so engine
-point minus forced golden is the layer's own error on the input it really had, and the references' rounding of that layer on that input is the floor: the same local floor and origin rule as a live
-engine's local pass, whose margin does not decay with depth.
+point minus forced golden is the layer's own error on the input it really had, and the references' rounding of
+that layer on that input is the floor: the same local floor and origin rule as a live engine's local pass, whose
+margin does not decay with depth.
 
 What it needs: every layer's ``out`` at every row of every step (``lacking``; a dump without them is judged by the
 propagated pass alone, with a note naming the missing points). A prefix-cache hit (a request whose first step
