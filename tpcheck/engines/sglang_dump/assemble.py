@@ -29,7 +29,6 @@ from tpcheck.capture.dump_format import DumpError
 from tpcheck.engines.sglang_dump.dims import AXES, Dim, Dims
 
 PARALLEL_INFO_KEYS = ("sglang_parallel_info", "vllm_parallel_info", "megatron_parallel_info")
-FLAT_TOKENS = Dims((Dim("t"),), text="(none: the first dim is the tokens, every axis replicated)")
 
 Entry = tuple[str, torch.Tensor, dict[str, tuple[int, int]]]  # (file, tensor, {axis: (rank, size)})
 
@@ -60,7 +59,7 @@ def assemble(name: str, entries: list[Entry], dims: Dims | None) -> tuple[object
     """The point ``name`` from every rank's ``entries``: (its tp placement, one ``[rows, features]`` tensor per tp
     rank). Missing ranks, ranks that disagree on an axis's size, a dims annotation that does not fit the tensor,
     and replicas that differ are DumpErrors naming the file."""
-    dims = dims or FLAT_TOKENS
+    dims = dims or _flat_tokens(entries[0][1].dim())
     sizes = _axis_sizes(name, entries)
     for where, t, _ in entries:
         if t.dim() != len(dims.dims):
@@ -77,6 +76,13 @@ def assemble(name: str, entries: list[Entry], dims: Dims | None) -> tuple[object
     by_tp = sorted(pool, key=lambda e: e[2].get("tp", 0))
     placement = _tp_placement(name, dims, sizes.get("tp", 1), by_tp[0][0], by_tp[0][1])
     return placement, [_rows(t, dims, w) for w, t, _ in by_tp]
+
+
+def _flat_tokens(ndim: int) -> Dims:
+    """No annotation (the non-intrusive dumper writes none, and no rule gives one): the first dim is the tokens,
+    nothing is split (every axis replicated), as SGLang's comparator reads such a tensor."""
+    return Dims((Dim("t"),) + tuple(Dim(f"d{i}") for i in range(1, max(ndim, 1))),
+                text="(none: the first dim is the tokens, every axis replicated)")
 
 
 def _axis_sizes(name: str, entries: list[Entry]) -> dict[str, int]:

@@ -22,6 +22,8 @@ from tpcheck.engines.sglang_dump.assemble import PARALLEL_INFO_KEYS, assemble, a
 from tpcheck.engines.sglang_dump.dims import parse_dims
 from tpcheck.engines.sglang_dump.files import DumpFile, load_file, scan
 
+_HIDDEN_KINDS = {"embed", "input_norm", "attn.out", "attn.residual", "post_attn_norm", "mlp.out", "out", "final_norm",
+                 "moe.experts", "moe.shared"}
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -72,8 +74,23 @@ class SglangDump(Dump):
             placement, tensors = assemble(files[0].name, [(w, t, c) for w, t, c, _ in loaded], dims)
             if rule.parts:
                 placement = self._fused(rule.parts, placement, tensors[0], loaded[0][0])
+            else:
+                self._check_width(point, placement, tensors, loaded[0][0], dims)
             out[point] = (placement, tensors)
         return out
+
+    def _check_width(self, point: str, placement, tensors: list[torch.Tensor], where: str, dims) -> None:
+        """The whole point's width (the ranks' widths summed where tp splits the features) must be the model's:
+        a tensor split over tp but annotated as replicated (or the reverse) is a wrong annotation, named here."""
+        cfg = self.cfg
+        kind = point.split(".", 2)[-1] if point.startswith("layers.") else point
+        hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        want = {"attn.q_rope": q, "attn.context": q, "attn.k_rope": kv, "mlp.act": cfg.intermediate_size,
+                "logits": cfg.vocab_size}.get(kind, hidden if kind in _HIDDEN_KINDS else None)
+        got = sum(t.shape[-1] for t in tensors) if placement == Shard(-1) else tensors[0].shape[-1]
+        if want is not None and got != want:
+            raise DumpError(f"{where}: {point} is {got} wide as dims {dims.text if dims else None!r} assemble it, the "
+                            f"model's is {want}: the dims annotation is wrong (or the rule maps another tensor)")
 
     def _fused(self, parts: tuple[str, ...], placement, t: torch.Tensor, where: str) -> Fused:
         """A fused output's per-rank parts (``q k v``: the heads and KV heads each rank holds; ``gate up``: the

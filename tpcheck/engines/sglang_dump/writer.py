@@ -103,12 +103,23 @@ def write_from_dump(src: str | Path, model: str, sink, spelling: str = "new", ri
                 engine, rule, layer = named
                 t = tensors[rank] if tensors[rank] is not None else tensors[0]  # gathered logits: every rank
                 if rule.rows == "last":
-                    t = t[batches.last_rows(b)]
+                    t = t[_last_of(b, point, t)]
                 p = Shard(-1) if isinstance(placement, Fused) else placement
                 sink.dump(rank, engine, t.contiguous(), dims_of(p, spelling), {} if layer is None else
                           {"layer_id": layer})
             sink.step(rank)
     return sorted(left_out)
+
+
+def _last_of(b, point: str, t: torch.Tensor) -> list[int]:
+    """Indices into ``t`` (the step's rows, or only those ``b.rows[point]`` names) of each request's last row."""
+    last = batches.last_rows(b)
+    held = b.rows.get(point)
+    if held is None:
+        return last
+    if sorted(held) != last:
+        raise DumpError(f"step rows {held} of {point} are not each request's last row {last}: SGLang samples those")
+    return [held.index(r) for r in last]
 
 
 def main(argv: list[str] | None = None) -> int:
