@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import tpcheck
-from diff_runs import verdict_rows
 from impl.placements import Partial, Replicate, Shard
 from tpcheck.capture.dump_format import DumpError
 from tpcheck.cli.app import main
@@ -191,3 +190,25 @@ def test_bad_sglang_dumps_exit_2_naming_the_file(runs, tmp_path, capsys):
     refused("the dims annotation is wrong")
     torch.save({"value": _Evil(), "meta": {}}, rope)
     refused(f"{rope}: refused")
+
+
+@pytest.mark.parametrize("rids", [True, False])
+def test_a_continuous_batch_of_staggered_requests_compares_clean(ckpt, tmp_path, rids):
+    """impl's scheduler (4 requests, at most 3 running: requests join at later steps) dumped, written as SGLang
+    would with or without request ids (then followed by their request-pool slots), compared clean; a fault seeded in
+    the ranks is found at its origin."""
+    from impl import LLM, CacheConfig, SamplingParams
+    from tpcheck.engines.impl import generate_dumped
+    from tpcheck.inputs import faults
+    d = ckpt("tiny")
+    prompts = [[(7 * k + t) % 200 + 3 for t in range(n)] for k, n in enumerate((5, 11, 3, 8))]
+    params = [SamplingParams(max_tokens=m) for m in (6, 3, 8, 5)]
+    with LLM(d, tp_size=2, block_size=4, num_kv_blocks=32, cache=CacheConfig(max_num_seqs=3)) as llm:
+        generate_dumped(llm, prompts, params, tmp_path / "dump")
+        llm.call(faults.apply, ["skip_o_proj_allreduce"])
+        generate_dumped(llm, prompts, params, tmp_path / "faulty")
+    for name, want in (("dump", 0), ("faulty", 1)):
+        write_from_dump(tmp_path / name, str(d), FileSink(tmp_path / f"sg-{name}", 2), rids=rids)
+        rc, out = _compare(tmp_path / f"sg-{name}", d, tmp_path / f"{name}.json", "--no-isolate")
+        assert rc == want
+    assert out["first_divergence"]["point"] == "layers.0.attn.out" and out["first_divergence"]["step"] == 0
