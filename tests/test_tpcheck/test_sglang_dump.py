@@ -212,3 +212,24 @@ def test_a_continuous_batch_of_staggered_requests_compares_clean(ckpt, tmp_path,
         rc, out = _compare(tmp_path / f"sg-{name}", d, tmp_path / f"{name}.json", "--no-isolate")
         assert rc == want
     assert out["first_divergence"]["point"] == "layers.0.attn.out" and out["first_divergence"]["step"] == 0
+
+
+def test_the_docs_commands_run(ckpt, tmp_path, capsys):
+    """docs/sglang.md's "Try it without SGLang" block, run as written (CKPT a synthetic checkpoint, runs/ under
+    tmp_path): the SGLang-format dump of impl passes."""
+    import re
+    import shlex
+    from pathlib import Path
+    from tpcheck.engines.sglang_dump import writer
+    text = (Path(__file__).parents[2] / "docs" / "sglang.md").read_text()
+    block = re.search(r"## Try it without SGLang.*?```\n(.*?)```", text, re.S).group(1)
+    lines = [ln for ln in block.splitlines() if ln.strip()]
+    assert len(lines) == 3
+    for line in lines:
+        argv = [str(ckpt("tiny")) if a == "CKPT" else str(tmp_path / a) if a.startswith("runs/") else a
+                for a in shlex.split(line)]
+        if argv[0] == "tpcheck":
+            assert main(argv[1:]) == 0, line
+        else:
+            assert argv[:3] == ["python", "-m", "tpcheck.engines.sglang_dump.writer"] and writer.main(argv[3:]) == 0
+    assert "PASS" in capsys.readouterr().out
