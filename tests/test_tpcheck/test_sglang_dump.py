@@ -233,3 +233,22 @@ def test_the_docs_commands_run(ckpt, tmp_path, capsys):
         else:
             assert argv[:3] == ["python", "-m", "tpcheck.engines.sglang_dump.writer"] and writer.main(argv[3:]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.environ.get("TPCHECK_SGLANG_DUMPER"), reason="TPCHECK_SGLANG_DUMPER: the path of "
+                    "sglang/srt/debug_utils/dumper.py from a PyPI sglang wheel (pip download --no-deps sglang)")
+def test_files_written_by_sglang_s_own_dumper_compare_like_tpcheck_s(runs, tmp_path):
+    """The same run written through SGLang's own ``_Dumper`` (file names, tag order, meta, torch.save): the same
+    rows as tpcheck's own dump, logits aside (SGLang's holds each request's last row only)."""
+    import sglang_own_dumper
+    from tpcheck.engines.sglang_dump.writer import parallel_info
+    root, d = runs
+    mod = sglang_own_dumper.load(os.environ["TPCHECK_SGLANG_DUMPER"])
+    write_from_dump(root / "clean", str(d), sglang_own_dumper.SGLangSink(mod, tmp_path / "own", 2, parallel_info),
+                    rids=True)
+    rc, ours = _compare(tmp_path / "own", d, tmp_path / "own.json", "--no-isolate")
+    _, theirs = _compare(root / "clean", d, tmp_path / "theirs.json", "--no-isolate")
+    got = {(r["point"], r["step"]): r["excess"] for r in ours["rows"]}
+    want = {(r["point"], r["step"]): r["excess"] for r in theirs["rows"] if ".kv." not in r["point"]
+            and r["point"] != "logits"}
+    assert rc == 0 and {k: got[k] for k in want} == want
