@@ -115,6 +115,13 @@ def _add_compare(sub) -> None:
                     help="canonical points the engine must report, else exit 3 (default: %(default)s)")
     cp.add_argument("--tolerances", type=Path, metavar="FILE.toml",
                     help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
+    cp.add_argument("--format", choices=["auto", "tpcheck", "sglang"], default="auto",
+                    help="the dump's format: tpcheck's, or SGLang's dumper (vLLM's and Megatron's ports too: "
+                         "docs/sglang.md); auto: told from the files (default)")
+    cp.add_argument("--name-rules", type=Path, action="append", default=[], metavar="FILE.toml",
+                    help="--format sglang: rules mapping dumped names to points, before the shipped ones")
+    cp.add_argument("--allow-unmapped", action="store_true", help="--format sglang: list the names no rule maps "
+                    "and compare the rest (default: exit 2)")
     _add_outputs(cp)
 
 
@@ -151,9 +158,11 @@ def _cmd_compare(a, argv: list[str]) -> int:
     from tpcheck.result.meta import RunOrigin
     from tpcheck.reference.reductions import Reductions
     from tpcheck.judge.tolerances import load_tolerances
-    from tpcheck.engines.stage_dump import open_dump, stage_options
+    from tpcheck.engines.stage_dump import stage_options
+    from tpcheck.engines.sglang_dump.reader import open_any
     tol = load_tolerances(a.tolerances)
-    dump, engine, stages = open_dump(a.dump_dir, lambda tp: Reductions(tp, a.reduce_dtype))  # stages: pipelined
+    dump, engine, stages = open_any(a.dump_dir, a.format, str(a.model), lambda tp: Reductions(tp, a.reduce_dtype),
+                                    a.name_rules, a.allow_unmapped)  # stages: a pipelined engine's
     dump.check_model(str(a.model))  # another checkpoint's dump, or token ids outside its vocab: exit 2
     print(f"engine:     {dump.engine} tp={dump.tp}{f' pp={len(stages)}' if stages else ''} {dump.dtype}, replayed "
           f"from the dump {a.dump_dir}\ngolden:     HF float64, computed live on {a.model}\ntolerances: {tol.source}\n")
