@@ -17,6 +17,7 @@ from tpcheck.engines.registry import engine as engine_entry
 from tpcheck.inputs.checkpoints import cached_checkpoint
 from tpcheck.inputs.faults import get_fault
 from tpcheck.inputs.prompts import random_prompts
+from tpcheck.inputs.quant_check import check_quantized_checkpoint
 from tpcheck.options import DiffOptions
 
 logger = logging.getLogger("tpcheck.pipeline.diff")  # progress: tpcheck's CLI shows INFO on stderr
@@ -84,6 +85,7 @@ class RunPlan:
         cfg.check_tp(opts.tp, opts.ep)
         _check_pipeline(opts, cfg)
         opts.validate(cfg)  # every flag against this model, before any engine work
+        check_quantized_checkpoint(model_dir, cfg)  # a broken scale or index: exit 2 naming it, not a verdict
         if hasattr(module, "check_layout"):
             module.check_layout(cfg, opts.tp)
         prompts = _prompts(opts, cfg)
