@@ -156,19 +156,19 @@ def _check_w8a8(ts: _Tensors, module: str, scheme) -> None:
 
 def _check_w4(ts: _Tensors, module: str, scheme) -> None:
     gptq = isinstance(scheme, GptqScheme)
-    fmt = "GPTQ" if gptq else "AWQ"
+    fmt, a_fmt = ("GPTQ", "a GPTQ") if gptq else ("AWQ", "an AWQ")
     qw = _need(ts, module, "qweight", fmt)
     for leaf in ("qweight", "qzeros"):
         name = _need(ts, module, leaf, fmt)
-        ts.dtype(name, ("int32",), f"a {fmt} {leaf} (eight 4-bit values packed per word)")
+        ts.dtype(name, ("int32",), f"{a_fmt} {leaf} (eight 4-bit values packed per word)")
     rows, cols = _two_d(ts, qw)
     k, n = (rows * PACK, cols) if gptq else (rows, cols * PACK)
     if k % scheme.group_size:
-        raise ts.error(qw, f"a {fmt} qweight's input rows must be a multiple of group_size {scheme.group_size}", k)
+        raise ts.error(qw, f"{a_fmt} qweight's input rows must be a multiple of group_size {scheme.group_size}", k)
     g = k // scheme.group_size
     sc = _need(ts, module, "scales", fmt)
     ts.shape(sc, [(g, n)], f"{fmt} scales of a [{k}, {n}] weight in groups of {scheme.group_size}")
-    ts.positive_finite(sc, f"a {fmt} scale")
+    ts.positive_finite(sc, f"{a_fmt} scale")
     qz = f"{module}.qzeros"
     ts.shape(qz, [(g, n // PACK)], f"{fmt} qzeros of a [{k}, {n}] weight")
     if not gptq:

@@ -86,6 +86,10 @@ class RunPlan:
         _check_pipeline(opts, cfg)
         opts.validate(cfg)  # every flag against this model, before any engine work
         check_quantized_checkpoint(model_dir, cfg)  # a broken scale or index: exit 2 naming it, not a verdict
+        for name in opts.inject:  # a fault with nothing to act on here: refused, not a rank's AttributeError
+            why = get_fault(name).refused_because(cfg)
+            if why:
+                raise ValueError(f"--inject {name} {why}")
         if hasattr(module, "check_layout"):
             module.check_layout(cfg, opts.tp)
         prompts = _prompts(opts, cfg)
