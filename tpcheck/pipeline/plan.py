@@ -85,7 +85,6 @@ class RunPlan:
         cfg.check_tp(opts.tp, opts.ep)
         _check_pipeline(opts, cfg)
         opts.validate(cfg)  # every flag against this model, before any engine work
-        check_quantized_checkpoint(model_dir, cfg)  # a broken scale or index: exit 2 naming it, not a verdict
         for name in opts.inject:  # a fault with nothing to act on here: refused, not a rank's AttributeError
             why = get_fault(name).refused_because(cfg)
             if why:
@@ -103,8 +102,10 @@ class RunPlan:
     @classmethod
     def of(cls, opts: DiffOptions, cfg: ModelConfig | None = None, entry: EngineEntry | None = None) -> "RunPlan":
         """The plan of ``opts`` whose ``model`` and ``prompts`` are given (an adapter the caller started): the
-        config (loaded unless given) and the selection; a selection that keeps no point is a ``ValueError``."""
+        config (loaded unless given), a quantized checkpoint's tensors checked (``tpcheck.inputs.quant_check``)
+        and the selection; a selection that keeps no point is a ``ValueError``."""
         cfg = cfg if cfg is not None else load_config(opts.model)
+        check_quantized_checkpoint(opts.model, cfg)  # a broken scale or index: exit 2 naming it, not a verdict
         select = selection(opts.points, opts.layers)
         keep = re.compile(select) if select else None
         handoffs = () if opts.pp == 1 and opts.pp_partition is None else \
