@@ -9,20 +9,20 @@ document them); each is checked where the format fixes it:
 W8A8 INT8 / FP8             ``weight`` int8 (INT8) / float8_e4m3fn (FP8), 2-D ``[out, in]``;
 (compressed-tensors)        ``weight_scale`` a float dtype, ``[out, 1]`` (channel) or ``[1]`` / ``[]`` (tensor),
                             every value finite and > 0; a static ``input_scale``: float, ``[1]`` / ``[]``, finite, > 0
-GPTQ (v1, symmetric)        ``qweight`` int32 ``[K/8, N]``; ``qzeros`` int32 ``[G, N/8]``, every nibble 7 (``sym``
-                            fixes the zero point at 8, v1 stores it minus one); ``scales`` float ``[G, N]``, finite,
-                            > 0; ``g_idx`` int32 ``[K]`` with every value in ``[0, G)``; ``G = K / group_size``
-AWQ (GEMM)                  ``qweight`` int32 ``[K, N/8]``; ``qzeros`` int32 ``[G, N/8]`` (any nibble: asymmetric);
-                            ``scales`` float ``[G, N]``, finite, > 0
+GPTQ (v1, symmetric)        ``qweight`` int32 2-D (``[K/8, N]``); ``qzeros`` int32 2-D (``[G, N/8]``), every nibble 7
+                            (``sym`` fixes the zero point at 8, v1 stores it minus one); ``scales`` float 2-D
+                            (``[G, N]``), finite, > 0; ``g_idx`` int32 1-D (``[K]``), every value in ``[0, G)``
+AWQ (GEMM)                  ``qweight`` int32 2-D (``[K, N/8]``); ``qzeros`` int32 2-D (``[G, N/8]``, any nibble:
+                            asymmetric); ``scales`` float 2-D (``[G, N]``), finite, > 0
 FP8 KV cache                ``self_attn.k_scale`` / ``v_scale``: float, ``[1]`` / ``[]`` (tensor) or ``[K]`` /
                             ``[K, 1, 1]`` (attn_head, K the KV heads), finite, > 0
 ==========================  ==========================================================================================
 
 A module is a quantized linear when the checkpoint holds one of its scheme's tensors or it is a decoder layer's
-``*_proj`` (impl quantizes every one of those under a quantized config); a required tensor it lacks is named
-here too. Sizes relative to the model (``[out, in]`` against the config) are the loader's check
-(``impl.loader.load_weights``, also exit 2 naming the tensor); this pass reads the safetensors headers and the
-(small) scale, zero and index tensors only, never a weight's values."""
+``*_proj`` (impl quantizes every one of those under a quantized config). A missing tensor is the loader's to name
+(all of them at once), as are the sizes (``[out, in]`` against the config, the packed sizes against each other:
+``impl.loader.load_weights``, against the model, exit 2 naming whichever tensor is off). This pass reads the
+safetensors headers and the (small) scale, zero and index tensors only, never a weight's values."""
 from __future__ import annotations
 
 import re
@@ -32,7 +32,7 @@ import torch
 
 from impl.loader import LoadError, checkpoint_files, open_safetensors
 from impl.quant_awq import AwqScheme
-from impl.quant_gptq import PACK, GptqScheme
+from impl.quant_gptq import GptqScheme
 
 #: safetensors' dtype names, as torch spells them (the messages say the torch name)
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
@@ -127,77 +127,66 @@ def _modules(ts: _Tensors, suffixes: tuple[str, ...]) -> list[str]:
     return sorted(out)
 
 
-def _need(ts: _Tensors, module: str, leaf: str, scheme_name: str) -> str:
-    name = f"{module}.{leaf}"
-    if name not in ts.head:
-        other = sorted(n.rpartition(".")[2] for n in ts.head if n.rpartition(".")[0] == module)
-        raise QuantTensorError(f"{name}: missing: every quantized linear of the {scheme_name} scheme has one (the checkpoint holds {other} "
-                               f"for {module})")
-    return name
-
-
 def _check_w8a8(ts: _Tensors, module: str, scheme) -> None:
     kind = "an INT8" if scheme.num_type == "int" else "an FP8"
     want = "int8" if scheme.num_type == "int" else "float8_e4m3fn"
-    w = _need(ts, module, "weight", f"{kind[3:]} W8A8")
-    ts.dtype(w, (want,), f"{kind} W8A8 weight (the loader would cast it, the golden would not)")
-    if len(ts.head[w][1]) != 2:
-        raise ts.error(w, f"{kind} W8A8 weight must be 2-D [out, in]", list(ts.head[w][1]))
-    s = _need(ts, module, "weight_scale", f"{kind[3:]} W8A8")
-    out = ts.head[w][1][0]
-    ts.shape(s, [(out, 1)] if scheme.weight_strategy == "channel" else [(1,), ()],
-             f"a {scheme.weight_strategy} weight scale")
-    ts.positive_finite(s, "a weight scale")
-    if not scheme.dynamic_input:
-        i = _need(ts, module, "input_scale", f"{kind[3:]} W8A8 static")
+    w, s, i = (f"{module}.{leaf}" for leaf in W8A8_TENSORS)
+    if w in ts.head:
+        ts.dtype(w, (want,), f"{kind} W8A8 weight (the loader would cast it, the golden would not)")
+        _form(ts, w, 2, f"{kind} W8A8 weight must be 2-D [out, in]")
+    if s in ts.head:
+        if scheme.weight_strategy == "channel":
+            if len(ts.head[s][1]) != 2 or ts.head[s][1][1] != 1:
+                raise ts.error(s, "a channel weight scale must have shape [out, 1]", list(ts.head[s][1]))
+        else:
+            ts.shape(s, [(1,), ()], "a tensor weight scale")
+        ts.positive_finite(s, "a weight scale")
+    if i in ts.head and not scheme.dynamic_input:  # a dynamic scheme's input_scale: the loader's unexpected tensor
         ts.shape(i, [(1,), ()], "a static input scale")
         ts.positive_finite(i, "an input scale")
 
 
 def _check_w4(ts: _Tensors, module: str, scheme) -> None:
+    """The dtypes, forms and values the format fixes. How the sizes relate ([K/8, N] against [G, N] and the
+    model's [in, out]) is the loader's check, against the model: whichever tensor is off, it names that one."""
     gptq = isinstance(scheme, GptqScheme)
     fmt, a_fmt = ("GPTQ", "a GPTQ") if gptq else ("AWQ", "an AWQ")
-    qw = _need(ts, module, "qweight", fmt)
-    for leaf in ("qweight", "qzeros"):
-        name = _need(ts, module, leaf, fmt)
-        ts.dtype(name, ("int32",), f"{a_fmt} {leaf} (eight 4-bit values packed per word)")
-    rows, cols = _two_d(ts, qw)
-    k, n = (rows * PACK, cols) if gptq else (rows, cols * PACK)
-    if k % scheme.group_size:
-        raise ts.error(qw, f"{a_fmt} qweight's input rows must be a multiple of group_size {scheme.group_size}", k)
-    g = k // scheme.group_size
-    sc = _need(ts, module, "scales", fmt)
-    ts.shape(sc, [(g, n)], f"{fmt} scales of a [{k}, {n}] weight in groups of {scheme.group_size}")
-    ts.positive_finite(sc, f"{a_fmt} scale")
-    qz = f"{module}.qzeros"
-    ts.shape(qz, [(g, n // PACK)], f"{fmt} qzeros of a [{k}, {n}] weight")
+    qw, qz, sc, gi = (f"{module}.{leaf}" for leaf in W4_TENSORS)
+    for name in (qw, qz):
+        if name in ts.head:
+            ts.dtype(name, ("int32",), f"{a_fmt} {name.rpartition('.')[2]} (eight 4-bit values packed per word)")
+            _form(ts, name, 2, f"{a_fmt} {name.rpartition('.')[2]} must be 2-D")
+    if sc in ts.head:
+        _form(ts, sc, 2, f"{fmt} scales must be 2-D [groups, out]")
+        ts.positive_finite(sc, f"{a_fmt} scale")
     if not gptq:
         return
-    zeros = ts.read(qz)
-    bad = zeros != GPTQ_ZERO_WORD
-    if bool(bad.any()):
-        raise ts.error(qz, "symmetric GPTQ (sym: true) fixes every zero point at 8, stored 7: every word 0x77777777",
-                       hex(int(zeros[tuple(int(i) for i in bad.nonzero()[0])]) & 0xFFFFFFFF))
-    gi = _need(ts, module, "g_idx", fmt)
-    ts.dtype(gi, ("int32",), "a GPTQ g_idx")
-    ts.shape(gi, [(k,)], f"g_idx of a weight of {k} input rows")
-    idx = ts.read(gi).to(torch.int64)
-    bad = (idx < 0) | (idx >= g)
-    if bool(bad.any()):
-        raise ts.error(gi, f"every g_idx must be a group in [0, {g})", _first(idx, bad))
+    if qz in ts.head:
+        zeros = ts.read(qz)
+        bad = zeros != GPTQ_ZERO_WORD
+        if bool(bad.any()):
+            raise ts.error(qz, "symmetric GPTQ (sym: true) fixes every zero point at 8, stored 7: every word "
+                           "0x77777777", hex(int(zeros[tuple(int(i) for i in bad.nonzero()[0])]) & 0xFFFFFFFF))
+    if gi in ts.head:
+        ts.dtype(gi, ("int32",), "a GPTQ g_idx")
+        _form(ts, gi, 1, "a GPTQ g_idx must be 1-D [in]")
+    if gi in ts.head and sc in ts.head:
+        groups = ts.head[sc][1][0]
+        idx = ts.read(gi).to(torch.int64)
+        bad = (idx < 0) | (idx >= groups)
+        if bool(bad.any()):
+            raise ts.error(gi, f"every g_idx must be a group in [0, {groups}) (scales has {groups} rows)",
+                           _first(idx, bad))
 
 
-def _two_d(ts: _Tensors, name: str) -> tuple[int, int]:
-    shape = ts.head[name][1]
-    if len(shape) != 2:
-        raise ts.error(name, "a packed qweight must be 2-D", list(shape))
-    return shape
+def _form(ts: _Tensors, name: str, dims: int, rule: str) -> None:
+    if len(ts.head[name][1]) != dims:
+        raise ts.error(name, rule, list(ts.head[name][1]))
 
 
 def _check_kv_scale(ts: _Tensors, name: str, strategy: str, kv_heads: int) -> None:
     if name not in ts.head:
-        raise QuantTensorError(f"{name}: missing: an FP8 KV cache (quantization_config.kv_cache_scheme) needs a "
-                               "k_scale and a v_scale in every layer")
+        return  # missing: the loader names every missing tensor at once
     ts.shape(name, [(1,), ()] if strategy == "tensor" else [(kv_heads,), (kv_heads, 1, 1)],
              f"an FP8 KV-cache scale ({strategy} strategy, {kv_heads} KV heads)")
     ts.positive_finite(name, "an FP8 KV-cache scale")
