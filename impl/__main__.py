@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+
+from impl.env import env_number
 
 
 def _ids(text: str) -> list[int]:
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give at least one --prompt-ids or --prompt")
 
     from impl import LLM, SamplingParams
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = (env_number("RANK", integer=True) or 0) == 0
     try:
         kw = dict(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks) if a.cmd == "generate" else {}
         pp = a.pp

@@ -22,6 +22,7 @@ import traceback
 from multiprocessing.connection import wait
 
 from impl.distributed import close_tp, init_tp
+from impl.env import env_number
 
 RUNNER = "impl.model_runner:ModelRunner"  # what ``_load`` builds in each rank, unless an executor names another
 
@@ -137,8 +138,19 @@ def start_fork_server() -> None:
         forkserver.ensure_running()
 
 
-def _error_reply(rank: int, exc: BaseException) -> tuple:
-    return ("err", exc, f"rank {rank}: {type(exc).__name__}: {exc}", traceback.format_exc())
+def rank_name(rank: int, world: int, pp_size: int = 1, tp_word: bool = False) -> str:
+    """How a message names global rank ``rank``: "rank r" ("TP rank r" with ``tp_word``) in one stage; with
+    pipeline stages also its stage and its rank in the stage, "rank 3 (stage 1, TP rank 1 of 2)", so a death at
+    pp > 1 says where it happened."""
+    own = f"{'TP ' if tp_word else ''}rank {rank}"
+    if pp_size == 1:
+        return own
+    tp = world // pp_size
+    return f"rank {rank} (stage {rank // tp}, TP rank {rank % tp} of {tp})"
+
+
+def _error_reply(rank: int, exc: BaseException, world: int = 1, pp_size: int = 1) -> tuple:
+    return ("err", exc, f"{rank_name(rank, world, pp_size)}: {type(exc).__name__}: {exc}", traceback.format_exc())
 
 
 def runner_class(path: str) -> type:
@@ -158,7 +170,7 @@ def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pi
         init_tp(rank, world, store, timeout_s=timeout_s, device=device, pp_size=pp_size)
         conn.send(("ok", None))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
-        conn.send(_error_reply(rank, e))
+        conn.send(_error_reply(rank, e, world, pp_size))
         return
     runner = None
     while True:
@@ -177,9 +189,10 @@ def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pi
                 conn.send(("ok", pack(getattr(runner, method)(*args, **kwargs))))
         except BaseException as e:  # noqa: BLE001
             try:
-                conn.send(_error_reply(rank, e))
+                conn.send(_error_reply(rank, e, world, pp_size))
             except Exception:  # unpicklable exception: send its text only
-                conn.send(("err", None, f"rank {rank}: {type(e).__name__}: {e}", traceback.format_exc()))
+                conn.send(("err", None, f"{rank_name(rank, world, pp_size)}: {type(e).__name__}: {e}",
+                           traceback.format_exc()))
     close_tp()
 
 
@@ -238,7 +251,7 @@ class Executor:
                 child.close()
                 parent.close()
                 self.shutdown(force=True)
-                raise RankError(rank, f"TP rank {rank} died before it started ({type(e).__name__}: {e})") from e
+                raise RankError(rank, f"{self._who(rank)} died before it started ({type(e).__name__}: {e})") from e
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
@@ -259,11 +272,14 @@ class Executor:
                 self._raise_dead(rank)
         return self._collect(timeout_s or self.timeout_s)
 
+    def _who(self, rank: int) -> str:
+        return rank_name(rank, self.world_size, self.pp_size, tp_word=True)
+
     def _raise_dead(self, rank: int):
         self.procs[rank].join(timeout=5)
         how = _death(self.procs[rank])
         self.shutdown(force=True)
-        raise RankError(rank, f"TP rank {rank} died ({how})") from None
+        raise RankError(rank, f"{self._who(rank)} died ({how})") from None
 
     def _collect(self, timeout_s: float) -> list:
         results: list = [None] * self.world_size
@@ -300,7 +316,8 @@ class Executor:
         if pending:
             ranks = sorted(pending)
             self.shutdown(force=True)
-            raise RankError(ranks, f"TP rank(s) {ranks} gave no answer within {timeout_s:.0f}s; workers stopped")
+            who = f"TP rank(s) {ranks}" if self.pp_size == 1 else ", ".join(map(self._who, ranks))
+            raise RankError(ranks, f"{who} gave no answer within {timeout_s:.0f}s; workers stopped")
         return results
 
     def shutdown(self, force: bool = False) -> None:
@@ -332,10 +349,10 @@ class LocalExecutor:
         if pp_size != 1:  # the driver here is every rank at once: a stage's ranks would each sample alone
             raise ValueError(f"pp_size={pp_size}: pipeline parallelism runs in impl's own worker processes, not "
                              "under torchrun (run without torchrun)")
-        world = int(os.environ["WORLD_SIZE"])
+        world = env_number("WORLD_SIZE", integer=True, minimum=1)
         if world != tp_size:
             raise ValueError(f"tp_size={tp_size} but torchrun started WORLD_SIZE={world} processes")
-        init_tp(int(os.environ["RANK"]), world, None, timeout_s=timeout_s, device=device)
+        init_tp(env_number("RANK", integer=True), world, None, timeout_s=timeout_s, device=device)
         self.tp_size, self.closed, self.runner, self.runner_path = tp_size, False, None, runner
         self.pp_size, self.world_size = 1, tp_size
 

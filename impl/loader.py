@@ -6,7 +6,8 @@ slice is read from disk. Separate HF tensors of a fused parameter (q/k/v -> qkv_
 gate_up_proj) are routed by the model's ``packed_modules_mapping``; a module with its own checkpoint names (a
 MoE block: ``checkpoint_tensors``) lists them itself, the experts of other expert-parallel groups among them,
 which this rank skips without reading; under pipeline parallelism the tensors of other stages are skipped
-unread too (the model's ``holds_tensor``). A tensor the model has no place for, a parameter no tensor filled, or a
+unread too (the model's ``holds_tensor``). A tensor the model has no place for (a layer past the model's, at
+any pp; a name whose layer index is not a number), a parameter no tensor filled, or a
 shape mismatch is an error naming the tensor. Pickle files are refused. ``load_weights`` returns how many
 elements it read of each tensor."""
 from __future__ import annotations
@@ -128,8 +129,13 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
             if tied and name == "lm_head.weight":
                 continue  # some tied checkpoints also store the (identical) head; the embedding is used
             if name not in wanted:
-                hint = ""
-                if name.endswith(".bias"):  # the usual cause: a bias flag in config.json that disagrees
+                hint, index = "", name.split(".")[2] if name.startswith("model.layers.") else None
+                if index is not None and not (index.isascii() and index.isdigit()):
+                    hint = f" (its layer index {index!r} is not a number)"
+                elif index is not None and int(index) >= model.cfg.num_layers:
+                    hint = (f" (layer {int(index)} is past the model's {model.cfg.num_layers} layers: config.json's "
+                            "num_hidden_layers; no pipeline stage holds it)")
+                elif name.endswith(".bias"):  # the usual cause: a bias flag in config.json that disagrees
                     hint = (f" (config.json of model_type {model.cfg.model_type!r} gives this layer no bias: "
                             "check attention_bias / mlp_bias)")
                 elif name.endswith((".weight_scale", ".input_scale", ".qweight", ".qzeros", ".scales", ".g_idx")):

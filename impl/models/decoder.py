@@ -168,10 +168,14 @@ class DecoderForCausalLM(nn.Module):
     def holds_tensor(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to this pipeline stage (the loader reads no other):
         the stage's layers; the embedding on the first stage (and, tied, the last, for its LM head); the final
-        norm and LM head on the last."""
+        norm and LM head on the last. A layer no stage owns (an index past the model's layers, or not a number) is
+        held by every stage, so that the loader refuses it as a tensor the model has no place for (pp 1 included)."""
         st = self.stage
         if name.startswith("model.layers."):
-            return st.holds_layer(int(name.split(".")[2]))
+            index = name.split(".")[2]
+            if not (index.isascii() and index.isdigit()) or int(index) >= self.cfg.num_layers:
+                return True
+            return st.holds_layer(int(index))
         if name.startswith("model.embed_tokens."):
             return st.is_first or (st.is_last and self.cfg.tie_word_embeddings)
         if name.startswith(("model.norm.", "lm_head.")):

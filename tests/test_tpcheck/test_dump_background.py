@@ -126,3 +126,17 @@ if __name__ == "__main__":
     assert run.returncode == 0, run.stderr[-2000:]
     for where in ("plain", "child"):
         assert len(read_dump(tmp_path / where).tokens) == 3, where
+
+
+@pytest.mark.parametrize("env", ["TPCHECK_DUMP_QUEUE_MB", "TPCHECK_DUMP_BUDGET_MB"])
+@pytest.mark.parametrize("bad", ["inf", "nan", "-0.5", "1e999"])
+def test_a_non_finite_size_names_the_variable(ckpt, tmp_path, monkeypatch, env, bad):
+    from test_capture import runner_at
+    from tpcheck.capture import IMPL_MAP, from_env
+    runner = runner_at(ckpt("tiny"))
+    for other in ("TPCHECK_DUMP_POINTS", "TPCHECK_DUMP_QUEUE_MB", "TPCHECK_DUMP_BUDGET_MB"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv("TPCHECK_DUMP", str(tmp_path / "d"))
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=f"^{env}='{bad}' must be a finite number of MiB >= 0$"):
+        from_env(runner.model, IMPL_MAP, 0, 1, "float32", "impl")

@@ -200,3 +200,20 @@ def test_gate_keeps_a_coverage_failure(ckpt, tmp_path):
     code, msg = regate(tmp_path / "r.json")
     assert code == 3 and "0 comparisons" in msg
     assert main(["gate", str(tmp_path / "r.json")]) == 3
+
+
+def test_a_rank_killed_at_pp_2_is_named_with_its_stage(ckpt, monkeypatch, capsys):
+    """At pp > 1 a dead rank's number alone does not say where it ran: the message names its stage and its rank
+    in the stage."""
+    pids = {}
+
+    def kill_rank1(adapter):
+        if not pids:
+            pids.update(enumerate(adapter.llm.call("worker_fns:pid")))
+            os.kill(pids[1], signal.SIGKILL)
+            assert wait([adapter.llm.executor.procs[1].sentinel], 10)
+    _patch_step(monkeypatch, kill_rank1)
+    before = descendants()
+    assert main(["diff", "--model", str(ckpt("tiny")), "--tp", "1", "--pp", "2", "--decode-steps", "2"]) == 3
+    _one_line_error(capsys.readouterr().err, "rank 1 (stage 1, TP rank 0 of 1) died (killed by SIGKILL)")
+    assert descendants() <= before

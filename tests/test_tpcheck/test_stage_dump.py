@@ -69,3 +69,13 @@ def test_pipeline_dump_that_is_not_one_run_is_refused(tmp_path, case, message):
         (tmp_path / "stage1" / "stage.json").write_text(json.dumps({"stage": 0, "pp": 2, "layers": [1, 2]}))
     with pytest.raises(DumpError, match=message):
         open_dump(tmp_path, lambda tp: None)
+
+
+def test_stages_claiming_layers_the_model_lacks_name_the_stage_file(tmp_path, ckpt, capsys):
+    from tpcheck.cli.app import main
+    _stage(tmp_path, 0, (0, 1), {"embed": 0.0})
+    _stage(tmp_path, 1, (1, 3), {"logits": 1.0})  # the tiny model has 2 layers
+    code = main(["compare", str(tmp_path), "--model", str(ckpt("tiny"))])
+    err = capsys.readouterr().err
+    assert code == 2 and "stage1/stage.json: the stages' layers end at layer 3, but --model" in err, err
+    assert "has 2 layers" in err and "--pp-partition" not in err

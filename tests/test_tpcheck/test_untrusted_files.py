@@ -183,3 +183,15 @@ def test_unequal_rows_across_ranks_are_named(dump, ckpt, tmp_path, capsys):
 def test_a_dump_of_another_checkpoint_is_named(dump, ckpt, capsys):
     code, err = _compare(ckpt, dump, capsys, preset="tiny-untied")
     assert code == 2 and "model_fingerprint is not that of --model" in err
+
+
+def test_a_step_whose_rows_disagree_with_its_tokens_is_refused_before_any_comparison(dump, ckpt, tmp_path, capsys):
+    d = _copy(dump, tmp_path)
+    for r in (0, 1):  # a row more than the step's 8 tokens, re-hashed: the file agrees with its hash, not its tokens
+        _edit_tensor(d / f"rank{r}" / "step0.safetensors", "embed", lambda t: torch.cat([t, t[-1:]]),
+                     d / f"rank{r}" / "step0.json")
+    code, err = _compare(ckpt, d, capsys)
+    assert code == 2, err
+    assert "rank0/step0.safetensors: embed: 9 rows, but an embed point has a row per token: the 8 tokens " \
+           "step0.json records" in err, err
+    assert "origin" not in err and "Traceback" not in err

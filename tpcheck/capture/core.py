@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from impl.env import env_number
 from impl.placements import Fused, Replicate
 # the rules and placement specs live in tpcheck.capture.rules; imported here so ``tpcheck.capture.core``'s names stay
 from tpcheck.capture.rules import (NameMap, PlacementSpec, Rule, _is_dtensor, declared, dtensor_placement, of_sibling,
@@ -331,17 +332,11 @@ def install(model: nn.Module, name_map: NameMap, writer=None, points: str | None
     return cap
 
 
-def _mib(env: str, value: str | None) -> int | None:
-    """An environment variable's MiB as bytes (None: unset); not a number, or negative, is a ValueError naming it."""
-    if value is None:
-        return None
-    try:
-        mib = float(value)
-    except ValueError:
-        mib = -1.0
-    if not mib >= 0:
-        raise ValueError(f"{env}={value!r} is not a number of MiB") from None
-    return int(mib * 2**20)
+def _mib(env: str) -> int | None:
+    """An environment variable's MiB as bytes (None: unset); anything but a finite number >= 0 is a ValueError
+    naming it (``impl.env.env_number``)."""
+    mib = env_number(env, what="MiB")
+    return None if mib is None else int(mib * 2**20)
 
 
 def _dtype_name(dtype) -> str:
@@ -370,7 +365,7 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
             re.compile(points)
         except re.error as e:
             raise ValueError(f"{ENV_POINTS}={points!r} is not a regular expression: {e}") from None
-    budget, queue = (_mib(env, os.environ.get(env) or None) for env in (ENV_BUDGET, ENV_QUEUE))
+    budget, queue = (_mib(env) for env in (ENV_BUDGET, ENV_QUEUE))
     queue = QUEUE_MB * 2**20 if queue is None else queue or None  # 0: no thread, each step written in the step
     if rank is None or tp is None:
         on = dist.is_available() and dist.is_initialized()

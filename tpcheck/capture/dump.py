@@ -40,7 +40,7 @@ from pathlib import Path
 from impl.placements import Fused, Shard
 from tpcheck.capture.rounding import declared_rounding
 from tpcheck.capture.background import BackgroundWriter
-from tpcheck.capture.dump_format import DumpError, check_fits as _check_fits, placement_from_json, placement_to_json
+from tpcheck.capture.dump_format import DumpError, check_fits as _check_fits, check_rows, placement_from_json, placement_to_json
 from tpcheck.capture.batches import RequestLog, StepBatch, UnknownPrefix
 from tpcheck.inputs.step_store import load_step, save_step, write_json_atomic
 from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, token_lists, verify_tensor
@@ -187,6 +187,7 @@ class Dump:
                 by_rows = isinstance(placement, Shard) and placement.dim % max(t.dim(), 1) == 0
                 if t.dim() and rows and t.shape[0] not in rows and not by_rows:
                     raise DumpError(f"{where}: {t.shape[0]} rows, other ranks' {sorted(rows)[0]}")
+                check_rows(t, name, placement, meta, where, base.with_suffix(".json"))
                 entry[1][r] = t
         return out
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from impl.placements import Fused, Partial, Replicate, Shard
+from tpcheck.capture.points import KINDS, split_point
 from tpcheck.inputs.validate import MAX_TP, field, int_in
 
 
@@ -48,3 +49,25 @@ def check_fits(t, p, where: str) -> None:
         if t.dim() == 0 or total != t.shape[-1]:
             raise DumpError(f"{where}: Fused widths sum to {total}, the tensor's last dim is "
                             f"{list(t.shape)[-1:] or 'absent'}")
+
+
+def check_rows(t, name: str, placement, meta: dict, where: str, meta_path) -> None:
+    """A point with a row per token (``KIND_TABLE``'s ``rows == "tokens"``) must hold the rows its step records:
+    the step's tokens, all requests concatenated, or the ``rows`` its JSON lists for it (a point that holds only
+    some: vLLM's sampled logits). Otherwise the file does not match its own record (a step written for other
+    tokens, or tensors cut or padded), and a comparison would blame the engine for it: a DumpError naming the
+    step file, before any comparison. Points sharded by rows and the KV-cache points (every cached position) are
+    left to the unsharding's checks."""
+    kind = KINDS.get(split_point(name)[1])
+    if kind is None or kind.rows != "tokens" or t.dim() == 0 or (isinstance(placement, Shard)
+                                                                 and placement.dim % t.dim() == 0):
+        return
+    tokens = sum(len(x) for x in meta["tokens"])
+    listed = meta.get("rows", {}).get(name)
+    if listed is not None and any(i >= tokens for i in listed):
+        raise DumpError(f"{meta_path}: rows[{name!r}] lists row {max(listed)}, past the step's {tokens} tokens")
+    want, what = (len(listed), f"the {len(listed)} rows {meta_path.name} lists for it") if listed is not None \
+        else (tokens, f"the {tokens} tokens {meta_path.name} records")
+    if t.shape[0] != want:
+        raise DumpError(f"{where}: {t.shape[0]} rows, but a{'n' if kind.name[0] in 'aeiou' else ''} {kind.name} point has a row per token: {what} "
+                        "(the step's file and its record disagree)")

@@ -26,6 +26,7 @@ import sys
 import torch
 
 from impl.config import ConfigError, ModelConfig, load_config
+from impl.env import env_number
 from impl.placements import Shard
 from tpcheck.engines.adapter import by_point
 from tpcheck.capture.copies import as_rows
@@ -62,7 +63,7 @@ def _dist_env(device: str) -> None:
     for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank)):
         os.environ.setdefault(key, str(value))
     if device.startswith("cuda"):
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(env_number("LOCAL_RANK", integer=True))
 
 
 def _tp_plan_kwargs(tp: int) -> dict:
@@ -233,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
         ap.error("run under torchrun (WORLD_SIZE is not set); for a single process use tpcheck diff --engine hf-tp")
-    tp = int(os.environ["WORLD_SIZE"])
+    tp = env_number("WORLD_SIZE", integer=True, minimum=1)
     check_layout(load_config(a.model), tp)
-    init_tp(int(os.environ["RANK"]), tp, None, device=a.device)
+    init_tp(env_number("RANK", integer=True), tp, None, device=a.device)
     try:
         rank = HFTPRank(a.model, a.dtype, a.device)
         writer = DumpWriter(a.dump, rank.rank, tp, a.dtype, "hf-tp", model=a.model)

@@ -47,11 +47,17 @@ def open_dump(root: str | Path, reductions) -> tuple[Dump, object, tuple[tuple[i
 def stage_options(engine, stages: tuple[tuple[int, int], ...] | None, model: str) -> dict:
     """The ``DiffOptions`` fields of a pipelined dump (``pp`` and the stages' layer counts: the golden's hand-off
     points), and the points ``engine`` (a ``PipelineDumpAdapter``) must find each stage reporting (else exit 3) on
-    the checkpoint ``model``; ``{}`` for one stage."""
+    the checkpoint ``model``; ``{}`` for one stage. Stages that do not cover ``model``'s layers are a
+    ``DumpError`` naming the last stage's file."""
     if stages is None:
         return {}
+    cfg = load_config(model)
+    if stages[-1][1] != cfg.num_layers:  # named here: as --pp-partition it would name a flag nobody gave
+        where = Path(engine.dump.root).parent / f"stage{len(stages) - 1}" / STAGE_FILE
+        raise DumpError(f"{where}: the stages' layers end at layer {stages[-1][1]}, but --model {model} has "
+                        f"{cfg.num_layers} layers (a dump of another model, or a stage file changed)")
     sizes = [end - start for start, end in stages]
-    engine.expected = tuple(model_point_names(load_config(model), engine.decode_steps > 0, stage_handoffs(sizes)))
+    engine.expected = tuple(model_point_names(cfg, engine.decode_steps > 0, stage_handoffs(sizes)))
     return {"pp": len(stages), "pp_partition": ",".join(map(str, sizes))}
 
 

@@ -28,6 +28,8 @@ import pandas as pd
 import torch
 
 from tpcheck.inputs.prompts import random_prompts  # noqa: F401 - the logits check's prompts, importable here
+from tpcheck.inputs.quant_check import check_quantized_checkpoint
+from impl.config import load_config
 from tpcheck.judge import judge
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure.metrics import compare
@@ -66,6 +68,7 @@ def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: lis
     """One row per (tp, prompt): engine and HF-at-dtype errors against the fp64 golden, and the verdict
     (``passed``: the noise-floor gate and no NaN, and ``logprobs_close`` when ``logprobs_topk`` is given;
     ``argmax_flips`` / ``near_tie_flips`` are informational, see the module docstring)."""
+    check_quantized_checkpoint(model_dir, load_config(model_dir))  # a broken scale: exit 2, not a verdict
     logger.info(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s)...")
     golden = hf_logits(model_dir, "float64", prompts)
     ref = hf_logits(model_dir, dtype, prompts) if dtype != "float64" else golden

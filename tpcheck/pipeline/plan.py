@@ -17,6 +17,7 @@ from tpcheck.engines.registry import engine as engine_entry
 from tpcheck.inputs.checkpoints import cached_checkpoint
 from tpcheck.inputs.faults import get_fault
 from tpcheck.inputs.prompts import random_prompts
+from tpcheck.inputs.quant_check import check_quantized_checkpoint
 from tpcheck.options import DiffOptions
 
 logger = logging.getLogger("tpcheck.pipeline.diff")  # progress: tpcheck's CLI shows INFO on stderr
@@ -84,6 +85,10 @@ class RunPlan:
         cfg.check_tp(opts.tp, opts.ep)
         _check_pipeline(opts, cfg)
         opts.validate(cfg)  # every flag against this model, before any engine work
+        for name in opts.inject:  # a fault with nothing to act on here: refused, not a rank's AttributeError
+            why = get_fault(name).refused_because(cfg)
+            if why:
+                raise ValueError(f"--inject {name} {why}")
         if hasattr(module, "check_layout"):
             module.check_layout(cfg, opts.tp)
         prompts = _prompts(opts, cfg)
@@ -97,8 +102,10 @@ class RunPlan:
     @classmethod
     def of(cls, opts: DiffOptions, cfg: ModelConfig | None = None, entry: EngineEntry | None = None) -> "RunPlan":
         """The plan of ``opts`` whose ``model`` and ``prompts`` are given (an adapter the caller started): the
-        config (loaded unless given) and the selection; a selection that keeps no point is a ``ValueError``."""
+        config (loaded unless given), a quantized checkpoint's tensors checked (``tpcheck.inputs.quant_check``)
+        and the selection; a selection that keeps no point is a ``ValueError``."""
         cfg = cfg if cfg is not None else load_config(opts.model)
+        check_quantized_checkpoint(opts.model, cfg)  # a broken scale or index: exit 2 naming it, not a verdict
         select = selection(opts.points, opts.layers)
         keep = re.compile(select) if select else None
         handoffs = () if opts.pp == 1 and opts.pp_partition is None else \

@@ -5,7 +5,7 @@ and an FP8 KV cache's rounding of the new keys and values (a module's ``kv_cache
 ``tpcheck.reference.quantized``)."""
 from __future__ import annotations
 
-from impl.quant_kv import fake_quant_kv
+from tpcheck.reference.formats import fake_quant_kv  # the format read by tpcheck, not by impl
 
 ATTN_NAME = "tpcheck_sdpa"
 _STATE: dict = {}

@@ -3,8 +3,8 @@ compressed-tensors; 4-bit GPTQ / AWQ W4A16, ``impl.quant_gptq`` / ``impl.quant_a
 ``tpcheck.reference.gptq``):
 a golden that means what the checkpoint means.
 
-FP8 reads the same way with ``q_x = e4m3(clamp(x / s_x, -448, 448))``, ``s_x = max|x_t| / 448`` (the rule of
-``impl.quant_fp8``, called here in float64) and e4m3 weights; with per-tensor scales, each fused group (q/k/v,
+FP8 reads the same way with ``q_x = e4m3(clamp(x / s_x, -448, 448))``, ``s_x = max|x_t| / 448`` (the format's
+rule, read by ``tpcheck.reference.formats``, not by impl's code, in float64) and e4m3 weights; with per-tensor scales, each fused group (q/k/v,
 gate/up) is first re-quantized to its maximum scale, as the engine fuses and re-quantizes it at load.
 
 A W8A8 linear computes ``y = s_x s_w (q_x W_q^T)`` with ``q_x = clamp(round(x / s_x), -128, 127)`` per token. The
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -33,11 +34,14 @@ from torch import nn
 
 from impl.config import load_config, parse_dtype
 from impl.loader import checkpoint_files
-from impl.quant import Int8Scheme, quantize_per_token, quantize_static
-from impl.quant_fp8 import FP8, quantize_fp8_per_token, quantize_fp8_static, requantize_to_max
+from tpcheck.reference.formats import E4M3 as FP8
+from tpcheck.reference.formats import quantize_activation, requantize_to_max
 from tpcheck.reference.attention_fn import ATTN_NAME, register_attention
 from tpcheck.reference.build import meta_model
 from tpcheck.reference.gptq import dequantized_state, is_gptq
+
+if TYPE_CHECKING:  # the scheme's type only: the formats are read by tpcheck.reference.formats, not impl.quant
+    from impl.quant import Int8Scheme
 
 #: the projections a compressed-tensors ``Linear`` target quantizes in a decoder layer (HF's names)
 QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -49,13 +53,7 @@ def fake_quant(x: torch.Tensor, scheme: Int8Scheme, input_scale: torch.Tensor | 
     ``input_scale``; float64 end to end for the golden, else the scale and rounding in float32 (as an engine
     quantizes its bf16 / fp16 / fp32 activations) and the product cast back."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    per_token, static = (quantize_fp8_per_token, quantize_fp8_static) if scheme.num_type == "float" else \
-        (quantize_per_token, quantize_static)
-    if scheme.dynamic_input:
-        q, s = per_token(x, work)
-    else:
-        s = input_scale.to(work)
-        q = static(x, s, work)
+    q, s = quantize_activation(x, scheme.num_type, work, None if scheme.dynamic_input else input_scale)
     return (q * s).to(x.dtype)
 
 
@@ -65,7 +63,7 @@ FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gat
 
 def _requantize_fused(raw: dict[str, torch.Tensor], scheme: Int8Scheme) -> None:
     """FP8 per-tensor scales: each fused group's e4m3 weights re-quantized to the group's maximum scale in float64
-    (``impl.quant_fp8.requantize_to_max``, what vLLM and impl do at load), in ``raw``, in place. What a checkpoint
+    (``tpcheck.reference.formats.requantize_to_max``, what vLLM and impl do at load), in ``raw``, in place. What a checkpoint
     with one scale per projection means to the engine that fuses them."""
     if scheme.num_type != "float" or scheme.weight_strategy != "tensor":
         return
@@ -76,7 +74,7 @@ def _requantize_fused(raw: dict[str, torch.Tensor], scheme: Int8Scheme) -> None:
             if not all(n in raw for n in names):
                 continue
             scales = torch.cat([raw[n + "_scale"].reshape(1) for n in names])
-            parts, s_max = requantize_to_max([raw[n] for n in names], scales, torch.float64)
+            parts, s_max = requantize_to_max([raw[n] for n in names], scales)
             for n, w in zip(names, parts):
                 raw[n], raw[n + "_scale"] = w, s_max.clone()
 

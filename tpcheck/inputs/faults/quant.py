@@ -11,16 +11,43 @@ from __future__ import annotations
 import torch
 
 from tpcheck.inputs.faults.patching import mark, read_tensors
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.inputs.faults.registry import Needs, fault
+
+
+def _w8a8(cfg) -> bool:  # W8A8 (GPTQ / AWQ and a KV-cache-only scheme have no weight_scale)
+    return getattr(getattr(cfg, "quant", None), "weight_strategy", None) in ("channel", "tensor")
+
+
+def _w8a8_channel(cfg) -> bool:
+    return _w8a8(cfg) and cfg.quant.weight_strategy == "channel"
+
+
+def _w8a8_tensor(cfg) -> bool:
+    return _w8a8(cfg) and cfg.quant.weight_strategy == "tensor"
+
+
+def _fp8_tensor_scheme(cfg) -> bool:
+    return _w8a8_tensor(cfg) and cfg.quant.num_type == "float"
+
+
+def _static_input(cfg) -> bool:
+    return _w8a8(cfg) and not cfg.quant.dynamic_input
+
+
+W8A8 = Needs("an INT8 / FP8 W8A8 checkpoint's weight scales (weight_scale)", _w8a8)
+W8A8_CHANNEL = Needs("per-channel W8A8 weight scales (weights.strategy: channel)", _w8a8_channel)
+W8A8_TENSOR = Needs("per-tensor W8A8 weight scales (weights.strategy: tensor)", _w8a8_tensor)
+FP8_TENSOR = Needs("per-tensor FP8 W8A8 weight scales (format float-quantized, weights.strategy: tensor)",
+                   _fp8_tensor_scheme)
+STATIC_INPUT = Needs("static W8A8 input scales (input_activations.dynamic: false)", _static_input)
 
 
 def _quantized(cfg, plan, dtype) -> bool:
-    quant = getattr(cfg, "quant", None)  # W8A8 (GPTQ / AWQ and a KV-cache-only scheme have no weight_scale)
-    return quant is not None and getattr(quant, "weight_strategy", None) in ("channel", "tensor") and dtype != "float32"
+    return _w8a8(cfg) and dtype != "float32"
 
 
 def _channel(cfg, plan, dtype) -> bool:
-    return _quantized(cfg, plan, dtype) and cfg.quant.weight_strategy == "channel"
+    return _quantized(cfg, plan, dtype) and _w8a8_channel(cfg)
 
 
 def _channel_tp(cfg, plan, dtype) -> bool:
@@ -28,14 +55,14 @@ def _channel_tp(cfg, plan, dtype) -> bool:
 
 
 def _tensor(cfg, plan, dtype) -> bool:
-    return _quantized(cfg, plan, dtype) and cfg.quant.weight_strategy == "tensor"
+    return _quantized(cfg, plan, dtype) and _w8a8_tensor(cfg)
 
 
 @fault(32, "qkv_scale_k_v_swapped",
        "quantized q/k/v: the k and v weight scales loaded into each other's slots (per-tensor: the two numbers; "
        "per-channel: the two row blocks)",
        shows_when="quantized checkpoints (INT8 W8A8), bfloat16 / float16", expected_origin="layers.{layer}.attn.k",
-       shows=_quantized)
+       shows=_quantized, needs=W8A8)
 @torch.no_grad()
 def qkv_scale_k_v_swapped(runner, i, layer):
     qkv = layer.self_attn.qkv_proj
@@ -55,7 +82,7 @@ def qkv_scale_k_v_swapped(runner, i, layer):
        "quantized column-parallel layers (q/k/v, gate/up): every rank loads rank 0's rows of the per-channel weight "
        "scale (the weights are right: shapes right, numbers wrong)",
        shows_when="quantized checkpoints with per-channel scales, tp > 1, bfloat16 / float16",
-       expected_origin="layers.{layer}.attn.q", shows=_channel_tp)
+       expected_origin="layers.{layer}.attn.q", shows=_channel_tp, needs=W8A8)
 @torch.no_grad()
 def column_scale_rank0_rows(runner, i, layer):
     sa, mlp = layer.self_attn, layer.mlp
@@ -78,7 +105,7 @@ def column_scale_rank0_rows(runner, i, layer):
        "quantized row-parallel layers (o_proj, down_proj): the per-channel weight scale sharded along the output "
        "like a column-parallel layer's (rank r's block of rows, tiled), where every rank needs it whole",
        shows_when="quantized checkpoints with per-channel scales, tp > 1, bfloat16 / float16",
-       expected_origin="layers.{layer}.attn.out", shows=_channel_tp)
+       expected_origin="layers.{layer}.attn.out", shows=_channel_tp, needs=W8A8_CHANNEL)
 @torch.no_grad()
 def row_scale_sharded_by_output(runner, i, layer):
     for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
@@ -94,7 +121,7 @@ def row_scale_sharded_by_output(runner, i, layer):
        "quantized fused gate/up with per-tensor scales: both partitions' scales written into slot 0 (the last one "
        "loaded, up's, wins); slot 1 keeps its initial value (1.0 here)",
        shows_when="quantized checkpoints with per-tensor scales, bfloat16 / float16",
-       expected_origin="layers.{layer}.mlp.gate", shows=_tensor)
+       expected_origin="layers.{layer}.mlp.gate", shows=_tensor, needs=W8A8_TENSOR)
 @torch.no_grad()
 def fused_scale_into_first_slot(runner, i, layer):
     gu = layer.mlp.gate_up_proj
@@ -106,7 +133,7 @@ def fused_scale_into_first_slot(runner, i, layer):
 
 
 def _fp8_tensor(cfg, plan, dtype) -> bool:
-    return _tensor(cfg, plan, dtype) and cfg.quant.num_type == "float"
+    return _tensor(cfg, plan, dtype) and _fp8_tensor_scheme(cfg)
 
 
 @fault(36, "fp8_fused_scale_not_max",
@@ -114,7 +141,7 @@ def _fp8_tensor(cfg, plan, dtype) -> bool:
        "but each partition's e4m3 weights are read as stored, not re-quantized to it (vLLM's "
        "requantize_with_max_scale skipped): a partition with a smaller scale is scaled up by s_max / s_i",
        shows_when="FP8 checkpoints with per-tensor scales, bfloat16 / float16",
-       expected_origin="layers.{layer}.attn.k", shows=_fp8_tensor)
+       expected_origin="layers.{layer}.attn.k", shows=_fp8_tensor, needs=FP8_TENSOR)
 @torch.no_grad()
 def fp8_fused_scale_not_max(runner, i, layer):
     sa, mlp = layer.self_attn, layer.mlp
@@ -141,7 +168,7 @@ def _fp8_static_tp(cfg, plan, dtype) -> bool:
        "(vLLM's create_fp8_input_scale fills it with float32's lowest, -3.4e38), so their quantized inputs are 0 "
        "and their shards of every linear output 0 (ranks disagree on a tensor each must hold whole)",
        shows_when="FP8 checkpoints with static input scales, tp > 1, bfloat16 / float16",
-       expected_origin="layers.{layer}.attn.q", shows=_fp8_static_tp)
+       expected_origin="layers.{layer}.attn.q", shows=_fp8_static_tp, needs=STATIC_INPUT)
 @torch.no_grad()
 def fp8_input_scale_rank0_only(runner, i, layer):
     mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -8,11 +8,18 @@ import torch
 
 from impl.quant_gptq import GptqScheme
 from tpcheck.inputs.faults.patching import mark, read_tensors
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.inputs.faults.registry import Needs, fault
+
+
+def _gptq(cfg) -> bool:
+    return isinstance(getattr(cfg, "quant", None), GptqScheme)
+
+
+GPTQ = Needs("a GPTQ checkpoint's packed tensors (quant_method: gptq)", _gptq)
 
 
 def _gptq_tp(cfg, plan, dtype) -> bool:
-    return isinstance(getattr(cfg, "quant", None), GptqScheme) and plan.tp > 1
+    return _gptq(cfg) and plan.tp > 1
 
 
 def _gptq_grouped_tp(cfg, plan, dtype) -> bool:
@@ -59,7 +66,7 @@ def scales_by_output(layer, tag: str) -> None:
        "GPTQ row-parallel layers (o_proj, down_proj): every rank reads the scales / zeros of the first group tile "
        "(groups [0, G/tp), rank 0's) instead of its own [r G/tp, (r+1) G/tp)",
        shows_when="GPTQ checkpoints without act-order, tp > 1", expected_origin="layers.{layer}.attn.out",
-       shows=_gptq_grouped_tp)
+       shows=_gptq_grouped_tp, needs=GPTQ)
 @torch.no_grad()
 def gptq_row_group_scales_misaligned(runner, i, layer):
     p = f"model.layers.{i}."
@@ -75,7 +82,8 @@ def gptq_row_group_scales_misaligned(runner, i, layer):
 @fault(41, "gptq_every_rank_rank0_qweight",
        "GPTQ column-parallel layers (q/k/v, gate/up): every rank loads rank 0's output columns of the packed "
        "qweight (scales and zeros right: shapes right, numbers wrong)",
-       shows_when="GPTQ checkpoints, tp > 1", expected_origin="layers.{layer}.attn.q", shows=_gptq_tp)
+       shows_when="GPTQ checkpoints, tp > 1", expected_origin="layers.{layer}.attn.q", shows=_gptq_tp,
+       needs=GPTQ)
 @torch.no_grad()
 def gptq_every_rank_rank0_qweight(runner, i, layer):
     if mark(layer.self_attn.qkv_proj, "gptq_every_rank_rank0_qweight"):
@@ -85,7 +93,8 @@ def gptq_every_rank_rank0_qweight(runner, i, layer):
 @fault(42, "gptq_row_scales_sharded_by_output",
        "GPTQ row-parallel layers (o_proj, down_proj): scales / zeros sharded along the output like a column-parallel "
        "layer's (rank r's block of output columns, tiled), where a rank needs every output column of its groups",
-       shows_when="GPTQ checkpoints, tp > 1", expected_origin="layers.{layer}.attn.out", shows=_gptq_tp)
+       shows_when="GPTQ checkpoints, tp > 1", expected_origin="layers.{layer}.attn.out", shows=_gptq_tp,
+       needs=GPTQ)
 @torch.no_grad()
 def gptq_row_scales_sharded_by_output(runner, i, layer):
     scales_by_output(layer, "gptq_row_scales_sharded_by_output")

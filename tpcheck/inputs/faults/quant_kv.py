@@ -10,15 +10,27 @@ from __future__ import annotations
 import torch
 
 from tpcheck.inputs.faults.patching import mark, read_tensors
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.inputs.faults.registry import Needs, fault
+
+
+def _kv_scheme(cfg) -> bool:
+    return getattr(getattr(cfg, "quant", None), "kv_cache", None) is not None
+
+
+def _kv_head_scheme(cfg) -> bool:
+    return _kv_scheme(cfg) and cfg.quant.kv_cache == "attn_head"
+
+
+KV = Needs("an FP8 KV cache's k_scale / v_scale (quantization_config.kv_cache_scheme)", _kv_scheme)
+KV_HEAD = Needs("an FP8 KV cache's per-head scales (kv_cache_scheme.strategy: attn_head)", _kv_head_scheme)
 
 
 def _kv(cfg, plan, dtype) -> bool:
-    return getattr(getattr(cfg, "quant", None), "kv_cache", None) is not None and dtype != "float32"
+    return _kv_scheme(cfg) and dtype != "float32"
 
 
 def _kv_head_tp(cfg, plan, dtype) -> bool:
-    return _kv(cfg, plan, dtype) and cfg.quant.kv_cache == "attn_head" and plan.tp > 1
+    return _kv(cfg, plan, dtype) and _kv_head_scheme(cfg) and plan.tp > 1
 
 
 def _kv_head_replicated(cfg, plan, dtype) -> bool:
@@ -30,7 +42,7 @@ def _kv_head_replicated(cfg, plan, dtype) -> bool:
        "self_attn.k_scale onto the attention layer and falls back to 1.0, with at most a warning)",
        shows_when="FP8 KV-cache checkpoints whose keys or values lie outside e4m3's normal range at scale 1 "
                   "(|x| < 2^-6 or > 448), bfloat16 / float16",
-       expected_origin="layers.{layer}.attn.context", shows=_kv)
+       expected_origin="layers.{layer}.attn.context", shows=_kv, needs=KV)
 @torch.no_grad()
 def kv_scale_defaulted_to_one(runner, i, layer):
     attn = layer.self_attn.attn
@@ -42,7 +54,7 @@ def kv_scale_defaulted_to_one(runner, i, layer):
 @fault(53, "kv_scales_k_v_swapped",
        "FP8 KV cache: the k_scale loaded into v_scale and the v_scale into k_scale (keys clamp at 448 v_scale)",
        shows_when="FP8 KV-cache checkpoints whose k and v scales differ, bfloat16 / float16",
-       expected_origin="layers.{layer}.attn.context", shows=_kv)
+       expected_origin="layers.{layer}.attn.context", shows=_kv, needs=KV)
 @torch.no_grad()
 def kv_scales_k_v_swapped(runner, i, layer):
     attn = layer.self_attn.attn
@@ -70,7 +82,7 @@ def _reload_heads(runner, i: int, attn, first_head: int) -> None:
        "FP8 KV cache with per-head scales: every rank loads rank 0's KV heads' k / v scales (shapes right, numbers "
        "wrong for the heads of the other ranks)",
        shows_when="FP8 KV-cache checkpoints with per-head scales, tp > 1, bfloat16 / float16",
-       expected_origin="layers.{layer}.attn.context", shows=_kv_head_tp)
+       expected_origin="layers.{layer}.attn.context", shows=_kv_head_tp, needs=KV_HEAD)
 @torch.no_grad()
 def kv_head_scales_rank0(runner, i, layer):
     attn = layer.self_attn.attn
@@ -82,7 +94,8 @@ def kv_head_scales_rank0(runner, i, layer):
        "FP8 KV cache with per-head scales and KV heads replicated (tp > KV heads): the rank's scale sliced at KV "
        "head tp_rank % kv_heads instead of tp_rank // replicas (the head the rank's k / v rows hold)",
        shows_when="FP8 KV-cache checkpoints with per-head scales, tp > KV heads, bfloat16 / float16",
-       expected_origin="layers.{layer}.attn.context", shows=_kv_head_replicated)
+       expected_origin="layers.{layer}.attn.context", shows=_kv_head_replicated,
+       needs=KV_HEAD)
 @torch.no_grad()
 def kv_head_scales_replicas_ignored(runner, i, layer):
     attn = layer.self_attn.attn

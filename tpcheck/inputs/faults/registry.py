@@ -26,6 +26,18 @@ CHECKS = ("diff", "memory")
 
 # (module-level functions, not lambdas, so that a Fault pickles: it may travel to a worker)
 
+
+@dataclass(frozen=True)
+class Needs:
+    """What a fault's patch acts on in the checkpoint (``what``, e.g. a W8A8 scheme's weight scales) and the test
+    of a config for it (``test(cfg)``, a module-level function). Without it the patch has nothing to act on: a rank
+    stops on a missing parameter (exit 3), or other numbers change than the fault means; so ``tpcheck diff``
+    refuses the run before any engine starts (exit 2, ``Fault.refused_because``) rather than announce it silent."""
+
+    what: str
+    test: Callable[[ModelConfig], bool]
+
+
 def always(cfg: ModelConfig, plan: ShardPlan, dtype: str) -> bool:
     return True
 
@@ -85,6 +97,17 @@ class Fault:
     # the decoder layers that can show it (None: every layer): a RoPE-base fault cannot show on a Gemma 3 sliding
     # layer, whose own base is the default it would set
     in_layer: Callable[[ModelConfig, int], bool] | None = field(default=None, repr=False, compare=False)
+    # what the patch acts on in the checkpoint (a quantization scheme's tensors); None: any checkpoint
+    needs: Needs | None = field(default=None, repr=False, compare=False)
+
+    def refused_because(self, cfg: ModelConfig) -> str | None:
+        """Why this fault cannot be injected into a run of ``cfg`` at all (None: it can): the checkpoint lacks
+        what its patch acts on (``needs``)."""
+        if self.needs is None or self.needs.test(cfg):
+            return None
+        quant = getattr(cfg, "quant", None)
+        has = "a float checkpoint (no quantization_config)" if quant is None else f"a {quant.name} checkpoint"
+        return f"acts on {self.needs.what}, and --model is {has}"
 
     def shows_in_layer(self, cfg: ModelConfig, layer: int) -> bool:
         """Whether decoder ``layer`` of ``cfg`` can show this per-layer fault (a MoE fault: a sparse layer)."""
