@@ -170,4 +170,9 @@ def run(o: InvarianceOptions, pool: EnginePool | None = None) -> InvarianceResul
 def _plan(o: InvarianceOptions, tp: int, prompts: list[list[int]]) -> RunPlan:
     """The diff plan of the engine at ``tp`` (validated as a diff's) over ``prompts`` (each request's tokens)."""
     e = o.engine.replace(tp=tp, decode_steps=0, prompts=tuple(tuple(p) for p in prompts), isolate=False)
-    return RunPlan.resolve(e)
+    quiet = logging.getLogger("tpcheck.pipeline.diff")  # its lines speak of a diff (and of faults a diff misses)
+    was, quiet.disabled = quiet.disabled, True
+    try:
+        return RunPlan.resolve(e)
+    finally:
+        quiet.disabled = was
