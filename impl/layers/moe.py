@@ -126,8 +126,8 @@ class FusedMoE(nn.Module):
             token, slot = torch.where(local == e)
             if token.numel() == 0:
                 continue
-            w13, w2 = self.w13_weight[e], self.w2_weight[e]
-            y = batch_invariant.linear(hidden[token], lambda rows: F.linear(self.act_fn(F.linear(rows, w13)), w2))
+            y = batch_invariant.linear(hidden[token], lambda rows, e=e: F.linear(
+                self.act_fn(F.linear(rows, self.w13_weight[e])), self.w2_weight[e]))
             out[token, slot] = y * topk_weights[token, slot, None]
         return out.sum(dim=1).to(hidden.dtype)
 

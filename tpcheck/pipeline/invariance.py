@@ -11,7 +11,7 @@ resolved by ``RunPlan``, the adapter started from the engine registry on the poo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -46,12 +46,10 @@ class InvarianceOptions:
     seed: int = 0
     batch_invariant: bool = False
     ulps: float | None = None
-    companions_seed: int | None = field(default=None)  # companions' seed (None: ``seed``); the probe is ``seed``'s
 
     def check(self) -> None:
         """Refuse (ValueError naming the flag) what cannot run, before any engine starts."""
-        for name, flag, vals in (("tps", "--tp", self.tps), ("batches", "--batch", self.batches),
-                                 ("chunks", "--chunk", self.chunks)):
+        for flag, vals in (("--tp", self.tps), ("--batch", self.batches), ("--chunk", self.chunks)):
             if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
                 raise ValueError(f"{flag} takes sizes >= 1, got {list(vals)}")
         if self.prompt_len < 1 or self.decode_steps < 0:
@@ -76,8 +74,6 @@ def schedules(o: InvarianceOptions, vocab: int) -> list[Schedule]:
     """The run's schedules, the reference first: each TP size x batch size, then the prefix hit and the chunks."""
     biggest = max(o.batches)
     probe, companions = draw_requests(vocab, o.prompt_len, o.decode_steps, biggest - 1, o.seed)
-    if o.companions_seed is not None:
-        companions = draw_requests(vocab, o.prompt_len, o.decode_steps, biggest - 1, o.companions_seed)[1]
     out = []
     for t in o.tps:
         for b in o.batches:
