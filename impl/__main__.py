@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         p.add_argument("--prompt-ids", type=_ids, action="append", default=[], help="token ids, e.g. 1,2,3 (repeatable)")
         p.add_argument("--prompt", action="append", default=[], help="prompt text (needs a tokenizer in --model)")
+        p.add_argument("--batch-invariant", action="store_true", help="each request's numbers bit for bit the "
+                       "same whatever else is batched with it (fixed-shape GEMMs, attention per sequence)")
     g = sub.choices["generate"]
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--pp-partition {a.pp_partition} names {len(a.pp_partition.split(','))} stages, "
                                  f"--pp is {a.pp}")
         with LLM(a.model, tp_size=a.tp, dtype=a.dtype, ep_size=a.ep, pp_size=pp, **kw) as llm:
+            if a.batch_invariant:
+                llm.set_batch_invariant(True)
             if a.cmd == "logits":
                 for p in prompts:
                     out = llm.logits(p)

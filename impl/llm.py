@@ -43,7 +43,9 @@ class LLM:
     (``impl.layers.moe``; ``tp_size % ep_size == 0``); 1 shards every expert over all ranks.
     ``pp_size``: pipeline stages of ``tp_size`` ranks each (``impl.pipeline``): a stage count, the layers split by
     vLLM's rule, or the layers per stage (``"3,3,2"``); the driver schedules and samples, the logits come from
-    TP rank 0 of the last stage."""
+    TP rank 0 of the last stage.
+    ``set_batch_invariant(True)``: each request's numbers bit for bit the same whatever else is batched with it
+    (``impl.batch_invariant``)."""
 
     def __init__(self, model_dir: str | os.PathLike, tp_size: int = 1, dtype: str = "float32", block_size: int = 16,
                  num_kv_blocks: int | None = None, cache: CacheConfig | None = None, device: str = "cpu",
@@ -51,6 +53,7 @@ class LLM:
         cache = cache or CacheConfig()
         self.tp_size, self.ep_size, self.device = tp_size, ep_size, device
         self.pp_size, self.pp_partition = pipeline_shape(pp_size)
+        self.batch_invariant = False
         self.logits_rank = (self.pp_size - 1) * tp_size  # TP rank 0 of the last stage (global rank)
         self.max_num_seqs, self.kv_cache_bytes = cache.max_num_seqs, cache.kv_cache_bytes
         self.enable_prefix_caching, self._tokenizer = cache.enable_prefix_caching, None
@@ -91,6 +94,11 @@ class LLM:
                            ep_size=self.ep_size, **({"pp_partition": self.partition} if self.pp_size > 1 else {}))
         self.executor.call("allocate_kv_cache", self.num_kv_blocks, self.block_size)
         self.reset_scheduler()
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Switch batch-invariant mode on every rank (``impl.batch_invariant``); it stays across ``load``."""
+        self.executor.call("set_batch_invariant", bool(on))
+        self.batch_invariant = bool(on)
 
     def reload(self) -> None:
         """Reload the current checkpoint and cache layout (undoes anything done to the ranks' models)."""

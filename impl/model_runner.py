@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from impl import batch_invariant
 from impl.config import load_config, parse_dtype
 from impl.context import Context, set_context
 from impl.distributed import get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, recv_prev, send_next
@@ -109,6 +110,11 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         finally:
             set_context(None)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Run this rank's GEMMs in fixed row blocks and each sequence's attention alone (``impl.batch_invariant``):
+        a request's bits then do not depend on the rest of its batch. A process-wide switch, kept across loads."""
+        batch_invariant.set_enabled(on)
 
     def call(self, target: str, *args, **kwargs):
         """Run ``module:function(runner, *args, **kwargs)`` inside this rank: the seam through which a

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl import batch_invariant
 from impl.context import Context, get_context
 from impl.placements import Shard
 from impl.quant_kv import CACHE_DTYPE, dequantize_kv, kv_scale_count, load_kv_scale, quantize_kv
@@ -106,7 +107,10 @@ class Attention(nn.Module):
         elif ctx.slot_mapping is not None and self.k_cache.numel():
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[ctx.slot_mapping] = k
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[ctx.slot_mapping] = v
-        out = self._decode(q, ctx) if ctx.is_decode else self._prefill(q, k, v, ctx)
+        if batch_invariant.enabled():  # each query alone over exactly its own keys (impl.batch_invariant)
+            out = self._per_query(q, k, v, ctx)
+        else:
+            out = self._decode(q, ctx) if ctx.is_decode else self._prefill(q, k, v, ctx)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _sdpa(self, q, k, v, mask):
@@ -129,6 +133,26 @@ class Attention(nn.Module):
             w = self.sliding_window
             mask = causal_mask(lq, lk, q.device, w) if lq > 1 or (w is not None and lk > w) else None
             out[start:start + lq] = self._sdpa(qs[None], ks[None], vs[None], mask)[0]
+            start += lq
+        return out
+
+    def _per_query(self, q, k, v, ctx: Context) -> torch.Tensor:
+        """Batch-invariant attention: every query of every sequence attends alone, unmasked, over exactly the keys it
+        sees (``0..p``, within the window): one SDPA shape per (position, window), whatever the batch, whether the
+        position is prefilled whole, in chunks, after a cached prefix or decoded."""
+        out = torch.empty_like(q)
+        start, w = 0, self.sliding_window
+        for i, (lq, lk) in enumerate(zip(ctx.seq_lens_q, ctx.seq_lens_k)):
+            if ctx.block_tables is None:  # no cached prefix: keys are this sequence's new tokens
+                ks, vs = k[start:start + lq], v[start:start + lq]
+            else:
+                slots = block_slots(ctx.block_tables[i:i + 1], self.k_cache.shape[1], lk)[0]
+                ks, vs = self.cached("k", slots, q.dtype), self.cached("v", slots, q.dtype)
+            for j in range(lq):
+                p = lk - lq + j
+                lo = 0 if w is None else max(0, p - w + 1)
+                out[start + j] = self._sdpa(q[None, start + j:start + j + 1], ks[None, lo:p + 1], vs[None, lo:p + 1],
+                                            None)[0, 0]
             start += lq
         return out
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl import batch_invariant
 from impl.distributed import all_reduce, gather, get_tp_rank, get_tp_size
 from impl.layers.linear import check_shape
 from impl.placements import Replicate, Shard
@@ -60,7 +61,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.output_placement = Shard(-1)  # local logits before the gather, padding included
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return batch_invariant.linear(hidden, lambda rows: F.linear(rows, self.weight))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         full = gather(self.local_logits(hidden), dim=-1, dst=0)

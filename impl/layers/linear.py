@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl import batch_invariant
 from impl.distributed import all_reduce, get_tp_rank, get_tp_size
 from impl.errors import ShapeMismatch, check_shape  # noqa: F401 (re-exported: the loader and layers import them here)
 from impl.placements import Fused, Partial, Replicate, Shard
@@ -83,8 +84,8 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias`` on this rank's weight: ``F.linear``, or the quant method's ``apply``."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, bias)
-        return F.linear(x, self.weight, bias)
+            return batch_invariant.linear(x, lambda rows: self.quant_method.apply(self, rows, bias))
+        return batch_invariant.linear(x, lambda rows: F.linear(rows, self.weight, bias))
 
     def partition_index(self, shard_id) -> int:
         """Which fused partition ``shard_id`` names (a per-tensor weight scale's slot); 0 on an unfused layer."""

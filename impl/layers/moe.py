@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl import batch_invariant
 from impl.config import ModelConfig
 from impl.distributed import all_reduce, get_tp_rank, get_tp_size
 from impl.layers.activation import SiluAndMul
@@ -125,7 +126,8 @@ class FusedMoE(nn.Module):
             token, slot = torch.where(local == e)
             if token.numel() == 0:
                 continue
-            y = F.linear(self.act_fn(F.linear(hidden[token], self.w13_weight[e])), self.w2_weight[e])
+            y = batch_invariant.linear(hidden[token], lambda rows, e=e: F.linear(
+                self.act_fn(F.linear(rows, self.w13_weight[e])), self.w2_weight[e]))
             out[token, slot] = y * topk_weights[token, slot, None]
         return out.sum(dim=1).to(hidden.dtype)
 

@@ -47,11 +47,12 @@ STEP = {"gqa_cache_repeated_heads": 0, "decode_position_off_by_one": 1, "slot_ma
 # (the MoE faults on the MoE presets: tests/test_tpcheck/test_routing.py; the quantization faults on the quantized
 # presets: tests/test_tpcheck/test_quantized.py, test_quantized_gptq.py, test_quantized_awq.py and
 # test_quantized_kv.py; the pipeline
-# faults at --pp 2: tests/test_tpcheck/test_pipeline_diff.py; Gemma 3's own on its presets: tests/test_tpcheck/test_gemma3.py)
+# faults at --pp 2: tests/test_tpcheck/test_pipeline_diff.py; Gemma 3's own on its presets: tests/test_tpcheck/test_gemma3.py;
+# the invariance faults by tpcheck invariance: tests/test_tpcheck/test_invariance.py)
 CATALOG = [n for n, f in FAULTS.items() if f.patch.__module__ not in (
     "tpcheck.inputs.faults.families", "tpcheck.inputs.faults.moe", "tpcheck.inputs.faults.quant", "tpcheck.inputs.faults.gemma",
     "tpcheck.inputs.faults.quant_gptq", "tpcheck.inputs.faults.quant_awq", "tpcheck.inputs.faults.quant_kv",
-    "tpcheck.inputs.faults.pipeline")]
+    "tpcheck.inputs.faults.pipeline", "tpcheck.inputs.faults.invariance")]
 DIFF_FAULTS = [n for n in CATALOG if FAULTS[n].check == "diff"]
 # the check expected to flag each origin (the rest: the noise floor)
 BY = {"nan_causal_mask": "NaN", "rmsnorm_weight_before_cast": "exact ops", "gqa_cache_repeated_heads": "shape",

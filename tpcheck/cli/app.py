@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_diff(sub)
     _add_compare(sub)
-    from tpcheck.cli import compare_results, completion, gate, sweep
+    from tpcheck.cli import compare_results, completion, gate, invariance, sweep
     gate.register(sub)
+    invariance.register(sub)
     compare_results.register(sub)
     sweep.register(sub)
     completion.register(sub)
@@ -372,6 +373,10 @@ def _run(a, argv: list[str]) -> int:
         from tpcheck.cli import sweep
         check_output_paths(a.json, a.html / "index.html" if a.html else None)
         return sweep.run(a)
+    if a.cmd == "invariance":
+        from tpcheck.cli import invariance
+        check_output_paths(a.json)
+        return invariance.run(a, argv)
     if a.cmd == "completion":
         from tpcheck.cli.completion import bash_script
         if a.shell == "zsh":

@@ -191,6 +191,10 @@ def fault_row(name: str, pool, ckpt=None) -> dict:
                     excess=m["excess"], note=note,
                     origin_point="memory" if m["flagged"] else None, expected_point="memory",
                     seconds=time.monotonic() - t0)
+    if fault.check == "invariance":  # its bits change with the batch: tpcheck invariance (excess: ulps)
+        from tpcheck.cli.fault_invariance import invariance_fields
+        fields = invariance_fields(fault, config, str(ckpt(config["preset"])), pool, r.passed)
+        return _row(name, config, "invariance", **fields, seconds=time.monotonic() - t0)
     exp_point, exp_step = fault.origin(None, stage1=_stage1(ckpt, config)), expected_step(fault, config)
     detected = not r.passed
     if detected:
@@ -292,6 +296,8 @@ def format_table(df: pd.DataFrame) -> str:
     t["ok"] = t["ok"].map({True: "ok", False: "MISS"})
     t.loc[df["fault"] == "(clean)", "ok"] = df.loc[df["fault"] == "(clean)", "ok"].map({True: "quiet", False: "ALARM"})
     t["excess"] = [_fmt_excess(v, o) for v, o in zip(df["excess"], df["origin"])]
+    ulps = (df["check"] == "invariance") & df["excess"].notna()  # an invariance fault's excess: its ulps
+    t.loc[ulps, "excess"] = [f"{v:.0f} ulps" for v in df.loc[ulps, "excess"]]
     cells = [list(t.columns)] + t.astype(str).values.tolist()
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(c.rjust(w) if i == len(widths) - 1 else c.ljust(w)

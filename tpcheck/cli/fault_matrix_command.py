@@ -40,7 +40,8 @@ def run(args, pool=None, ckpt=None) -> int:
         df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
     print(format_table(df))
     print("config: preset, TP size, dtype, prefill only or decode steps and KV block size, prompt lengths; "
-          "by: the check that flagged the origin; excess: the origin's error over its threshold (clean runs: the closest any point came; memory: the "
+          "by: the check that flagged the origin; excess: the origin's error over its threshold (invariance faults: "
+          "its ulps; clean runs: the closest any point came; memory: the "
           "largest rank's tensor bytes over 1.15 x its share + 64 KiB)")
     ok = bool(df["ok"].all())
     faults_df, clean_df = df[df["fault"] != "(clean)"], df[df["fault"] == "(clean)"]

@@ -96,9 +96,13 @@ class ImplAdapter:
         self.dump = None  # the dump records the first (propagated) pass; the local pass writes none
 
     def step(self, new_tokens, teacher, capture_kv) -> Points:
-        batch = [(toks, start, table) for toks, start, table in zip(new_tokens, self.lens, self.tables)]
+        """As ``EngineAdapter.step``; a sequence given no tokens sits the step out (``tpcheck invariance``: companions
+        that finished, a request that has not arrived): the points' rows are those of the others, in order."""
+        run = [i for i, t in enumerate(new_tokens) if len(t)]
+        batch = [(new_tokens[i], self.lens[i], self.tables[i]) for i in run]
         self.lens = [n + len(t) for n, t in zip(self.lens, new_tokens)]
-        per_rank = self.llm.call(capture_impl.step, batch, teacher, self.lens if capture_kv else None)
+        kv_lens = [self.lens[i] for i in run] if capture_kv else None
+        per_rank = self.llm.call(capture_impl.step, batch, teacher, kv_lens)
         if self.stages is None:
             return by_point(per_rank)
         self.point_notes = {}
@@ -112,7 +116,23 @@ class ImplAdapter:
         self.llm.call(capture_impl.write_prefix, self.tables, lens, kv)
         self.lens = list(lens)
 
+    def share_prefix(self, seq: int, donor: int, tokens: int) -> None:
+        """A prefix-cache hit, as impl's ``BlockManager`` makes one: sequence ``seq``'s first ``tokens`` positions
+        (whole KV blocks) are the blocks sequence ``donor`` already wrote, and its next step starts at ``tokens``."""
+        bs = self.block_size
+        if tokens % bs or not 0 < tokens <= self.lens[donor] or self.lens[seq]:
+            raise ValueError(f"a shared prefix is whole KV blocks of {bs} tokens that sequence {donor} has written "
+                             f"(it holds {self.lens[donor]}) before sequence {seq} starts; got {tokens} tokens")
+        self.tables[seq][:tokens // bs] = self.tables[donor][:tokens // bs]
+        self.lens[seq] = tokens
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """impl's batch-invariant mode (``impl.batch_invariant``) for this run; ``close`` switches it off again."""
+        self.llm.set_batch_invariant(on)
+
     def close(self) -> None:
+        if self.llm.batch_invariant:  # a pooled engine goes back in its default mode
+            self.llm.set_batch_invariant(False)
         if self.inject:
             self.llm.reload()  # undo the faults: fresh weights and module code
         elif not self.own_cache:  # give the engine back its own cache layout

@@ -59,7 +59,7 @@ from importlib import metadata
 from importlib import resources
 
 SCHEMA_VERSION = 3
-KINDS = ("diff", "check", "sweep", "fault_matrix", "comparison")
+KINDS = ("diff", "check", "sweep", "fault_matrix", "comparison", "invariance")
 SCHEMA_FILE = "result.schema.json"  # package data of ``tpcheck.result``
 RUN_META_KEYS = ("versions", "machine", "command", "created_utc")
 

@@ -4,7 +4,8 @@ Each fault is declared once, beside its patch, with ``@fault(...)`` (``registry`
 by where they strike: ``loading``, ``attention``, ``collectives``, ``kv_cache``, ``norm``, ``quant`` (the
 scales of quantized linears; ``quant_kv``: an FP8 KV cache's), ``moe`` and ``families``
 (what the families beyond Qwen2 add: q/k norms, llama3 RoPE, biases, sliding windows), ``gemma`` (Gemma 3's ``1 + w``
-norms, its two RoPE bases, its window's edge). Applying them:
+norms, its two RoPE bases, its window's edge), ``invariance`` (a request's bits changed by its batch only: found by
+``tpcheck invariance``). Applying them:
 ``engine`` (``apply`` in a rank, ``inject`` / ``injected`` / ``restore`` from the driver). How faults
 work, how to add one, and what cannot be injected: docs/faults.md.
 
@@ -21,6 +22,7 @@ from tpcheck.inputs.faults import quant_awq  # noqa: F401,I001 (after quant_gptq
 from tpcheck.inputs.faults import pipeline  # noqa: F401,I001 (after quant_awq: catalogue order)
 from tpcheck.inputs.faults import quant_kv  # noqa: F401,I001 (after pipeline: catalogue order)
 from tpcheck.inputs.faults import gemma  # noqa: F401,I001 (after quant_kv: catalogue order)
+from tpcheck.inputs.faults import invariance  # noqa: F401,I001 (after gemma: catalogue order)
 from tpcheck.inputs.faults.attention import DEFAULT_ROPE_THETA
 from tpcheck.inputs.faults.collectives import LOW_PRECISION_REDUCE
 from tpcheck.inputs.faults.engine import apply, describe, inject, injected, restore

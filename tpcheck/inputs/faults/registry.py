@@ -21,7 +21,7 @@ Patch = Callable[..., None]
 Reach = Callable[[ModelConfig], "int | None"]
 
 ORIGIN_STEPS = ("prefill", "decode", "block_boundary")
-CHECKS = ("diff", "memory")
+CHECKS = ("diff", "memory", "invariance")
 
 
 # (module-level functions, not lambdas, so that a Fault pickles: it may travel to a worker)
@@ -78,8 +78,11 @@ class Fault:
     shows: Shows = field(default=always, repr=False, compare=False)
     decode_only: bool = False
     # which check catches it: "diff" (the layer-by-layer numerics) or "memory" (per-rank memory figures;
-    # the numerics are unchanged, so ``tpcheck diff`` passes and ``expected_origin`` is "memory")
+    # the numerics are unchanged, so ``tpcheck diff`` passes and ``expected_origin`` is "memory") or "invariance"
+    # (``tpcheck invariance``: a request's bits change with its batch, within float noise, so the diff passes)
     check: str = "diff"
+    # an invariance fault: the ``tpcheck invariance`` schedule that exercises it ("batch": the probe batched)
+    schedule: str = ""
     # the step of the expected origin: "prefill" (step 0), "decode" (the first decode step, 1) or
     # "block_boundary" (the first decode step whose position is a multiple of the KV block size)
     origin_step: str = "prefill"
@@ -164,6 +167,9 @@ class Fault:
             return "shows only while decoding, and --decode-steps is 0"
         if self.check == "memory":
             return "changes memory, not numbers (`tpcheck faults matrix` runs its memory check)"
+        if self.check == "invariance":
+            return (f"changes a request's bits only under the {self.schedule!r} schedule, within float noise "
+                    "(`tpcheck invariance` finds it)")
         if self.needs_exact_ops and not exact_ops:
             return "is as accurate as HF at the dtype: only --exact-ops sees it"
         reach = None if self.longer_than is None else self.longer_than(cfg)
