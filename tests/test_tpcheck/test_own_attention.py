@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tpcheck.judge import judge
-from tpcheck.measure import own_attention, own_input
+from tpcheck.measure import own_attention
 from tpcheck.measure.own_attention import RowLayout
 from tpcheck.measure.own_input import own_error
 from tpcheck.reference.hf import HFCapture, new_cache
@@ -40,7 +40,7 @@ def test_a_correct_kernel_has_no_own_error_and_attention_bugs_do(ckpt, hf_model,
     rel = float((e1[n].double() - g1[n]).norm() / g1[n].norm())
 
     def engine(kind, get, layout):  # what a buggy engine computes: the op on other inputs or positions
-        y, _ = own_attention.op(model, 1, kind, get, layout, own_input.dot_allowance, e1[n].dtype)
+        y, _ = own_attention.op(model, 1, kind, get, layout, e1[n].dtype)
         return y.to(e1[n].dtype)
 
     dropped = {**e1, "layers.1.kv.k": e1["layers.1.kv.k"][1:], "layers.1.kv.v": e1["layers.1.kv.v"][1:]}

@@ -49,11 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_diff(sub)
     _add_compare(sub)
     from tpcheck.cli import compare_results, completion, gate, invariance, sweep
-    gate.register(sub)
-    invariance.register(sub)
-    compare_results.register(sub)
-    sweep.register(sub)
-    completion.register(sub)
+    for command in (gate, invariance, compare_results, sweep, completion):
+        command.register(sub)
     return ap
 
 
@@ -375,8 +372,7 @@ def _run(a, argv: list[str]) -> int:
         return sweep.run(a)
     if a.cmd == "invariance":
         from tpcheck.cli import invariance
-        check_output_paths(a.json)
-        return invariance.run(a, argv)
+        return check_output_paths(a.json) or invariance.run(a, argv)
     if a.cmd == "completion":
         from tpcheck.cli.completion import bash_script
         if a.shell == "zsh":

@@ -23,6 +23,21 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+LAMBDA = 6.0       # the probabilistic bound's lambda: 2n exp(-18) ~ 3e-8 n
+KAPPA_MIN = 4.0    # elements with kappa >= KAPPA_MIN sqrt(n) are cancelling dot products
+
+
+def dot_allowance(mag: torch.Tensor, sq: torch.Tensor, y: torch.Tensor, n: int,
+                  u_acc: float = unit_roundoff(torch.float32), red: float = 0.0) -> torch.Tensor:
+    """What a dot product ``y`` of ``n`` terms (``mag = sum |a_i b_i|``, ``sq = sum a_i^2 b_i^2``) accumulated in
+    any order at ``u_acc`` may err: at every element, n roundings of partial sums of the size of its largest terms
+    or of the result (random sign); where it cancels, the probabilistic bound of any order; ``red`` (a row-parallel
+    sum's reduction) relative to the same scales."""
+    acc = (LAMBDA * math.sqrt(n / 3) * u_acc + red) * torch.maximum(sq.sqrt(), y.abs())
+    cancelling = mag >= KAPPA_MIN * math.sqrt(n) * y.abs()
+    return torch.where(cancelling, torch.maximum(acc, (LAMBDA * math.sqrt(n) * u_acc + red) * mag), acc)
+
+
 def ulp_floor(golden: torch.Tensor, dtype: torch.dtype) -> float:
     """``2u max|g| / |g|`` (u of ``dtype``): how much ``rel_err`` one ulp at the largest element (the most two correct
     roundings of a value differ by) adds. Over ``n`` elements alike ``2u / sqrt(n)``: no floor at all on a tensor of

@@ -19,7 +19,7 @@ kernel may round an intermediate: bfloat16 scores, weights, tables), per element
   ``B = (|x| + |rotate_half(x)|) * s * (2 u |theta| + 4 u + 3 u_d)`` (``s`` the rotary's attention scaling);
 * **attention**, per query row and head, over its ``m`` visible keys (causal, the layer's sliding window):
   a score ``s_j = c q.k_j`` (``c`` the layer's scaling) errs ``E_j = c * dot(q, k_j) + 2 u_d |s_j|``, where
-  ``dot`` is a dot product's accumulation in any order (``own_input.dot_allowance``, as for a linear); the
+  ``dot`` is a dot product's accumulation in any order (``metrics.dot_allowance``, as for a linear); the
   softmax turns score errors into weight errors ``p_j (d_j - sum_k p_k d_k)``, whose effect on the context is at
   most ``sum_j p_j (E_j + E) (|v_j| + |ctx|)`` (``E = sum_k p_k E_k``); each weight's own ``exp`` (``4 u``), its
   rounding to the dtype (``u_d``), the normalising sum's and the rescaling of an online softmax's running sums
@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from tpcheck.measure.metrics import unit_roundoff
+from tpcheck.measure.metrics import LAMBDA, dot_allowance, unit_roundoff
 
 ROPE_KINDS = ("attn.q_rope", "attn.k_rope")
 KINDS = (*ROPE_KINDS, "attn.context")
@@ -70,10 +70,9 @@ def has_qk_norm(model: nn.Module | None) -> bool:
 
 
 def op(model: nn.Module, layer: int, kind: str, get: Callable[[str], torch.Tensor], layout: RowLayout | None,
-       dot: Callable[..., torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(``kind``'s op in float64 on the engine's inputs ``get(point)``, its allowance ``B``): see the module
-    docstring. ``dot(mag, sq, y, n)``: the accumulation allowance of dot products ``y`` of ``n`` terms with
-    ``sum |a||b| = mag`` and ``sum a^2 b^2 = sq``. A KeyError where the op cannot be recomputed here (no layout, an
+    docstring. A KeyError where the op cannot be recomputed here (no layout, an
     input missing, logit soft-capping, a cached prefix whose keys the run did not read back)."""
     if layout is None:
         raise KeyError("layout")
@@ -90,7 +89,7 @@ def op(model: nn.Module, layer: int, kind: str, get: Callable[[str], torch.Tenso
             raise
         q, k, v = (get(at + p).double() for p in inputs(kind, False, False))
         kv_lens = layout.row_lens
-    return _attention(model, attn, q, k, v, layout._replace(kv_lens=kv_lens), dot, dtype)
+    return _attention(model, attn, q, k, v, layout._replace(kv_lens=kv_lens), dtype)
 
 
 def _rope(model: nn.Module, attn: nn.Module, x: torch.Tensor, pos: torch.Tensor,
@@ -126,7 +125,7 @@ def _cos_sin(model: nn.Module, attn: nn.Module, pos: torch.Tensor) -> tuple[torc
 
 
 def _attention(model: nn.Module, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               layout: RowLayout, dot, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+               layout: RowLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     hd, scaling = attn.head_dim, float(attn.scaling)
     if getattr(attn, "attn_logit_softcapping", None) is not None:
         raise KeyError("soft-capping")
@@ -137,7 +136,6 @@ def _attention(model: nn.Module, attn: nn.Module, q: torch.Tensor, k: torch.Tens
     heads, kv_heads = q.shape[-1] // hd, k.shape[-1] // hd
     if heads * hd != q.shape[-1] or kv_heads * hd != k.shape[-1] or heads % kv_heads:
         raise KeyError("heads")
-    from tpcheck.measure.own_input import LAMBDA  # own_input dispatches here: imported at the call
     u, ud = unit_roundoff(torch.float32), unit_roundoff(dtype)
     ys, bs, r0, k0 = [], [], 0, 0
     for n, start, m in zip(layout.row_lens, layout.starts, layout.kv_lens):
@@ -152,7 +150,7 @@ def _attention(model: nn.Module, attn: nn.Module, q: torch.Tensor, k: torch.Tens
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
         y = p @ vb  # [h, n, hd]
         mag, sq = qb.abs() @ kb.abs().transpose(1, 2), qb.square() @ kb.square().transpose(1, 2)
-        e = (scaling * dot(mag, sq, raw, hd) + 2 * ud * s.abs()).masked_fill(~visible, 0.0)
+        e = (scaling * dot_allowance(mag, sq, raw, hd) + 2 * ud * s.abs()).masked_fill(~visible, 0.0)
         w = p * (e + (p * e).sum(-1, keepdim=True))  # |v_j - ctx| <= |v_j| + |ctx|: no [h, n, m, hd] product
         seen = visible.sum(-1, keepdim=True).double()  # each row's m
         per_weight = 4 * u + ud + 3 * LAMBDA * torch.sqrt(seen / 3) * u

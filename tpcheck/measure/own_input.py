@@ -53,7 +53,7 @@ from torch import nn
 
 from tpcheck.capture.points import split_point
 from tpcheck.measure import own_attention
-from tpcheck.measure.metrics import unit_roundoff
+from tpcheck.measure.metrics import LAMBDA, dot_allowance, unit_roundoff
 
 PREV = "<layer input>"  # the layer's input: ``embed`` or the previous layer's ``out`` (the teacher when isolated)
 #: point kind -> the points (of the same layer) its op reads, in argument order
@@ -77,8 +77,6 @@ _LINEARS = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v"
             "attn.out": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
             "mlp.out": "mlp.down_proj"}
 _ROW_PARALLEL = ("attn.out", "mlp.out")
-LAMBDA = 6.0       # the probabilistic bound's lambda: 2n exp(-18) ~ 3e-8 n
-KAPPA_MIN = 4.0    # elements with kappa >= KAPPA_MIN sqrt(n) are cancelling dot products
 
 
 def reads_layer_input(kind: str) -> bool:
@@ -143,17 +141,6 @@ def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_para
     return dot_allowance(mag, sq, y, x.shape[-1], u_acc, red)
 
 
-def dot_allowance(mag: torch.Tensor, sq: torch.Tensor, y: torch.Tensor, n: int,
-                  u_acc: float = unit_roundoff(torch.float32), red: float = 0.0) -> torch.Tensor:
-    """What a dot product ``y`` of ``n`` terms (``mag = sum |a_i b_i|``, ``sq = sum a_i^2 b_i^2``) accumulated in
-    any order at ``u_acc`` may err: at every element, n roundings of partial sums of the size of its largest terms
-    or of the result (random sign); where it cancels, the probabilistic bound of any order; ``red`` (a row-parallel
-    sum's reduction) relative to the same scales."""
-    acc = (LAMBDA * math.sqrt(n / 3) * u_acc + red) * torch.maximum(sq.sqrt(), y.abs())
-    cancelling = mag >= KAPPA_MIN * math.sqrt(n) * y.abs()
-    return torch.where(cancelling, torch.maximum(acc, (LAMBDA * math.sqrt(n) * u_acc + red) * mag), acc)
-
-
 @torch.no_grad()
 def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.Tensor,
               get: Callable[[str], torch.Tensor], tp: int = 1, red_dtype: torch.dtype | None = None,
@@ -170,7 +157,7 @@ def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.T
         return math.nan
     try:
         if kind in own_attention.KINDS:
-            y, b = own_attention.op(model, layer, kind, get, layout, dot_allowance, engine.dtype)
+            y, b = own_attention.op(model, layer, kind, get, layout, engine.dtype)
         else:
             y, b = _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
     except (KeyError, AttributeError, IndexError, RuntimeError):
