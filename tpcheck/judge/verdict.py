@@ -90,15 +90,17 @@ def _col(t: pd.DataFrame, name: str) -> np.ndarray:
     return pd.to_numeric(t[name], errors="coerce").astype(float).to_numpy()
 
 
-def gain_thresholds(t: pd.DataFrame, dtype: str, tol: Tolerances) -> np.ndarray:
-    """Each row's ``gain_threshold`` (module docstring); NaN where no gain is judged."""
+def gain_thresholds(t: pd.DataFrame, dtype: str, tol: Tolerances, floor: bool = True) -> np.ndarray:
+    """Each row's ``gain_threshold`` (module docstring); NaN where no gain is judged. ``floor``: with the gain's
+    floor (``gain_floor``: what a correct kernel's rounding of a per-row scale may add); False: the statistical and
+    the references' terms alone (what ``allowances`` compares with)."""
     k = np.array([tol.k_for(kind, dtype) for kind in t["kind"]], dtype=float)
     z = np.array([gain_z(n) if n > 0 else np.nan for n in _col(t, "gain_n")], dtype=float)
     groups = _col(t, "gain_groups") if "gain_groups" in t else np.full(len(t), np.nan)
     se_cols = _col(t, "gain_se_cols") if "gain_se_cols" in t else np.full(len(t), np.nan)
     zc = np.array([gain_z_cols(int(g)) if g >= 2 else np.nan for g in groups], dtype=float)
     thr = np.fmax.reduce([z * _col(t, "gain_se"), zc * se_cols, k * np.nan_to_num(_col(t, "ref_gain")),
-                          _col(t, "gain_floor")])
+                          _col(t, "gain_floor") if floor else np.full(len(t), np.nan)])
     judged = np.isfinite(_col(t, "gain")) & t["mode"].isin(GAIN_MODES).to_numpy()
     return np.where(judged, thr, np.nan)
 
@@ -154,6 +156,13 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
     t["passed"], t["inherited"] = ok.astype(bool), inherited
     t["by_rounding"] = (gain > gthr) & (gain <= glim)  # within the gain's threshold only by the declared rounding
     meta = {**result.meta, "tolerances": tol.source}
+    floor = np.nan_to_num(_col(t, "rel_floor")) if "rel_floor" in t else np.zeros(len(t))
+    plain = ok & ~inherited & ~overflow
+    meta["allowances"] = {  # the passing rows each allowance alone carried (module docstring; the summary says it)
+        "inherited": int(inherited.sum()),
+        "rel_floor": int((plain & (floor > 0) & (rel > thr - floor)).sum()),
+        "gain_floor": int((plain & (gain > gain_thresholds(t, dtype, tol, floor=False)) & (gain <= gthr)).sum()),
+        "by_rounding": int((plain & t["by_rounding"].to_numpy()).sum())}
     meta.pop("overflow", None)
     if overflow.any():
         o = t[overflow]

@@ -10,8 +10,25 @@ from tpcheck.result.origin import rounding_allowance
 
 
 def after_verdict(table: pd.DataFrame, meta: dict) -> str:
-    """``by_rounding``, ``replicas`` then ``local_rows``: each a line starting with a newline, or nothing."""
-    return by_rounding(table, meta) + replicas(table) + local_rows(meta)
+    """``allowances``, ``by_rounding``, ``replicas`` then ``local_rows``: each a line starting with a newline, or
+    nothing."""
+    return allowances(meta) + by_rounding(table, meta) + replicas(table) + local_rows(meta)
+
+
+ALLOWANCES = {  # meta["allowances"] key -> what carried those rows (tpcheck.judge.verdict)
+    "inherited": "as inherited (over the floor only through their inputs; their own op, recomputed on the engine's "
+                 "inputs, within what a correct kernel of any design may add)",
+    "rel_floor": "by the ulp floor (one ulp of the element that holds the norm)",
+    "gain_floor": "by the gain floor (a per-row scale a correct kernel rounds otherwise)",
+}
+
+
+def allowances(meta: dict) -> str:
+    """The line counting the passing rows that an allowance beyond the references' noise floor alone carried, by
+    allowance (none: nothing), so a pass is judged as well as a fail."""
+    a = meta.get("allowances") or {}
+    parts = [f"{a[k]} {why}" for k, why in ALLOWANCES.items() if a.get(k)]
+    return "" if not parts else "\nallowances: passed only by an allowance: " + "; ".join(parts)
 
 
 def local_rows(meta: dict) -> str:

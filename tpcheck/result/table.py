@@ -230,8 +230,9 @@ class DiffResult:
                 n_ops = int(self.table["op_mismatch"].notna().sum())
                 ops = f" and all {n_ops} checked ops (norms, residual adds) bit-identical to HF's"
             n_inh = int(self.table["inherited"].sum()) if "inherited" in self.table else 0
-            inh = "" if not n_inh else (f" ({n_inh} as inherited: over the floor only through their inputs, their "
-                                        "own op within it on the engine's inputs)")
+            inh = "" if not n_inh or m.get("allowances") else (
+                f" ({n_inh} as inherited: over the floor only through their inputs, their own op within it on the "
+                "engine's inputs)")  # a result judged before the allowances were counted
             return head + ", every point within the noise floor" + inh + ops + tail + after_verdict(self.table, m)
         lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
                        + origin_cause(fd, m["dtype"], rounding_allowance(m))]

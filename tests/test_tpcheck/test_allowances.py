@@ -1,0 +1,34 @@
+"""The per-point account of a pass (``meta["allowances"]``, the summary's ``allowances:`` line): which rows an
+allowance beyond the references' noise floor alone carried, so a user can judge a pass as well as a fail."""
+from __future__ import annotations
+
+import math
+
+from tpcheck.judge import judge
+from tpcheck.result.table import DiffResult, Row
+
+
+def _row(point, rel, ref=1e-6, **kw):
+    layer = int(point.split(".")[1])
+    return Row(point=point, layer=layer, step=0, mode="isolated", kind=point.split(".", 2)[-1], rel_err=rel,
+               ref_rel_err=ref, **kw)
+
+
+def test_each_allowance_counts_the_rows_it_alone_carried():
+    rows = [
+        _row("layers.0.input_norm", 1e-6),                                       # within the references' floor
+        _row("layers.0.attn.q", 3e-6, rel_floor=2e-6),                           # over c * ref, under it + rel_floor
+        _row("layers.0.attn.k", 1e-6, gain=1e-3, gain_se=1e-5, gain_n=100.0, gain_floor=2e-3),  # by the gain floor
+        _row("layers.0.mlp.act", 1e-6),
+        _row("layers.0.mlp.out", 1e-3, own_err=1e-7),                            # inherited
+    ]
+    r = judge(DiffResult.from_rows(rows, {"dtype": "float32", "tp": 1, "num_layers": 1}))
+    assert r.passed, r.table[["point", "passed", "excess"]]
+    assert r.meta["allowances"] == {"inherited": 1, "rel_floor": 1, "gain_floor": 1, "by_rounding": 0}
+    line = r.summary().split("allowances: ")[1].split("\n")[0]
+    assert line.startswith("passed only by an allowance: 1 as inherited") and "1 by the ulp floor" in line \
+        and "1 by the gain floor" in line, line
+    bare = judge(DiffResult.from_rows(rows[:1] + rows[3:4], {"dtype": "float32", "tp": 1, "num_layers": 1}))
+    assert bare.meta["allowances"] == dict.fromkeys(("inherited", "rel_floor", "gain_floor", "by_rounding"), 0)
+    assert "allowances:" not in bare.summary()
+    assert not math.isnan(r.table["excess"].max())
