@@ -300,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_version())
         return 0
     argv = default_command(argv)
+    from tpcheck.cli.suggest import check_argv
+    bad = check_argv(argv)  # a name or path that cannot be right: one line, before the parser's usage or any banner
+    if bad is not None:
+        print(f"tpcheck: error: {bad}", file=sys.stderr)
+        return Exit.BAD_INPUT
     a = _parser().parse_args(argv)
     from tpcheck.progress import LogHandler
     progress = LogHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck" (above any progress bar)

@@ -1,0 +1,43 @@
+"""A name tpcheck does not know, or a --model that is no checkpoint, is one error line (exit 2) before the parser's
+usage and before any banner, with the closest known names ("did you mean")."""
+from __future__ import annotations
+
+import pytest
+
+from tpcheck.cli.app import main
+from tpcheck.cli.suggest import check_argv, did_you_mean
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--preset", "smal"], "--preset 'smal' is not a preset tpcheck knows; did you mean 'small'"),
+    (["--inject", "skip_allreduce"], "did you mean 'skip_o_proj_allreduce'? (tpcheck faults list lists them)"),
+    (["--inject=rope_skipped,rope_skiped"], "--inject 'rope_skiped' is not a fault"),
+    (["--engine", "vlm"], "--engine 'vlm' is not an engine tpcheck knows; did you mean 'vllm'?"),
+    (["sweep", "--preset", "tiny,tiny-mqa,tiny-mixtrl"], "--preset 'tiny-mixtrl'"),
+    (["faults", "matrix", "--faults", "gate_up_swaped"], "did you mean 'gate_up_swapped'?"),
+])
+def test_unknown_names_say_what_was_meant(argv, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr()
+    assert err.out == ""                                  # no banner, no usage listing
+    lines = err.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpcheck: error: ") and says in lines[0], lines
+
+
+def test_no_suggestion_when_nothing_is_close():
+    assert did_you_mean("zzzzzz", ["tiny", "small"]) == ""
+    assert check_argv(["diff", "--inject", "nothing_like_any_fault"]).endswith("(tpcheck faults list lists them)")
+
+
+def test_known_names_and_real_checkpoints_pass(ckpt):
+    argv = ["diff", "--model", str(ckpt("tiny")), "--engine", "impl", "--inject", "rope_skipped,gate_up_swapped"]
+    assert check_argv(argv) is None
+    assert check_argv(["sweep", "--preset", "tiny,small"]) is None
+
+
+def test_model_that_is_no_checkpoint(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "no-such-dir")]) == 2
+    err = capsys.readouterr()
+    assert err.out == "" and err.err.strip() == f"tpcheck: error: --model {tmp_path / 'no-such-dir'}: no such directory"
+    assert main(["compare", str(tmp_path), "--model", str(tmp_path)]) == 2
+    assert "no config.json (not a Hugging Face checkpoint directory)" in capsys.readouterr().err
