@@ -17,7 +17,9 @@ from tpcheck.cli.suggest import check_argv, did_you_mean
     (["faults", "matrix", "--faults", "gate_up_swaped"], "did you mean 'gate_up_swapped'?"),
 ])
 def test_unknown_names_say_what_was_meant(argv, says, capsys):
-    assert main(argv) == 2
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
     err = capsys.readouterr()
     assert err.out == ""                                  # no banner, no usage listing
     lines = err.err.strip().splitlines()
@@ -36,8 +38,17 @@ def test_known_names_and_real_checkpoints_pass(ckpt):
 
 
 def test_model_that_is_no_checkpoint(tmp_path, capsys):
-    assert main(["--model", str(tmp_path / "no-such-dir")]) == 2
+    for argv in (["--model", str(tmp_path / "no-such-dir")], ["compare", str(tmp_path), "--model", str(tmp_path)]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
     err = capsys.readouterr()
-    assert err.out == "" and err.err.strip() == f"tpcheck: error: --model {tmp_path / 'no-such-dir'}: no such directory"
-    assert main(["compare", str(tmp_path), "--model", str(tmp_path)]) == 2
-    assert "no config.json (not a Hugging Face checkpoint directory)" in capsys.readouterr().err
+    assert err.out == "" and err.err.strip().splitlines() == [
+        f"tpcheck: error: --model {tmp_path / 'no-such-dir'}: no such directory",
+        f"tpcheck: error: --model {tmp_path}: no config.json (not a Hugging Face checkpoint directory)"]
+
+
+def test_the_console_script_exits_2(tmp_path):
+    import subprocess
+    r = subprocess.run(["tpcheck", "--preset", "smal"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and "did you mean 'small'" in r.stderr
