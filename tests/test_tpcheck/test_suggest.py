@@ -9,11 +9,11 @@ from tpcheck.cli.suggest import check_argv, did_you_mean
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--preset", "smal"], "--preset 'smal' is not a preset tpcheck knows; did you mean 'small'"),
+    (["--preset", "smal"], "--preset: unknown preset 'smal'; did you mean 'small'"),
     (["--inject", "skip_allreduce"], "did you mean 'skip_o_proj_allreduce'? (tpcheck faults list lists them)"),
-    (["--inject=rope_skipped,rope_skiped"], "--inject 'rope_skiped' is not a fault"),
-    (["--engine", "vlm"], "--engine 'vlm' is not an engine tpcheck knows; did you mean 'vllm'?"),
-    (["sweep", "--preset", "tiny,tiny-mqa,tiny-mixtrl"], "--preset 'tiny-mixtrl'"),
+    (["--inject=rope_skipped,rope_skiped"], "--inject: unknown fault 'rope_skiped'"),
+    (["--engine", "vlm"], "--engine: unknown engine 'vlm'; did you mean 'vllm'?"),
+    (["sweep", "--preset", "tiny,tiny-mqa,tiny-mixtrl"], "--preset: unknown preset 'tiny-mixtrl'"),
     (["faults", "matrix", "--faults", "gate_up_swaped"], "did you mean 'gate_up_swapped'?"),
 ])
 def test_unknown_names_say_what_was_meant(argv, says, capsys):

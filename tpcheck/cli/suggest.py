@@ -64,8 +64,7 @@ def check_argv(argv: list[str]) -> str | None:
         for value in values:
             for word in (value.split(",") if listed else [value]):
                 if word.strip() and word.strip() not in known:
-                    return (f"{flag} {word.strip()!r} is not {'an' if what[0] in 'aeiou' else 'a'} {what} tpcheck knows"
-                            f"{did_you_mean(word.strip(), known)} ({where} lists them)")
+                    return f"{flag}: unknown {what} {word.strip()!r}{did_you_mean(word.strip(), known)} ({where} lists them)"
     for value in _values(argv, "--model"):
         path = Path(value).expanduser()
         if not path.exists():
