@@ -38,7 +38,7 @@ def propagated_rows(r) -> list[list]:
 
 
 # vLLM's CPU kernels on a machine without AVX512-BF16 truncate RoPE's (and attention's) bfloat16 results: a gain
-# of -2^-9..-2^-8 after RoPE that the local pass finds (README "A dump's local pass")
+# of -2^-9..-2^-8 after RoPE that the local pass finds (docs/measured/depth.md "A dump's local pass")
 TRUNCATING = ("attn.q_rope", "attn.k_rope", "kv.k", "attn.context", "attn.out", "attn.residual")
 
 

@@ -233,7 +233,7 @@ def test_judge_fails_a_gain_over_each_term_and_names_it():
 
 
 def test_rounding_toward_zero_is_a_gain_and_the_origin_says_it_looks_like_truncation():
-    # what vLLM's CPU RoPE does to bfloat16 on a machine without AVX512-BF16 (README "A dump's local pass")
+    # what vLLM's CPU RoPE does to bfloat16 on a machine without AVX512-BF16 (docs/measured/depth.md "A dump's local pass")
     g = golden()
     f32 = g.to(torch.float32)
     trunc = (f32.view(torch.int32) & ~0xFFFF).view(torch.float32)  # the low 16 bits dropped: exact in bfloat16

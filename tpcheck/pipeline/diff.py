@@ -192,7 +192,7 @@ def local_pass(engine, isolate: bool | None, num_layers: int, rounding: Rounding
         if not can:
             logger.warning(f"tpcheck diff: note: {why}: the verdict is the propagated "
                            "pass alone, whose floor grows with depth (a bug deep in the model shows by a thinner "
-                           "margin; README \"A verdict whose margin does not decay with depth\")")
+                           "margin; docs/measured/depth.md \"A verdict whose margin does not decay with depth\")")
         return can
     return isolate
 

@@ -245,7 +245,7 @@ class DiffResult:
                        if r["layer"] > src and r["amplification"] is not None]
                 lines.append(f"isolate: layer {src} creates the divergence (local rel_err "
                              f"{next(r['local_rel_err'] for r in g if r['layer'] == src):.3g}); later layers are locally "
-                             f"{'clean' if local_bad == [src] else 'also failing: ' + str(local_bad[1:])}; growth: "
+                             f"{'clean' if local_bad == [src] else 'also failing: ' + ', '.join(map(str, local_bad[1:]))}; growth: "
                              + (", ".join(amp) or "none"))
             elif fd["mode"] == "isolated":  # the local pass failed inside a layer, at no layer's out
                 lines.append("isolate: every layer's output is locally within the noise floor; the local pass "
