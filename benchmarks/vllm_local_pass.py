@@ -13,6 +13,8 @@ dump's local pass (the golden forced onto the engine's recorded inputs).
 
     .venv-vllm/bin/python benchmarks/vllm_local_pass.py [--preset deep-sink] [--tp 2] [--dtype bfloat16]
         [--faults o-proj-partial,down-proj-partial,...] [--layers 0,12,23] [--dump]
+    .venv-vllm/bin/python benchmarks/vllm_local_pass.py --model ~/.cache/tpcheck/gemma-3-270m --layers 9 \
+        --prompt-text "The capital of France is a city of many bridges"   # the trained checkpoint, real text
 """
 from __future__ import annotations
 
@@ -60,14 +62,22 @@ def past_truncation(r, dtype: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deep-sink")
+    ap.add_argument("--model", help="a checkpoint directory instead of --preset (e.g. the public Gemma 3 270M)")
+    ap.add_argument("--prompt-text", help="the prompt as text, tokenized by --model's tokenizer (bos first), "
+                                          "instead of the fixed 12 token ids")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--faults", default=",".join(POINT))
     ap.add_argument("--layers", default="0,12,23")
     ap.add_argument("--dump", action="store_true", help="also dump each run and judge the dump as tpcheck compare")
     a = ap.parse_args()
-    model = str(cached_checkpoint(a.preset))
-    opts = DiffOptions.of(model=model, tp=a.tp, dtype=a.dtype, prompts=PROMPT, isolate=True)  # both passes, always
+    model = str(Path(a.model).expanduser()) if a.model else str(cached_checkpoint(a.preset))
+    prompts = PROMPT
+    if a.prompt_text:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model)
+        prompts = [[tok.bos_token_id] + tok.encode(a.prompt_text, add_special_tokens=False)]
+    opts = DiffOptions.of(model=model, tp=a.tp, dtype=a.dtype, prompts=prompts, isolate=True)  # both passes, always
     pool = EnginePool()
     rows, tmp = [], tempfile.TemporaryDirectory(prefix="vllm-local-pass-")
 
@@ -104,7 +114,8 @@ def main() -> None:
     finally:
         pool.close()
         tmp.cleanup()
-    print(f"{a.preset} tp {a.tp} {a.dtype}, one prompt of {len(PROMPT[0])} tokens, prefill; fault inside rank 1")
+    print(f"{a.model or a.preset} tp {a.tp} {a.dtype}, one prompt of {len(prompts[0])} tokens, prefill; fault inside "
+          "rank 1")
     print_table(["fault", "layer", "origin", "past truncation", "local excess", "propagated excess"]
                 + (["dump origin", "dump local excess"] if a.dump else []), rows)
 
