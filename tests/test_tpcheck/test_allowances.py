@@ -32,3 +32,20 @@ def test_each_allowance_counts_the_rows_it_alone_carried():
     assert bare.meta["allowances"] == dict.fromkeys(("inherited", "rel_floor", "gain_floor", "by_rounding"), 0)
     assert "allowances:" not in bare.summary()
     assert not math.isnan(r.table["excess"].max())
+
+
+def test_a_gain_the_op_did_not_add_is_its_inputs():
+    """A norm after an MLP whose output carries a scale within its own (wider) bound: the norm's gain is over its
+    bound, but against the norm recomputed on the engine's own input it is ~0 (``own_gain``): inherited. The same
+    gain added by the op itself (``own_gain`` the gain) still fails there."""
+    def rows(own_gain):
+        return [_row("layers.0.attn.post_norm", 1e-6),  # a Gemma 3 layer: its MLP output is normalised
+                _row("layers.0.mlp.out", 1e-6, gain=-5e-3, gain_se=1e-4, gain_n=300.0, gain_floor=2e-2),
+                _row("layers.0.mlp.post_norm", 1e-6, gain=-5e-3, gain_se=1e-4, gain_n=300.0, gain_floor=2e-3,
+                     own_err=0.0, own_gain=own_gain)]
+    meta = {"dtype": "bfloat16", "tp": 2, "num_layers": 1}
+    t = judge(DiffResult.from_rows(rows(1e-5), meta)).table.set_index("point")
+    assert t.loc["layers.0.mlp.post_norm", "inherited"] and t.loc["layers.0.mlp.post_norm", "passed"]
+    assert t.loc["layers.0.mlp.post_norm", "excess"] < 0.1  # its own gain's figure
+    t = judge(DiffResult.from_rows(rows(-5e-3), meta)).table.set_index("point")
+    assert not t.loc["layers.0.mlp.post_norm", "passed"] and t.loc["layers.0.mlp.post_norm", "excess"] > 2

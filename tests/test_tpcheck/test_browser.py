@@ -196,7 +196,7 @@ def _check_page(browser, path: Path, want_fail: bool) -> dict:
     assert state["rendered"] == "1", state
     assert state["charts"] >= 3 and state["visibleChart"] == 1, state
     # every column of the table (tpcheck.result.COLUMNS but the unsaved execution order) is a header
-    assert state["heat"] > 0 and state["headers"] == len([c for c in COLUMNS if c != "order"]) == 43, state
+    assert state["heat"] > 0 and state["headers"] == len([c for c in COLUMNS if c != "order"]) == 44, state
     assert state["tableRows"] > 0, state
     assert state["verdict"] == ("FAIL" if want_fail else "PASS")
     assert state["injected"] == 0 and state["scripts"] == 2 and state["literal"], "user-provided text became markup"

@@ -144,9 +144,16 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
     own = _col(t, "own_err") if "own_err" in t else np.full(len(t), np.nan)
     if "replica_own_err" in t:
         own = np.where(measured, np.maximum(own, _col(t, "replica_own_err")), own)
-    inherited = _inherited(t, ok, (own <= thr) & others_ok, result.meta.get("num_layers"))
+    # the gain the op itself added (own_gain: against the op on the engine's own inputs) where the row's gain is
+    # over its bound: a scale its input carried in (within that input's own bound) is the input's, not the op's
+    own_gain = np.abs(_col(t, "own_gain")) if "own_gain" in t else np.full(len(t), np.nan)
+    gain_by_own = np.isfinite(gthr) & (gain > glim) & (own_gain <= glim)
     with np.errstate(divide="ignore", invalid="ignore"):
-        own_excess = np.maximum.reduce([own / np.where(thr > 0, thr, np.inf), rank_excess, gain_excess])
+        own_gain_excess = np.where(gain_by_own, np.where(glim > 0, own_gain / glim, 0.0), gain_excess)
+    own_others_ok = others_ok | (gain_by_own & (np.isnan(bound) | (mx <= bound)) & ~(spread > thr) & ~structural)
+    inherited = _inherited(t, ok, (own <= thr) & own_others_ok, result.meta.get("num_layers"))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own_excess = np.maximum.reduce([own / np.where(thr > 0, thr, np.inf), rank_excess, own_gain_excess])
     ok, excess = ok | inherited, np.where(inherited, own_excess, excess)
     # the dtype's own overflow: the engine non-finite where Hugging Face at the same dtype is too (float16 and a
     # trained model's ~1e5 activations): no verdict about the engine there, and the run says so (``overflow``)

@@ -46,13 +46,14 @@ op on the point's inputs."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from tpcheck.capture.points import split_point
 from tpcheck.measure import own_attention
+from tpcheck.measure.gain import gain_fields
 from tpcheck.measure.metrics import LAMBDA, dot_allowance, unit_roundoff
 
 PREV = "<layer input>"  # the layer's input: ``embed`` or the previous layer's ``out`` (the teacher when isolated)
@@ -141,34 +142,55 @@ def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_para
     return dot_allowance(mag, sq, y, x.shape[-1], u_acc, red)
 
 
+class Own(NamedTuple):
+    """The engine's point against its op recomputed on the engine's own inputs: ``err`` (``own_err``, module
+    docstring) and ``gain`` (``own_gain``: the gain statistic of the engine's tensor against that op's result,
+    ``tpcheck.measure.gain``: a systematic scale the op itself added, not one its inputs carried in). NaN where not
+    recomputed."""
+    err: float
+    gain: float
+
+
+NOT_RECOMPUTED = Own(math.nan, math.nan)
+
+
 @torch.no_grad()
-def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.Tensor,
+def own_check(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.Tensor,
               get: Callable[[str], torch.Tensor], tp: int = 1, red_dtype: torch.dtype | None = None,
-              layout: own_attention.RowLayout | None = None) -> float:
-    """``own_err`` of point ``name`` (module docstring): ``engine`` its engine tensor, ``golden`` the golden's,
+              layout: own_attention.RowLayout | None = None) -> Own:
+    """``Own`` of point ``name`` (module docstring): ``engine`` its engine tensor, ``golden`` the golden's,
     ``get(point)`` the engine's tensor of an input point (the teacher for ``PREV`` in an isolated pass), ``model``
-    Hugging Face's model at the run's dtype (its weights and norms, as the engine holds them). NaN where the op
-    cannot be recomputed: an input missing (KeyError) or of another shape, a streamed model. The diff asks for it
-    in dense models, and in mixture-of-experts models for the top-k weights alone (``RowMaker._own``): their other
-    points are judged by the floor alone."""
+    Hugging Face's model at the run's dtype (its weights and norms, as the engine holds them), ``layout`` where the
+    step's rows are (attention's ops). NaN where the op cannot be recomputed: an input missing (KeyError) or of
+    another shape, a streamed model. The diff asks for it in dense models, and in mixture-of-experts models for the
+    top-k weights alone (``RowMaker._own``): their other points are judged by the floor alone."""
     layer, kind = split_point(name)
     if kind not in OWN_INPUTS and kind not in SANDWICH_INPUTS and kind not in own_attention.KINDS or model is None \
             or engine.shape != golden.shape:
-        return math.nan
+        return NOT_RECOMPUTED
     try:
         if kind in own_attention.KINDS:
             y, b = own_attention.op(model, layer, kind, get, layout, engine.dtype)
         else:
             y, b = _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
     except (KeyError, AttributeError, IndexError, RuntimeError):
-        return math.nan
+        return NOT_RECOMPUTED
     if y.shape != engine.shape:
-        return math.nan
+        return NOT_RECOMPUTED
     e = engine.double()
-    over = (e - y).abs().sub_(b + 2 * (unit_roundoff(engine.dtype) if engine.dtype.is_floating_point else 0.0) * e.abs()).clamp_(min=0)
+    u = unit_roundoff(engine.dtype) if engine.dtype.is_floating_point else 0.0
+    over = (e - y).abs().sub_(b + 2 * u * e.abs()).clamp_(min=0)
     g = float(golden.double().norm())
     err = float(over.norm())
-    return err / g if g > 0 else err
+    gain = gain_fields(e, y)["gain"] if engine.dtype.is_floating_point else math.nan
+    return Own(err / g if g > 0 else err, gain)
+
+
+def own_error(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.Tensor,
+              get: Callable[[str], torch.Tensor], tp: int = 1, red_dtype: torch.dtype | None = None,
+              layout: own_attention.RowLayout | None = None) -> float:
+    """``own_check(...).err``: ``own_err`` alone."""
+    return own_check(model, name, engine, golden, get, tp, red_dtype, layout).err
 
 
 def _own_op(model: nn.Module, layer: int | None, kind: str, get: Callable[[str], torch.Tensor], tp: int,

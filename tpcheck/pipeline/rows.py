@@ -117,15 +117,16 @@ class RowMaker:
 
     def _own(self, row: Row, u, golden: torch.Tensor, engine_of: dict, replicas_of: dict, eng_teacher,
              layout: own_attention.RowLayout) -> None:
-        """``row.own_err`` (``tpcheck.measure.own_input``) where the point exceeds half its threshold (the smaller
-        of the default and the run's tolerances'): its op recomputed on the engine's own inputs of this step (the
-        teacher as the layer input when isolated); ``row.replica_own_err`` the same of each replica that differs,
-        on its own rank's inputs (an input's replica of that rank where it differs)."""
+        """``row.own_err`` and ``row.own_gain`` (``tpcheck.measure.own_input``) where the point exceeds half its
+        threshold (the smaller of the default and the run's tolerances') or its gain half a lower bound of its gain
+        threshold (``_gain_near``): its op recomputed on the engine's own inputs of this step (the teacher as the
+        layer input when isolated); ``row.replica_own_err`` the same of each replica that differs, on its own rank's
+        inputs (an input's replica of that rank where it differs)."""
         dt = str(self.ctx.dtype).removeprefix("torch.")
         layer, kind = split_point(row.point)
         tols = (Tolerances(),) if self.ctx.tolerances is None else (Tolerances(), self.ctx.tolerances)
         worst = max(row.rel_err, row.replica_rel_err) if u.replicas else row.rel_err
-        if not worst > 0.5 * min(t.threshold(kind, dt, row.ref_rel_err) for t in tols):
+        if not worst > 0.5 * min(t.threshold(kind, dt, row.ref_rel_err) for t in tols) and not _gain_near(row):
             return
         inputs = own_input.input_points(row.point, self.ctx.num_layers, own_input.is_sandwich(self.ctx.ref.model)) or []
         teacher_at = (self.ctx.num_layers if kind == "final_norm" else layer) \
@@ -133,16 +134,17 @@ class RowMaker:
         red = self.ctx.reductions
         rd = None if getattr(red, "dtype", None) is None else getattr(torch, red.dtype)
 
-        def own(tensor: torch.Tensor, rank: int | None) -> float:
+        def own(tensor: torch.Tensor, rank: int | None) -> own_input.Own:
             def get(p: str) -> torch.Tensor:
                 if teacher_at is not None and p == inputs[0]:
                     return eng_teacher[teacher_at]
                 return engine_of[p] if rank is None else replicas_of.get(p, {}).get(rank, engine_of[p])
-            return own_input.own_error(self.ctx.ref.model, row.point, tensor, golden, get, getattr(red, "tp", 1), rd,
+            return own_input.own_check(self.ctx.ref.model, row.point, tensor, golden, get, getattr(red, "tp", 1), rd,
                                        layout)
-        row.own_err = own(u.tensor, None)
+        row.own_err, own_gain = own(u.tensor, None)
+        row.own_gain = own_gain if self.isolated else math.nan  # the gain is judged in the local pass alone
         if u.replicas:
-            errs = [own(t, r) for r, t in u.replicas.items()]
+            errs = [own(t, r).err for r, t in u.replicas.items()]
             row.replica_own_err = math.nan if any(math.isnan(e) for e in errs) else max(errs)
 
     def _routes(self, units: list, gold: dict) -> list:
@@ -231,6 +233,14 @@ class RowMaker:
 
     def _selected(self, name: str) -> bool:
         return self.ctx.select is None or self.ctx.select.fullmatch(name) is not None
+
+
+def _gain_near(row: Row) -> bool:
+    """Whether a row's gain exceeds half a lower bound of its gain threshold (``tpcheck.judge.verdict``: the
+    largest of the gain floor, ``k`` times the references' gain and ``z`` standard errors, with ``k, z >= 2``)."""
+    bound = max((v for v in (row.gain_floor, 2 * abs(row.ref_gain), 2 * row.gain_se) if math.isfinite(v)),
+                default=math.nan)
+    return math.isfinite(row.gain) and math.isfinite(bound) and abs(row.gain) > 0.5 * bound
 
 
 def measure(x: torch.Tensor, golden: torch.Tensor, replicas: list[torch.Tensor], gains: bool,

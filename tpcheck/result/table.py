@@ -82,9 +82,11 @@ class Row:
     near_ties: float = NAN
     rows_excluded: float = NAN
     # the point's op recomputed in float64 on the engine's own inputs (tpcheck.measure.own_input): its error beyond
-    # a correct kernel's rounding, relative to the golden; NaN where not computed. ``inherited``: the row passed
-    # because that is within its threshold and the op's inputs passed (its excess came in through its inputs)
+    # a correct kernel's rounding, relative to the golden, and the gain of the engine's tensor against that op's
+    # result (the scale the op itself added); NaN where not computed. ``inherited``: the row passed because those
+    # are within its thresholds and the op's inputs passed (its excess came in through its inputs)
     own_err: float = NAN
+    own_gain: float = NAN
     inherited: bool = False
     # the gain within its bound only by the declared rounding's allowance (meta.rounding: a truncating engine's
     # negative gain, tpcheck.judge.verdict)
