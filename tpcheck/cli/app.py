@@ -124,6 +124,7 @@ def _fmt(df) -> str:
 
 def _cmd_diff(a, argv: list[str]) -> int:
     from tpcheck.pipeline.diff import run
+    from tpcheck.pipeline.plan import run_devices
     from tpcheck.judge.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
     resolved = {}
@@ -135,6 +136,8 @@ def _cmd_diff(a, argv: list[str]) -> int:
         resolved["prompts"] = [tok.encode(t) for t in a.prompt]
     opts = options.from_args(a, **resolved)
     shown = opts if opts.model else opts.replace(model=str(checkpoints.cached_checkpoint(opts.preset)))
+    device, golden_device = run_devices(opts)  # a GPU asked for and absent: exit 2 before anything starts
+    shown = shown.replace(device=device, golden_device=golden_device)
     print(shown.describe(tol.source if a.tolerances else None) + "\n")  # what ran: a log of the run says it
     # the command line as typed repeats the run (a --prompt text is tokenized the same way again)
     r = run(opts, tol, command=shlex.join(["tpcheck", *argv]))

@@ -19,6 +19,7 @@ import torch
 from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.capture.core import with_handoffs
 from tpcheck.capture.points import kind_of, split_point
+from tpcheck.inputs.devices import to_device
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.pipeline.forced import RecordedInputs, forced_step
@@ -62,6 +63,9 @@ class RunContext:
     handoffs: tuple[int, ...] = ()  # --pp: the layers after which a stage hands over (tpcheck.capture.core.handoff)
     head_dim: int = 0  # the local pass on each prompt's last rows writes keys and values (tpcheck.pipeline.local_rows)
     local_rows_ran: bool = False  # set by a local pass that gave some prompt a prefix (LastRows)
+    # where the golden, the references and every statistic are computed (--golden-device): the engine's points
+    # and a replayed golden are moved there as they arrive (tpcheck.inputs.devices.to_device), once a step
+    golden_device: str = "cpu"
 
 
 class GoldenCache:
@@ -186,26 +190,34 @@ class DiffPass:
         c = self.ctx
         points, eng_teacher, teacher, held = (None,) * 4 if self.recorded is None else \
             forced_step(c.engine, batch, self.with_kv, c.num_layers, self.recorded)  # a dump's local pass
+        points = None if points is None else to_device(points, c.golden_device)
         gold, given = self.last.golden(step)  # the local pass on the last rows: its rows' golden, and the prefix
         g_caches, r_caches = self._caches(batch, held, given)
         if self.routes.engine_first:  # MoE: the golden follows the engine's routes (tpcheck.pipeline.routes)
-            points = c.engine.step(batch.tokens, None, self.with_kv)
+            points = self._engine_step(batch, None)
             self.routes.record(step, points)
         gold = gold if gold is not None else self.cache_in.take(step) if self.cache_in is not None else \
             self._golden(step, batch, g_caches, self.routes.golden_route(step), teacher)
-        gold = self.routes.order(gold)
+        gold = self.routes.order(to_device(gold, c.golden_device))  # a replayed golden is read to the host
         if self.cache_out is not None:
             self.cache_out.put(step, gold)
         if self.isolated and self.recorded is None:
             teacher = teacher_of(gold, c.num_layers)
             eng_teacher = {i: t.to(c.dtype) for i, t in teacher.items()}
         if points is None:
-            points = c.engine.step(batch.tokens, eng_teacher, self.with_kv)
+            points = self._engine_step(batch, eng_teacher)
         subsets = dict(getattr(c.engine, "point_rows", None) or {})  # points that hold only some rows
         self._measure_references(step, batch, r_caches, gold, teacher, subsets)
         order = [self.log.order[rid] for rid in batch.ids]
         rows = self.maker.rows(step, points, gold, batch, order, eng_teacher, subsets)
         return rows, gold["logits"][batch.last_rows()].argmax(-1).tolist()
+
+    def _engine_step(self, batch: StepBatch, teacher: dict | None) -> dict:
+        """The engine's points of a step, moved to the golden's device (``RunContext.golden_device``): every
+        statistic is computed there. ``teacher`` (on the golden's device) is the adapter's to place (impl's ranks
+        receive it on the host and move it to theirs: ``tpcheck.capture.teacher``)."""
+        c = self.ctx
+        return to_device(c.engine.step(batch.tokens, teacher, self.with_kv), c.golden_device)
 
     def _golden(self, step: int, batch: StepBatch, g_caches: list, routes=None, teacher=None) -> dict:
         """The golden's points of this step (``--save-golden``: written), holding only what is compared, plus the
