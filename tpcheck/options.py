@@ -14,8 +14,7 @@ import shlex
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from tpcheck.inputs.arg_types import int_list, int_ranges, name_list, regex
-from tpcheck.inputs.devices import device_name
+from tpcheck.inputs.arg_types import device_name, int_list, int_ranges, name_list, regex
 from tpcheck.judge.coverage import DEFAULT_REQUIRE
 
 DTYPES = ["float32", "bfloat16", "float16"]

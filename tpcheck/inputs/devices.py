@@ -15,21 +15,11 @@ The boundaries where tensors change device, each with one owner:
   where the golden is, and only numbers (``float``, ``int``, lists of them) come back to the host."""
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 
-DEVICE_NAMES = ("auto", "cpu", "cuda")  # and cuda:K
-
-
-def device_name(text: str) -> str:
-    """argparse type of ``--device`` / ``--golden-device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:K``."""
-    name = text.strip().lower()
-    head, sep, index = name.partition(":")
-    if name in DEVICE_NAMES or (head == "cuda" and sep and index.isdigit()):
-        return name
-    raise argparse.ArgumentTypeError(f"expected a device ({', '.join(DEVICE_NAMES)} or cuda:K), got {text!r}")
+from tpcheck.inputs.arg_types import device_name
 
 
 def gpu_count() -> int:

@@ -54,7 +54,7 @@ def fake_quant(x: torch.Tensor, scheme: Int8Scheme, input_scale: torch.Tensor | 
     if scheme.dynamic_input:
         q, s = per_token(x, work)
     else:
-        s = input_scale.to(work)
+        s = input_scale.to(dtype=work, device=x.device)  # read on the host; the model may be on a GPU
         q = static(x, s, work)
     return (q * s).to(x.dtype)
 
