@@ -194,7 +194,7 @@ class DiffPass:
         gold, given = self.last.golden(step)  # the local pass on the last rows: its rows' golden, and the prefix
         g_caches, r_caches = self._caches(batch, held, given)
         if self.routes.engine_first:  # MoE: the golden follows the engine's routes (tpcheck.pipeline.routes)
-            points = self._engine_step(batch, None)
+            points = to_device(c.engine.step(batch.tokens, None, self.with_kv), c.golden_device)
             self.routes.record(step, points)
         gold = gold if gold is not None else self.cache_in.take(step) if self.cache_in is not None else \
             self._golden(step, batch, g_caches, self.routes.golden_route(step), teacher)
@@ -204,20 +204,13 @@ class DiffPass:
         if self.isolated and self.recorded is None:
             teacher = teacher_of(gold, c.num_layers)
             eng_teacher = {i: t.to(c.dtype) for i, t in teacher.items()}
-        if points is None:
-            points = self._engine_step(batch, eng_teacher)
+        if points is None:  # on the golden's device, where every statistic is computed (the adapter places eng_teacher)
+            points = to_device(c.engine.step(batch.tokens, eng_teacher, self.with_kv), c.golden_device)
         subsets = dict(getattr(c.engine, "point_rows", None) or {})  # points that hold only some rows
         self._measure_references(step, batch, r_caches, gold, teacher, subsets)
         order = [self.log.order[rid] for rid in batch.ids]
         rows = self.maker.rows(step, points, gold, batch, order, eng_teacher, subsets)
         return rows, gold["logits"][batch.last_rows()].argmax(-1).tolist()
-
-    def _engine_step(self, batch: StepBatch, teacher: dict | None) -> dict:
-        """The engine's points of a step, moved to the golden's device (``RunContext.golden_device``): every
-        statistic is computed there. ``teacher`` (on the golden's device) is the adapter's to place (impl's ranks
-        receive it on the host and move it to theirs: ``tpcheck.capture.teacher``)."""
-        c = self.ctx
-        return to_device(c.engine.step(batch.tokens, teacher, self.with_kv), c.golden_device)
 
     def _golden(self, step: int, batch: StepBatch, g_caches: list, routes=None, teacher=None) -> dict:
         """The golden's points of this step (``--save-golden``: written), holding only what is compared, plus the
