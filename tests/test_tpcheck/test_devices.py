@@ -165,7 +165,7 @@ def test_host_staged_collectives_of_ranks_sharing_a_device(ckpt, engines):
     direct, staged = (llm.call("worker_fns:staged_collectives", s) for s in (False, True))
     xs = [d["x"] for d in direct]
     for got in (direct, staged):
-        for r, d in enumerate(got):
+        for d in got:
             assert torch.equal(d["all_reduce"], xs[0] + xs[1])
             assert torch.equal(d["all_gather"], torch.cat(xs, dim=-1))
             assert d["device"] == "cpu"
