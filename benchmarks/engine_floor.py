@@ -25,7 +25,7 @@ import time
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
 from tpcheck.engines.pool import EnginePool
-from tpcheck.inputs.arg_types import device_name
+from tpcheck.inputs.arg_types import add_device_argument, device_name
 from tpcheck.inputs import variants
 from tpcheck.inputs.checkpoints import cached_checkpoint
 
@@ -88,8 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="impl")
     ap.add_argument("--variants", default="", help="impl only: correct variants patched into its ranks for every "
                     "run (tpcheck.inputs.variants, comma-separated: rank_order_allreduce, sequential_k)")
-    ap.add_argument("--device", type=device_name, default="auto", help="the engines' device (tpcheck diff --device: "
-                    "auto, cpu, cuda, cuda:K); the golden and references follow it unless --golden-device")
+    add_device_argument(ap, "the engines (and the golden and references, unless --golden-device)")
     ap.add_argument("--golden-device", type=device_name, default=None, help="the golden's and references' device "
                     "(tpcheck diff --golden-device; cpu: the figures measured before they could run on a GPU)")
     add_prompt_args(ap, "float32,bfloat16", 0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
-from tpcheck.inputs.arg_types import device_name, int_list, regex
+from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
 
 options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
@@ -76,9 +76,7 @@ def _add_check(sub) -> None:
                      help="synthetic checkpoint used when --model is not given (default: tiny)")
     ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
     ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ck.add_argument("--device", type=device_name, default="auto", metavar="DEVICE",
-                    help="where impl, the golden and the reference run: auto (CUDA when there is a GPU), cpu, cuda "
-                         "or cuda:K (tpcheck.inputs.devices)")
+    add_device_argument(ck, "impl, the golden and the reference")
     ck.add_argument("--prompt-ids", type=int_list, action="append", help="a prompt as token ids (repeatable)")
     ck.add_argument("--seq-len", type=int, default=64)
     ck.add_argument("--batch", type=int, default=2)
@@ -127,7 +125,6 @@ def _fmt(df) -> str:
 
 def _cmd_diff(a, argv: list[str]) -> int:
     from tpcheck.pipeline.diff import run
-    from tpcheck.pipeline.plan import run_devices
     from tpcheck.judge.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
     resolved = {}
@@ -139,8 +136,6 @@ def _cmd_diff(a, argv: list[str]) -> int:
         resolved["prompts"] = [tok.encode(t) for t in a.prompt]
     opts = options.from_args(a, **resolved)
     shown = opts if opts.model else opts.replace(model=str(checkpoints.cached_checkpoint(opts.preset)))
-    device, golden_device = run_devices(opts)  # a GPU asked for and absent: exit 2 before anything starts
-    shown = shown.replace(device=device, golden_device=golden_device)
     print(shown.describe(tol.source if a.tolerances else None) + "\n")  # what ran: a log of the run says it
     # the command line as typed repeats the run (a --prompt text is tokenized the same way again)
     r = run(opts, tol, command=shlex.join(["tpcheck", *argv]))

@@ -9,7 +9,7 @@ from tpcheck.cli.exit_codes import verdict
 from tpcheck.cli.fault_depth import add_arguments, run_depth
 from tpcheck.cli import fault_matrix
 from tpcheck.cli.fault_matrix import format_table, run_matrix
-from tpcheck.inputs.arg_types import device_name
+from tpcheck.inputs.arg_types import add_device_argument
 from tpcheck.inputs.faults import get_fault
 from tpcheck.result.documents import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
 
@@ -23,9 +23,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--faults", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="comma-separated fault names (default: all; tpcheck faults list)")
     p.add_argument("--no-clean", action="store_true", help="skip the clean runs")
-    p.add_argument("--device", type=device_name, default="auto", metavar="DEVICE",
-                   help="where the engines, goldens and references run: auto (CUDA when there is a GPU), cpu, cuda "
-                        "or cuda:K (tpcheck diff --device)")
+    add_device_argument(p, "the engines, goldens and references")
     add_arguments(p)
     p.add_argument("--json", type=Path, help="write every row as JSON")
     return p

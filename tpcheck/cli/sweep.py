@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpcheck.inputs.arg_types import device_name, int_list, name_list
+from tpcheck.inputs.arg_types import add_device_argument, int_list, name_list
 from tpcheck.cli.exit_codes import Exit
 from tpcheck.progress import bar
 from tpcheck.result.table import worst_key
@@ -103,9 +103,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                     help="faults to inject into impl in every example (tpcheck faults list)")
     sw.add_argument("--exact-ops", action="store_true",
                     help="also hold RMSNorm and the residual adds to HF's bits (tpcheck diff --exact-ops)")
-    sw.add_argument("--device", type=device_name, default="auto", metavar="DEVICE",
-                    help="where the engines, goldens and references run: auto (CUDA when there is a GPU), cpu, cuda "
-                         "or cuda:K (tpcheck diff --device)")
+    add_device_argument(sw, "the engines, goldens and references")
     sw.add_argument("--seed", type=int, default=0, help="Hypothesis seed (the same seed draws the same inputs)")
     sw.add_argument("--no-shrink", action="store_true", help="report the first failing example, unshrunk")
     sw.add_argument("--no-pool", action="store_true",

@@ -70,3 +70,10 @@ def device_name(text: str) -> str:
     if name in DEVICE_NAMES or (head == "cuda" and sep and index.isdigit()):
         return name
     raise argparse.ArgumentTypeError(f"expected a device ({', '.join(DEVICE_NAMES)} or cuda:K), got {text!r}")
+
+
+def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--device`` (``device_name``, default ``auto``) of a command that is not ``diff`` (whose flag is
+    ``DiffOptions.device``'s): ``what`` runs there."""
+    parser.add_argument("--device", type=device_name, default="auto", metavar="DEVICE",
+                        help=f"where {what} run: auto (CUDA when there is a GPU), cpu, cuda or cuda:K")
