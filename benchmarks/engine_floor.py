@@ -25,6 +25,7 @@ import time
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
 from tpcheck.engines.pool import EnginePool
+from tpcheck.inputs.arg_types import add_device_argument, device_name
 from tpcheck.inputs import variants
 from tpcheck.inputs.checkpoints import cached_checkpoint
 
@@ -87,6 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="impl")
     ap.add_argument("--variants", default="", help="impl only: correct variants patched into its ranks for every "
                     "run (tpcheck.inputs.variants, comma-separated: rank_order_allreduce, sequential_k)")
+    add_device_argument(ap, "the engines (and the golden and references, unless --golden-device)")
+    ap.add_argument("--golden-device", type=device_name, default=None, help="the golden's and references' device "
+                    "(tpcheck diff --golden-device; cpu: the figures measured before they could run on a GPU)")
     add_prompt_args(ap, "float32,bfloat16", 0)
     a = ap.parse_args(argv)
     check_json_arg(ap, a)
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
         ap.error(f"--variants: {unknown} not one of {', '.join(variants.ROUND_TO_NEAREST)}")
     log = make_log("engine_floor")
     ckpt, batches = batches_of(a)
-    pool, rows, runs = EnginePool(), [], []
+    pool, rows, runs = EnginePool(device=a.device), [], []
     t0 = time.monotonic()
     try:
         for tp in (int(x) for x in a.tp.split(",")):
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
                     if names:  # patched again for each run: a diff leaves the engine as it found it
                         pool.get(str(ckpt), tp, dtype).call(variants.apply, names)
                     r = run(DiffOptions(model=str(ckpt), tp=tp, dtype=dtype, prompts=b, decode_steps=a.decode,
-                                        engine=a.engine), pool=pool)
+                                        engine=a.engine, golden_device=a.golden_device), pool=pool)
                     if names:
                         pool.get(str(ckpt), tp, dtype).reload()
                     lens = "+".join(str(len(p)) for p in b)

@@ -1,5 +1,11 @@
 """The tensor-parallel group: one process per rank on torch.distributed (gloo on CPU, NCCL on CUDA).
 
+Devices (``rank_device``, ``shares_device``): ``device="cuda"`` puts rank ``r`` on GPU ``r mod n`` of the
+node's ``n``; with more ranks than GPUs (tp 2 / 4 on one GPU) ranks share a GPU, which NCCL refuses (one rank per
+device), so the group is gloo and every collective of a CUDA tensor is staged through host memory (``_staged``:
+copied to the host, reduced or gathered there, copied back): correct and slow, for testing TP on one lent GPU.
+``cuda:K`` puts every rank on GPU ``K`` (sharing it from 2 ranks).
+
 With pipeline parallelism (``pp_size > 1``, ``impl.pipeline``) the world is ``pp * tp`` ranks, global rank
 ``stage * tp + tp_rank``; each stage is its own TP process group, and every collective here runs within the
 caller's stage (``get_tp_rank`` / ``get_tp_size`` are stage-local). ``send_next`` / ``recv_prev`` move a stage's
@@ -18,6 +24,43 @@ import torch.distributed as dist
 
 
 _STAGE: dict = {"group": None, "ranks": None, "pp_rank": 0, "pp_size": 1}  # group None: the world is the TP group
+_DEVICE: dict = {"device": "cpu", "staged": False}  # this rank's device; whether collectives stage through the host
+
+
+def rank_device(device: str, rank: int, gpus: int) -> str:
+    """The device of global rank ``rank`` when the run asks for ``device`` on a node with ``gpus`` GPUs: ``cpu``
+    as is; ``cuda`` -> ``cuda:{rank mod gpus}`` (ranks past the GPU count share them); ``cuda:K`` -> ``cuda:K``
+    for every rank. A CUDA device on a node without one (or ``K >= gpus``) is a ``ValueError`` naming it."""
+    if not device.startswith("cuda"):
+        return device
+    if gpus < 1:
+        raise ValueError(f"device {device!r}: this node has no CUDA GPU (torch.cuda.device_count() is 0)")
+    _, _, index = device.partition(":")
+    if not index:
+        return f"cuda:{rank % gpus}"
+    if not index.isdigit() or int(index) >= gpus:
+        raise ValueError(f"device {device!r}: this node has {gpus} CUDA GPU(s) (cuda:0-cuda:{gpus - 1})")
+    return device
+
+
+def shares_device(device: str, world_size: int, gpus: int) -> bool:
+    """Whether some ranks of a ``world_size`` group on ``device`` share a GPU (``rank_device``): then the group is
+    gloo with host-staged collectives, since NCCL needs one rank per device. Every rank computes the same answer
+    (the same node), so every rank picks the same backend."""
+    if not device.startswith("cuda") or world_size < 2:
+        return False
+    return ":" in device or world_size > gpus
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_device(device: str) -> str:
+    """This process's device for a run on ``device`` (``rank_device`` of its global rank; rank 0 without a group):
+    what ``init_tp`` set as the current CUDA device, so a model loaded there meets its collectives."""
+    gpus = _gpu_count() if device.startswith("cuda") else 0
+    return rank_device(device, dist.get_rank() if dist.is_initialized() else 0, gpus)
 
 
 def init_tp(rank: int, world_size: int, store_path: str | None = None, timeout_s: float = 120.0,
@@ -27,7 +70,13 @@ def init_tp(rank: int, world_size: int, store_path: str | None = None, timeout_s
     ``pp_size > 1``, ``world_size / pp_size`` consecutive ranks form each stage's TP group."""
     if pp_size < 1 or world_size % pp_size:
         raise ValueError(f"world_size={world_size} is not a multiple of pp_size={pp_size}")
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    gpus = _gpu_count() if device.startswith("cuda") else 0
+    mine = rank_device(device, rank, gpus)
+    staged = shares_device(device, world_size, gpus)
+    if mine.startswith("cuda"):
+        torch.cuda.set_device(torch.device(mine))  # NCCL and broadcast_object_list use the current device
+    _DEVICE.update(device=mine, staged=staged)
+    backend = "nccl" if device.startswith("cuda") and not staged else "gloo"
     if backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks talk over loopback only
     kwargs = dict(backend=backend, timeout=timedelta(seconds=timeout_s))
@@ -50,6 +99,14 @@ def close_tp() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _STAGE.update(group=None, ranks=None, pp_rank=0, pp_size=1)
+    _DEVICE.update(device="cpu", staged=False)
+
+
+def _staged(x: torch.Tensor) -> bool:
+    """Whether a collective of ``x`` goes through a host copy: gloo on ranks that share a GPU (it has no CUDA
+    all-gather, gather or send, and its CUDA all-reduce is not NCCL's either way). ``_DEVICE["staged"]`` set
+    on a CPU rank exercises the same path (tests)."""
+    return _DEVICE["staged"]
 
 
 def get_tp_rank() -> int:
@@ -81,7 +138,12 @@ def _global(tp_rank: int) -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the stage's TP ranks, in place, in x's own dtype."""
     if get_tp_size() > 1:
-        dist.all_reduce(x, group=_STAGE["group"])
+        if _staged(x):
+            host = x.to("cpu", copy=True)
+            dist.all_reduce(host, group=_STAGE["group"])
+            x.copy_(host)
+        else:
+            dist.all_reduce(x, group=_STAGE["group"])
     return x
 
 
@@ -98,7 +160,7 @@ def send_next(tensors: dict[str, torch.Tensor]) -> None:
     """Send ``tensors`` (in their order) to the same TP rank of the next stage."""
     dst = _neighbour(1)
     for t in tensors.values():
-        dist.send(t.contiguous(), dst=dst)
+        dist.send(t.to("cpu", copy=True) if _staged(t) else t.contiguous(), dst=dst)
 
 
 def recv_prev(names: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype,
@@ -109,7 +171,12 @@ def recv_prev(names: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype
     out = {}
     for name in names:
         out[name] = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(out[name], src=src)
+        if _staged(out[name]):
+            host = torch.empty(shape, dtype=dtype)
+            dist.recv(host, src=src)
+            out[name].copy_(host)
+        else:
+            dist.recv(out[name], src=src)
     return out
 
 
@@ -118,7 +185,13 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     n = get_tp_size()
     if n == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(n)]
+    if _staged(x):
+        return _all_gather(x.to("cpu", copy=True), dim).to(x.device)
+    return _all_gather(x, dim)
+
+
+def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(get_tp_size())]
     dist.all_gather(parts, x.contiguous(), group=_STAGE["group"])
     return torch.cat(parts, dim=dim)
 
@@ -128,9 +201,12 @@ def gather(x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
     n = get_tp_size()
     if n == 1:
         return x
+    device = x.device
+    if _staged(x):
+        x = x.to("cpu", copy=True)
     parts = [torch.empty_like(x) for _ in range(n)] if get_tp_rank() == dst else None
     dist.gather(x.contiguous(), parts, dst=_global(dst), group=_STAGE["group"])
-    return torch.cat(parts, dim=dim) if parts is not None else None
+    return torch.cat(parts, dim=dim).to(device) if parts is not None else None
 
 
 def broadcast_object(obj, src: int = 0):

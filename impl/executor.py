@@ -39,6 +39,21 @@ class _TensorAt:
         self.offset, self.nbytes, self.dtype, self.shape = offset, nbytes, dtype, shape
 
 
+def on_host(tree):
+    """``tree`` (dicts, lists, tuples) with every tensor on another device (a GPU's) copied to the host; the rest as
+    is. What crosses a rank's pipe, either way, is on the host (``Executor.call``'s arguments, a rank's results): a
+    CUDA tensor pickled into a pipe would travel as a CUDA IPC handle, opened by a process that may hold no CUDA
+    context and that the receiver must not outlive. Each side moves what it receives to its own device."""
+    import torch
+    if isinstance(tree, torch.Tensor):
+        return tree if tree.device.type == "cpu" else tree.detach().to("cpu")
+    if isinstance(tree, dict):
+        return {k: on_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
+        return type(tree)(on_host(v) for v in tree)
+    return tree
+
+
 def pack(result):
     """``result`` with every tensor (in dicts, lists, tuples) moved into one flat uint8 tensor. A pipe sends a
     CPU tensor through shared memory with a socket handshake per tensor (torch.multiprocessing's file-descriptor
@@ -186,7 +201,7 @@ def _worker_main(rank: int, world: int, store: str, conn, device: str, parent_pi
                 runner = runner_class(runner_path)(*args, **kwargs)
                 conn.send(("ok", None))
             else:
-                conn.send(("ok", pack(getattr(runner, method)(*args, **kwargs))))
+                conn.send(("ok", pack(on_host(getattr(runner, method)(*args, **kwargs)))))
         except BaseException as e:  # noqa: BLE001
             try:
                 conn.send(_error_reply(rank, e, world, pp_size))
@@ -265,6 +280,7 @@ class Executor:
         """Run ``runner.method(*args, **kwargs)`` on every rank; returns the per-rank results."""
         if self.closed:
             raise RuntimeError("the TP workers are stopped (closed, or torn down after a rank failed)")
+        args, kwargs = on_host(args), on_host(kwargs)  # a golden on a GPU hands its tensors over on the host
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((method, args, kwargs))

@@ -15,7 +15,8 @@ import torch
 from impl import batch_invariant
 from impl.config import load_config, parse_dtype
 from impl.context import Context, set_context
-from impl.distributed import get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, recv_prev, send_next
+from impl.distributed import (get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, local_device, recv_prev,
+                              send_next)
 from impl.layers.attention import Attention
 from impl.loader import load_weights
 from impl.models import model_class
@@ -36,7 +37,8 @@ class ModelRunner:
         self.cfg.check_tp(self.tp_size, ep_size)
         self.partition = layer_partition(self.cfg.num_layers, get_pp_size(), pp_partition)
         self.stage = stage_of(self.partition, get_pp_rank())
-        self.dtype, self.device = parse_dtype(dtype), torch.device(device)
+        # "cuda": this rank's own GPU (impl.distributed.rank_device: ranks past the GPU count share them)
+        self.dtype, self.device = parse_dtype(dtype), torch.device(local_device(str(device)))
         # the family's model class from the registry (impl.config.FAMILIES), by the config's model_type
         self.model = model_class(self.cfg)(self.cfg, self.dtype, ep_size, stage=self.stage).to(self.device)
         # {checkpoint tensor: elements this rank read}: other expert groups' experts are not in it

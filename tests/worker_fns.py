@@ -99,3 +99,36 @@ def capture_names(runner) -> list[str]:
     """The points impl's installed capture hooks can give (``tpcheck.capture.impl``)."""
     st = getattr(runner.model, "_tpcheck", None)
     return [] if st is None else sorted(st["capture"].names)
+
+
+def staged_collectives(runner, staged: bool) -> dict:
+    """Inside a rank: impl's collectives on rank-specific tensors, through the host-staged path of ranks that share a
+    GPU (``impl.distributed._staged``) when ``staged``, else directly; with this rank's device."""
+    from impl import distributed as d
+    old = d._DEVICE["staged"]
+    d._DEVICE["staged"] = staged
+    try:
+        r = d.get_tp_rank()
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (r + 1) + r / 3
+        summed = d.all_reduce(x.clone())
+        return {"x": x, "all_reduce": summed, "all_gather": d.all_gather(x, dim=-1), "gather": d.gather(x, dim=0),
+                "device": str(runner.device)}
+    finally:
+        d._DEVICE["staged"] = old
+
+
+def staged_logits(runner, staged: bool, ids: list[int]):
+    """Inside a rank: the logits of ``ids`` with every collective of the forward host-staged (``staged``) or not."""
+    from impl import distributed as d
+    old = d._DEVICE["staged"]
+    d._DEVICE["staged"] = staged
+    try:
+        return runner.logits(ids)
+    finally:
+        d._DEVICE["staged"] = old
+
+
+def received_devices(runner, tree) -> list[str]:
+    """Inside a rank: the devices of the tensors an ``Executor.call`` argument arrived with."""
+    from tpcheck.inputs.devices import devices_of
+    return sorted(devices_of(tree))

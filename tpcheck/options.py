@@ -14,7 +14,7 @@ import shlex
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from tpcheck.inputs.arg_types import int_list, int_ranges, name_list, regex
+from tpcheck.inputs.arg_types import device_name, int_list, int_ranges, name_list, regex
 from tpcheck.judge.coverage import DEFAULT_REQUIRE
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -71,6 +71,9 @@ class DiffOptions:
     inject_layer: int | None = _opt(None, "--inject-layer", "only this decoder layer gets the faults", "faults",
                                     type=int)
     engine: str = _opt("impl", "--engine", "the engine under test (tpcheck.engines.registry)", "engine")
+    device: str = _opt("auto", "--device", "where the engine runs: auto (CUDA when there is a GPU), cpu, cuda (impl: "
+                       "one rank per GPU; ranks past the GPU count share them, over gloo) or cuda:K; a GPU asked for "
+                       "and absent is an error (tpcheck.inputs.devices)", "engine", type=device_name, metavar="DEVICE")
     seq_len: int = _opt(32, "--seq-len", "random prompts: tokens each", "inputs", type=int)
     batch: int = _opt(2, "--batch", "random prompts: how many", "inputs", type=int)
     seed: int = _opt(0, "--seed", "random prompts: seed", "inputs", type=int)
@@ -90,6 +93,10 @@ class DiffOptions:
     streamed: bool = _opt(False, "--golden-streamed", "read the HF references' weights from the checkpoint as the "
                           "forward needs them, one matrix at a time (for checkpoints larger than memory; same "
                           "results, slower; tpcheck.reference.streamed)", "golden")
+    golden_device: str | None = _opt(None, "--golden-device", "where the float64 golden and the noise floor's "
+                                     "references run and the statistics are computed (default: the engine's "
+                                     "--device; only numbers come back to the host)", "golden", type=device_name,
+                                     metavar="DEVICE")
     dump: str | None = _opt(None, "--dump", "also write every rank's points per step to DIR (tpcheck compare DIR "
                             "judges it offline)", "dump", type=Path, metavar="DIR")
     dump_points: str | None = _opt(None, "--dump-points", "with --dump: only these points", "dump", type=regex,
@@ -227,6 +234,8 @@ class DiffOptions:
             golden = "HF float64, computed live, weights streamed from the checkpoint"
         else:
             golden = "HF float64, computed live in memory"
+        if not self.golden:
+            golden += f" on device {self.golden_device or self.device}"
         if self.save_golden:
             golden += f"; saved to {self.save_golden}"
         dump = "none" if not self.dump else self.dump + "".join(
@@ -238,7 +247,8 @@ class DiffOptions:
         select += f"; required {self.require_points}" + ("; stop at the first failing step" if self.fail_fast else "")
         return "\n".join([
             f"engine:     {self.engine} tp={self.tp} {self.dtype} "
-            f"({f'block size {self.block_size}' if self.engine == 'impl' else 'its own KV cache layout'}) on {model}",
+            f"({f'block size {self.block_size}' if self.engine == 'impl' else 'its own KV cache layout'}) on {model}, "
+            f"device {self.device}",
             f"run:        {prompts}, {self.decode_steps} decode step(s)" + "".join(", " + x for x in extra),
             f"golden:     {golden}",
             f"dump:       {dump}",

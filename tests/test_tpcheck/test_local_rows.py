@@ -83,7 +83,7 @@ def test_a_prefix_in_hf_cache_is_the_forward_of_those_positions(ckpt):
     n = 24
     cache = new_cache(golden.model)
     kv = {i: (full[f"layers.{i}.attn.k_rope"][:n], full[f"layers.{i}.attn.v"][:n]) for i in range(4)}
-    fill_cache(cache, kv, load_config(model).head_dim, torch.float64)
+    fill_cache(cache, kv, load_config(model).head_dim, torch.float64, "cpu")
     rest = golden.step([PROMPT[n:]], [cache], [n])
     for name, t in rest.items():
         assert torch.allclose(t, full[name][n:], rtol=1e-10, atol=1e-12), name

@@ -19,7 +19,8 @@ CHANGED = {"model": "/ckpt/dir", "preset": "tiny", "tp": 4, "dtype": "bfloat16",
            "pp_partition": "1,1",
            "points": r"layers\.\d+\.out|logits", "layers": (0, 2, 3), "require_points": "logits",
            "fail_fast": True, "golden": "/g", "save_golden": "/sg", "streamed": True, "dump": "/d",
-           "dump_points": "embed", "dump_budget_mb": 1.5, "tolerances": "/t.toml"}
+           "dump_points": "embed", "dump_budget_mb": 1.5, "tolerances": "/t.toml", "device": "cuda:1",
+           "golden_device": "cpu"}
 
 
 def parse(argv: list[str]) -> DiffOptions:

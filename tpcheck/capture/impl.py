@@ -116,7 +116,7 @@ def read_kv(runner, tables: list[list[int]], lens: list[int]) -> dict:
         heads = attn.k_cache.shape[2]  # what the cache actually holds (a faulty cache may hold more heads)
         slots = sequence_slots(tables, lens, bs)
         for name, cache in (("k", attn.k_cache), ("v", attn.v_cache)):
-            rows = cache.view(-1, heads, cache.shape[3])[slots]
+            rows = cache.view(-1, heads, cache.shape[3])[slots.to(cache.device)]
             if getattr(attn, "kv_quant", None) is not None:  # an FP8 cache: the values attention reads from it
                 rows = dequantize_kv(rows, attn.kv_scales()["kv".index(name)], runner.dtype)
             out[f"layers.{i}.kv.{name}"] = (kv, as_rows(rows))
@@ -143,10 +143,11 @@ def write_prefix(runner, tables: list[list[int]], lens: list[int], kv: dict[int,
         first, own, d = attn.first_kv_head, layer.self_attn.qkv_proj.num_kv_heads, attn.head_dim
         heads = attn.k_cache.shape[2]
         for which, cache in zip(kv[i], (attn.k_cache, attn.v_cache)):
-            rows = which.view(which.shape[0], -1, d)[:, first:first + own]
+            # ``kv`` arrives on the host (impl.executor.on_host); the cache is on this rank's device
+            rows = which.view(which.shape[0], -1, d)[:, first:first + own].to(cache.device)
             if heads != own:
                 rows = rows.repeat_interleave(heads // own, dim=1)
-            cache.view(-1, heads, d)[slots] = rows.to(cache.dtype)
+            cache.view(-1, heads, d)[slots.to(cache.device)] = rows.to(cache.dtype)
 
 
 def serving_step(runner, ids: list[str], tokens: list[list[int]], starts: list[int],

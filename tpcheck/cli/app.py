@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
-from tpcheck.inputs.arg_types import int_list, regex
+from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
 from tpcheck.cli.suggest import refuse_unknown
 
@@ -75,6 +75,7 @@ def _add_check(sub) -> None:
                      help="synthetic checkpoint used when --model is not given (default: tiny)")
     ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
     ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_device_argument(ck, "impl, the golden and the reference")
     ck.add_argument("--prompt-ids", type=int_list, action="append", help="a prompt as token ids (repeatable)")
     ck.add_argument("--seq-len", type=int, default=64)
     ck.add_argument("--batch", type=int, default=2)
@@ -219,7 +220,7 @@ def _cmd_check(a, argv: list[str]) -> int:
             raise ConfigError(f"prompt {i}: empty or a token id outside the vocab [0, {cfg.vocab_size})")
     if a.logprobs_topk is not None and a.logprobs_topk < 1:
         raise ValueError(f"--logprobs-topk must be >= 1, got {a.logprobs_topk}")
-    df = check_logits(model, tps, a.dtype, prompts, logprobs_topk=a.logprobs_topk)
+    df = check_logits(model, tps, a.dtype, prompts, logprobs_topk=a.logprobs_topk, device=a.device)
     print(f"model: {model}\n")
     print(df.drop(columns=["argmax_agree"]).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print("argmax_flips: positions whose top token is not the golden's although the golden's top-2 gap there is wider "

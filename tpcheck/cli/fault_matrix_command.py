@@ -9,6 +9,7 @@ from tpcheck.cli.exit_codes import verdict
 from tpcheck.cli.fault_depth import add_arguments, run_depth
 from tpcheck.cli import fault_matrix
 from tpcheck.cli.fault_matrix import format_table, run_matrix
+from tpcheck.inputs.arg_types import add_device_argument
 from tpcheck.inputs.faults import get_fault
 from tpcheck.result.documents import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
 
@@ -22,6 +23,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--faults", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="comma-separated fault names (default: all; tpcheck faults list)")
     p.add_argument("--no-clean", action="store_true", help="skip the clean runs")
+    add_device_argument(p, "the engines, goldens and references")
     add_arguments(p)
     p.add_argument("--json", type=Path, help="write every row as JSON")
     return p
@@ -34,10 +36,19 @@ def run(args, pool=None, ckpt=None) -> int:
         get_fault(n)  # ValueError (exit 2) before any engine starts
     if (args.preset or args.tp or args.dtype) and not args.depth:
         raise ValueError("--preset, --tp and --dtype apply to --depth only")
-    if args.depth:
-        df = run_depth(args.faults, pool=pool, ckpt=ckpt, presets=args.preset, tps=args.tp, dtypes=args.dtype)
-    else:
-        df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
+    from impl import CacheConfig
+    from tpcheck.engines.pool import EnginePool
+    own = pool is None
+    if own:  # the engines' device (a GPU asked for and absent: exit 2 before any run)
+        pool = EnginePool(device=getattr(args, "device", "auto"), cache=CacheConfig(max_num_seqs=16))
+    try:
+        if args.depth:
+            df = run_depth(args.faults, pool=pool, ckpt=ckpt, presets=args.preset, tps=args.tp, dtypes=args.dtype)
+        else:
+            df = run_matrix(args.faults, pool=pool, ckpt=ckpt, clean=not args.no_clean)
+    finally:
+        if own:
+            pool.close()
     print(format_table(df))
     print("config: preset, TP size, dtype, prefill only or decode steps and KV block size, prompt lengths; "
           "by: the check that flagged the origin; excess: the origin's error over its threshold (invariance faults: "

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpcheck.inputs.arg_types import int_list, name_list
+from tpcheck.inputs.arg_types import add_device_argument, int_list, name_list
 from tpcheck.cli.exit_codes import Exit
 from tpcheck.progress import bar
 from tpcheck.result.table import worst_key
@@ -56,6 +56,7 @@ class SweepOptions:
     max_batch: int = 4
     inject: list[str] = field(default_factory=list)
     exact_ops: bool = False
+    device: str = "auto"  # the engines' and the goldens' (tpcheck.inputs.devices; a pool given to sweep(): its own)
     seed: int = 0
     no_shrink: bool = False
     no_pool: bool = False
@@ -102,6 +103,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                     help="faults to inject into impl in every example (tpcheck faults list)")
     sw.add_argument("--exact-ops", action="store_true",
                     help="also hold RMSNorm and the residual adds to HF's bits (tpcheck diff --exact-ops)")
+    add_device_argument(sw, "the engines, goldens and references")
     sw.add_argument("--seed", type=int, default=0, help="Hypothesis seed (the same seed draws the same inputs)")
     sw.add_argument("--no-shrink", action="store_true", help="report the first failing example, unshrunk")
     sw.add_argument("--no-pool", action="store_true",
@@ -210,7 +212,7 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepO
         try:
             if opts.no_pool:
                 from tpcheck.engines.pool import EnginePool
-                fresh = EnginePool()
+                fresh = EnginePool(device=opts.device)
                 try:
                     r = case.diff(pool=fresh, root=root, inject=opts.inject)
                 finally:
@@ -280,7 +282,7 @@ def sweep(opts: SweepOptions, pool=None, results: dict | None = None) -> list[di
             for n in opts.decode_steps]
     rows: list[dict] = []
     own = pool is None
-    pool = pool or EnginePool()
+    pool = pool or EnginePool(device=opts.device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny HF runs and comparisons: one thread, leaving the cores to the ranks
     progress = bar(len(plan), "sweep", "configuration")

@@ -37,8 +37,9 @@ from tpcheck.reference.hf import ATTN_NAME, RopeProbe, cache_kv, fill_caches, fo
     register_attention
 from tpcheck.reference.reductions import Reductions
 import torch.distributed as dist
-from impl.distributed import close_tp, init_tp
+from impl.distributed import close_tp, init_tp, local_device, shares_device
 from tpcheck.inputs.arg_types import int_list
+from tpcheck.inputs.devices import gpu_count
 from tpcheck.capture.dump import DumpWriter
 import importlib.util
 import importlib
@@ -62,8 +63,8 @@ def _dist_env(device: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank)):
         os.environ.setdefault(key, str(value))
-    if device.startswith("cuda"):
-        torch.cuda.set_device(env_number("LOCAL_RANK", integer=True))
+    if device.startswith("cuda"):  # this rank's own GPU (impl.distributed.rank_device), as init_tp set it
+        torch.cuda.set_device(torch.device(local_device(device)))
 
 
 def _tp_plan_kwargs(tp: int) -> dict:
@@ -88,7 +89,7 @@ class HFTPRank:
                               "pip install accelerate)")
         self.model = load_hf_model(model_dir, dtype, **_tp_plan_kwargs(self.tp))
         if device != "cpu":  # transformers' tp_plan load leaves a tp-1 model on the CPU whatever LOCAL_RANK says
-            self.model.to(torch.device(device))
+            self.model.to(torch.device(local_device(device)))
         self.model.config._attn_implementation = ATTN_NAME
         m = self.model.model
         for layer in m.layers:
@@ -114,7 +115,7 @@ class HFTPRank:
         ``kv[layer]`` is ``(keys after RoPE, values)`` of every KV head, ``[sum(lens), kv_heads * head_dim]``;
         this rank keeps its contiguous block of heads, as transformers' TP plan splits ``k_proj`` / ``v_proj``."""
         own = {i: tuple(t.view(t.shape[0], self.tp, -1)[:, self.rank] for t in pair) for i, pair in kv.items()}
-        fill_caches(self.caches, lens, own, self.head_dim, self.model.dtype)
+        fill_caches(self.caches, lens, own, self.head_dim, self.model.dtype, self.model.device)  # kv came on the host
 
     @torch.no_grad()
     def step(self, tokens: list[list[int]], starts: list[int], teacher: dict | None = None,
@@ -189,17 +190,31 @@ class HFTPAdapter:
         self.executor.shutdown()
 
 
-def get_adapter(pool, model_dir: str, tp: int, dtype: str = "float32") -> HFTPAdapter:
-    """``pool``'s ``HFTPAdapter`` of ``tp`` ranks (kept; reloaded when the checkpoint or dtype changes)."""
-    return pool.acquire("hf-tp", tp, (str(model_dir), dtype),
-                        lambda: HFTPAdapter(str(model_dir), tp, dtype, device=pool.llm_kwargs.get("device", "cpu")),
+def get_adapter(pool, model_dir: str, tp: int, dtype: str = "float32", device: str = "cpu") -> HFTPAdapter:
+    """``pool``'s ``HFTPAdapter`` of ``tp`` ranks on ``device`` (a resolved one; kept; reloaded when the checkpoint
+    or dtype changes). Ranks that would share a GPU are refused (``check_device``)."""
+    check_device(device, tp)
+    kind = "hf-tp" if device == "cpu" else f"hf-tp@{device}"
+    return pool.acquire(kind, tp, (str(model_dir), dtype),
+                        lambda: HFTPAdapter(str(model_dir), tp, dtype, device=device),
                         lambda adapter: adapter.reload(str(model_dir), dtype), close=HFTPAdapter.shutdown)
 
 
+def check_device(device: str, tp: int, gpus: int | None = None) -> None:
+    """transformers' TP runs its DTensor collectives on the group's backend, and gloo has no CUDA all-gather: ``tp``
+    ranks on ``device`` that would share a GPU (``impl.distributed.shares_device``; ``gpus``: the node's, counted
+    unless given) are a ``ValueError`` (exit 2), where impl's engine stages them through the host instead."""
+    gpus = gpu_count() if gpus is None else gpus
+    if shares_device(device, tp, gpus):
+        raise ValueError(f"--engine hf-tp --tp {tp} --device {device}: transformers' TP needs one GPU per rank "
+                         f"(NCCL) and this machine has {gpus}; run --engine impl (its ranks share a GPU) or "
+                         "--device cpu")
+
+
 def start(pool, plan):
-    """The adapter of one diff (``tpcheck.engines.registry``); ``--dump`` is written from the driver (the
-    registry's ``DumpingAdapter`` splits the budget over the ranks)."""
-    return get_adapter(pool, plan.model_dir, plan.opts.tp, plan.opts.dtype)
+    """The adapter of one diff (``tpcheck.engines.registry``) on the plan's device; ``--dump`` is written from the
+    driver (the registry's ``DumpingAdapter`` splits the budget over the ranks)."""
+    return get_adapter(pool, plan.model_dir, plan.opts.tp, plan.opts.dtype, plan.device)
 
 
 def _greedy_dump(rank: HFTPRank, prompts: list[list[int]], decode_steps: int, writer) -> list[list[int]]:

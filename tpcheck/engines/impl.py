@@ -21,23 +21,27 @@ FAULTS = True  # --inject patches impl's modules in its ranks
 
 
 def get_llm(pool, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
-            num_kv_blocks: int | None = None, ep: int = 1, pp: int = 1, pp_partition: str | None = None) -> LLM:
-    """``pool``'s ``impl.LLM`` of ``tp`` ranks (per pipeline stage, ``pp`` stages), started once and reloaded when
-    the checkpoint, cache layout, expert-parallel size ``ep`` (MoE models) or layer partition changes."""
+            num_kv_blocks: int | None = None, ep: int = 1, pp: int = 1, pp_partition: str | None = None,
+            device: str = "cpu") -> LLM:
+    """``pool``'s ``impl.LLM`` of ``tp`` ranks (per pipeline stage, ``pp`` stages) on ``device`` (a resolved one:
+    ``tpcheck.inputs.devices``; ``cuda``: one rank per GPU, ranks past the GPU count sharing them), started once and
+    reloaded when the checkpoint, cache layout, expert-parallel size ``ep`` (MoE models) or layer partition
+    changes; an engine on another device is another engine."""
     key = (str(model_dir), dtype, block_size, num_kv_blocks, ep, pp_partition)
     if pp_partition is not None and len(parse_partition(pp_partition)) != pp:
         raise ConfigError(f"pp_partition {pp_partition} names {len(parse_partition(pp_partition))} stages, pp is {pp}")
 
     def start() -> LLM:
         return LLM(model_dir, tp_size=tp, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                   ep_size=ep, pp_size=pp_partition or pp, **pool.llm_kwargs)
+                   ep_size=ep, pp_size=pp_partition or pp, **{**pool.llm_kwargs, "device": device})
 
     def reload(llm: LLM) -> None:
         llm.pp_partition = None if pp_partition is None else parse_partition(pp_partition)
         llm.load(model_dir, dtype, block_size, num_kv_blocks, ep)
 
-    # a pipelined engine has another world size: a pool slot of its own per pp
-    return pool.acquire("impl" if pp == 1 else f"impl-pp{pp}", tp, key, start, reload, close=LLM.close)
+    # a pipelined engine has another world size: a pool slot of its own per pp; and one per device
+    kind = ("impl" if pp == 1 else f"impl-pp{pp}") + ("" if device == "cpu" else f"@{device}")
+    return pool.acquire(kind, tp, key, start, reload, close=LLM.close)
 
 
 def start(pool, plan) -> "ImplAdapter":
@@ -49,7 +53,8 @@ def start(pool, plan) -> "ImplAdapter":
     dump = None if opts.dump is None else {"root": str(opts.dump), "dtype": opts.dtype, "points": opts.dump_points,
                                            "budget_bytes": None if budget is None else budget // opts.tp,
                                            "model": model_dir}
-    llm = get_llm(pool, model_dir, opts.tp, opts.dtype, ep=opts.ep, pp=opts.pp, pp_partition=opts.pp_partition)
+    llm = get_llm(pool, model_dir, opts.tp, opts.dtype, ep=opts.ep, pp=opts.pp, pp_partition=opts.pp_partition,
+                  device=plan.device)
     adapter = ImplAdapter(llm, list(opts.inject), opts.inject_layer, opts.block_size, dump, plan.capture_points)
     adapter.expected = plan.expected
     return adapter

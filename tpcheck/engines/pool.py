@@ -12,6 +12,7 @@ from typing import Callable, TypeVar
 
 from impl.executor import start_fork_server
 from tpcheck.engines.impl import get_llm
+from tpcheck.inputs.devices import resolve_device
 
 E = TypeVar("E")
 
@@ -36,9 +37,12 @@ def keep_freed_memory() -> bool:
 
 class EnginePool:
     """The engines of one harness process; creating a pool also starts impl's fork server and makes this
-    process keep freed memory (``keep_freed_memory``). ``llm_kwargs``: extra ``impl.LLM`` keywords (``device``)."""
+    process keep freed memory (``keep_freed_memory``). ``device``: where its engines run unless a run names one
+    (``--device auto`` of a diff on this pool: this device; None: CUDA when present; ``tpcheck.inputs.devices``);
+    ``llm_kwargs``: extra ``impl.LLM`` keywords (``cache``). An engine is kept per (kind, device, tp)."""
 
-    def __init__(self, **llm_kwargs):
+    def __init__(self, device: str | None = None, **llm_kwargs):
+        self.device = None if device is None else resolve_device(device)  # a GPU that is not there: refused now
         start_fork_server()  # its torch import overlaps the caller's work before the first engine starts
         keep_freed_memory()  # the harness allocates the same points, references and statistics every step
         self.llm_kwargs = llm_kwargs
@@ -60,10 +64,16 @@ class EnginePool:
         return engine
 
     def get(self, model_dir: str | os.PathLike, tp: int, dtype: str = "float32", block_size: int = 16,
-            num_kv_blocks: int | None = None, ep: int = 1, pp: int = 1, pp_partition: str | None = None):
-        """impl's ``LLM`` of ``tp`` ranks, experts in ``ep`` groups, in ``pp`` pipeline stages
-        (``tpcheck.engines.impl.get_llm``)."""
-        return get_llm(self, model_dir, tp, dtype, block_size, num_kv_blocks, ep, pp, pp_partition)
+            num_kv_blocks: int | None = None, ep: int = 1, pp: int = 1, pp_partition: str | None = None,
+            device: str | None = None):
+        """impl's ``LLM`` of ``tp`` ranks, experts in ``ep`` groups, in ``pp`` pipeline stages, on ``device``
+        (default ``engine_device()``; ``tpcheck.engines.impl.get_llm``)."""
+        return get_llm(self, model_dir, tp, dtype, block_size, num_kv_blocks, ep, pp, pp_partition,
+                       device or self.engine_device())
+
+    def engine_device(self) -> str:
+        """The device of an engine no run placed: the pool's ``device``, else CUDA when present, else the CPU."""
+        return self.device or resolve_device("auto")
 
     def close(self) -> None:
         for engine, _, close in self._engines.values():

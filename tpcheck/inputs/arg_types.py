@@ -57,3 +57,23 @@ def regex(text: str) -> str:
 def name_list(text: str) -> list[str]:
     """argparse type for ``tiny,tiny-mqa``: the non-empty comma-separated names."""
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+DEVICE_NAMES = ("auto", "cpu", "cuda")  # and cuda:K (tpcheck.inputs.devices resolves them)
+
+
+def device_name(text: str) -> str:
+    """argparse type of ``--device`` / ``--golden-device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:K`` (checked
+    against this machine's GPUs when resolved: ``tpcheck.inputs.devices.resolve_device``)."""
+    name = text.strip().lower()
+    head, sep, index = name.partition(":")
+    if name in DEVICE_NAMES or (head == "cuda" and sep and index.isdigit()):
+        return name
+    raise argparse.ArgumentTypeError(f"expected a device ({', '.join(DEVICE_NAMES)} or cuda:K), got {text!r}")
+
+
+def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--device`` (``device_name``, default ``auto``) of a command that is not ``diff`` (whose flag is
+    ``DiffOptions.device``'s): ``what`` runs there."""
+    parser.add_argument("--device", type=device_name, default="auto", metavar="DEVICE",
+                        help=f"where {what} run: auto (CUDA when there is a GPU), cpu, cuda or cuda:K")

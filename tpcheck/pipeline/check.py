@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from tpcheck.inputs.devices import resolve_device
 from tpcheck.inputs.prompts import random_prompts  # noqa: F401 - the logits check's prompts, importable here
 from tpcheck.inputs.quant_check import check_quantized_checkpoint
 from impl.config import load_config
@@ -64,23 +65,28 @@ def argmax_flips(got: torch.Tensor, golden: torch.Tensor, ref: torch.Tensor) -> 
 
 
 def check_logits(model_dir: str | Path, tps: list[int], dtype: str, prompts: list[list[int]],
-                 pool=None, logprobs_topk: int | None = None) -> pd.DataFrame:
+                 pool=None, logprobs_topk: int | None = None, device: str = "auto") -> pd.DataFrame:
     """One row per (tp, prompt): engine and HF-at-dtype errors against the fp64 golden, and the verdict
     (``passed``: the noise-floor gate and no NaN, and ``logprobs_close`` when ``logprobs_topk`` is given;
-    ``argmax_flips`` / ``near_tie_flips`` are informational, see the module docstring)."""
+    ``argmax_flips`` / ``near_tie_flips`` are informational, see the module docstring). ``device``: the engine's,
+    the golden's and the reference's (``tpcheck.inputs.devices``; ``auto``: the pool's where it has one, else CUDA
+    when present); the engine's logits are compared there."""
     check_quantized_checkpoint(model_dir, load_config(model_dir))  # a broken scale: exit 2, not a verdict
-    logger.info(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s)...")
-    golden = hf_logits(model_dir, "float64", prompts)
-    ref = hf_logits(model_dir, dtype, prompts) if dtype != "float64" else golden
+    if device == "auto" and getattr(pool, "device", None) is not None:
+        device = pool.device
+    device = resolve_device(device)
+    logger.info(f"HF float64 golden and HF {dtype} reference on {len(prompts)} prompt(s), on {device}...")
+    golden = hf_logits(model_dir, "float64", prompts, device)
+    ref = hf_logits(model_dir, dtype, prompts, device) if dtype != "float64" else golden
     own = pool is None
-    pool = pool or EnginePool()
+    pool = pool or EnginePool(device=device)
     rows = []
     try:
         for tp in tps:
             logger.info(f"impl tp={tp} {dtype}...")
-            llm = pool.get(model_dir, tp, dtype)
+            llm = pool.get(model_dir, tp, dtype, device=device)
             for i, p in enumerate(prompts):
-                got = llm.logits(p)
+                got = llm.logits(p).to(golden[i].device)  # a rank's logits arrive on the host
                 e, r = compare(got, golden[i]), compare(ref[i], golden[i])
                 flips, near_ties = argmax_flips(got.double(), golden[i], ref[i].double())
                 close = logprobs_close(got.double(), golden[i], logprobs_topk or 5)

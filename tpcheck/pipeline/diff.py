@@ -60,7 +60,7 @@ def diff(model: str | None = None, tp: int = 1, dtype: str = "float32", prompts:
 def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, command: str | None = None) -> DiffResult:
     """``diff`` on a ``DiffOptions``: resolve it once (``tpcheck.pipeline.plan.RunPlan``), start the engine, run,
     judge."""
-    plan = RunPlan.resolve(opts)
+    plan = RunPlan.resolve(opts, getattr(pool, "device", None))  # --device auto: the pool's, where it has one
     opts = plan.opts
     own = pool is None
     pool = pool or EnginePool()
@@ -133,9 +133,10 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
         logger.warning("tpcheck diff: note: the engine adapter declares no `reductions` "
                        "(tpcheck.reference.reductions.Reductions): the noise floor is HF on one device only and "
                        "does not admit the rounding of TP all-reduces")
-    ref = hf_capture(model_dir, dtype, opts.streamed)  # streamed: both references stream their weights
+    # on the golden's device (--golden-device); streamed: both references stream their weights (on the host)
+    ref = hf_capture(model_dir, dtype, opts.streamed, plan.golden_device)
     golden = SavedGolden(opts.golden, model_dir, prompts, steps, steps > 0) if opts.golden else \
-        hf_capture(model_dir, "float64", opts.streamed)
+        hf_capture(model_dir, "float64", opts.streamed, plan.golden_device)
     for cap in (ref, golden):
         if hasattr(cap, "quant_shards"):  # the engine's ranks quantize their own slices of a row-parallel input
             cap.quant_shards = reductions.tp
@@ -154,7 +155,8 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     ctx = RunContext(golden, ref, engine, prompts, steps, cfg.num_layers,
                      parse_dtype(dtype), reductions, plan.keep, opts.exact_ops, stop_when, writer,
                      bar(len(modes) * (steps + 1), "diff", "step"), cache, sparse=sparse, tolerances=tolerances,
-                     engine_inputs=forced, handoffs=plan.handoffs, head_dim=cfg.head_dim)
+                     engine_inputs=forced, handoffs=plan.handoffs, head_dim=cfg.head_dim,
+                     golden_device=plan.golden_device)
     ctx.golden_routes = {} if ctx.sparse else None
     rows, stopped = _run_passes(ctx, modes, coverage)
     coverage.comparisons = len(rows)
@@ -163,7 +165,9 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
                     golden=str(opts.golden) if opts.golden else None,
                     reductions={"tp": reductions.tp, "dtype": reductions.dtype or dtype}, num_layers=cfg.num_layers,
                     prompt_lens=[len(p) for p in prompts], notes=tuple(notes.notes), rounding=rounding.as_meta(),
-                    local_rows=opts.local_rows if ctx.local_rows_ran else None)
+                    local_rows=opts.local_rows if ctx.local_rows_ran else None,
+                    devices={"engine": plan.device if plan.entry is not None else "unknown (a dump or an adapter given)",
+                             "golden": plan.golden_device})
     table = DiffResult.from_rows(rows, {}, stamp=False).table
     meta = replace(meta, effective_precision=effective_precision(table, dtype))  # informational, not the verdict
     return judge(DiffResult(table, {**run_meta(), **meta.to_dict()}), tolerances)  # stamped: made here, now

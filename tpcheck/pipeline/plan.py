@@ -15,6 +15,7 @@ from tpcheck.capture.selection import selection
 from tpcheck.engines.registry import EngineEntry
 from tpcheck.engines.registry import engine as engine_entry
 from tpcheck.inputs.checkpoints import cached_checkpoint
+from tpcheck.inputs.devices import resolve_device
 from tpcheck.inputs.faults import get_fault
 from tpcheck.inputs.prompts import random_prompts
 from tpcheck.inputs.quant_check import check_quantized_checkpoint
@@ -36,6 +37,8 @@ class RunPlan:
     entry: EngineEntry | None = None   # None: an adapter the caller started (compare_engine, a dump)
     handoffs: tuple[int, ...] = ()     # the layers that end a pipeline stage before the last (--pp)
     silent: dict[str, str] = field(default_factory=dict)  # injected faults that cannot show here, and why
+    device: str = "cpu"                # where the engine runs (--device resolved: tpcheck.inputs.devices)
+    golden_device: str = "cpu"         # where the golden, the references and the statistics run (--golden-device)
 
     @property
     def model_dir(self) -> str:
@@ -63,10 +66,12 @@ class RunPlan:
         return self.opts.command()
 
     @classmethod
-    def resolve(cls, opts: DiffOptions) -> "RunPlan":
+    def resolve(cls, opts: DiffOptions, pool_device: str | None = None) -> "RunPlan":
         """Resolve and check ``opts`` for ``tpcheck diff``: the engine (``--inject`` on an engine faults cannot
         patch, ``--ep`` off impl or on a dense model, a layout the engine refuses), every flag against the model
-        (``DiffOptions.validate``), the prompts, the selection; a ``ValueError`` naming the flag otherwise."""
+        (``DiffOptions.validate``), the devices (``--device auto``: ``pool_device``, the device an ``EnginePool``
+        was made for, where given), the prompts, the selection; a ``ValueError`` naming the flag otherwise."""
+        device, golden_device = run_devices(opts, pool_device)  # a GPU asked for and absent: refused first
         entry = engine_entry(opts.engine)
         module = entry.load()
         if opts.inject and not getattr(module, "FAULTS", False):
@@ -93,19 +98,22 @@ class RunPlan:
             module.check_layout(cfg, opts.tp)
         prompts = _prompts(opts, cfg)
         opts = opts.replace(model=model_dir, prompts=prompts, seq_len=32, batch=2, seed=0)
-        plan = cls.of(opts, cfg, entry)  # a selection that is bad or keeps no point: refused here
+        plan = cls.of(opts, cfg, entry, (device, golden_device))  # a selection that keeps no point: refused here
         logger.info(f"tpcheck diff: {model_dir} tp={opts.tp}{f' pp={opts.pp}' if opts.pp != 1 else ''} {opts.dtype}, {len(prompts)} prompt(s), "
                     f"{opts.decode_steps} decode step(s){', isolate' if opts.isolate else ''}"
                     f"{', exact-ops' if opts.exact_ops else ''}{', inject ' + ','.join(opts.inject) if opts.inject else ''}")
         return replace(plan, silent=_silent_faults(opts, cfg))
 
     @classmethod
-    def of(cls, opts: DiffOptions, cfg: ModelConfig | None = None, entry: EngineEntry | None = None) -> "RunPlan":
+    def of(cls, opts: DiffOptions, cfg: ModelConfig | None = None, entry: EngineEntry | None = None,
+           devices: tuple[str, str] | None = None) -> "RunPlan":
         """The plan of ``opts`` whose ``model`` and ``prompts`` are given (an adapter the caller started): the
-        config (loaded unless given), a quantized checkpoint's tensors checked (``tpcheck.inputs.quant_check``)
-        and the selection; a selection that keeps no point is a ``ValueError``."""
+        config (loaded unless given), a quantized checkpoint's tensors checked (``tpcheck.inputs.quant_check``),
+        the devices (``run_devices`` unless given) and the selection; a selection that keeps no point is a
+        ``ValueError``."""
         cfg = cfg if cfg is not None else load_config(opts.model)
         check_quantized_checkpoint(opts.model, cfg)  # a broken scale or index: exit 2 naming it, not a verdict
+        device, golden_device = devices or run_devices(opts)
         select = selection(opts.points, opts.layers)
         keep = re.compile(select) if select else None
         handoffs = () if opts.pp == 1 and opts.pp_partition is None else \
@@ -114,7 +122,25 @@ class RunPlan:
                          if keep is None or keep.fullmatch(n))
         if not expected:
             raise ValueError(f"--points/--layers select no point of this {cfg.num_layers}-layer model ({select!r})")
-        return cls(opts, cfg, select, expected, entry, handoffs=handoffs)
+        return cls(opts, cfg, select, expected, entry, handoffs=handoffs, device=device, golden_device=golden_device)
+
+
+def run_devices(opts: DiffOptions, pool_device: str | None = None) -> tuple[str, str]:
+    """``(engine's device, golden's device)`` of a run (``tpcheck.inputs.devices.resolve_device``): ``--device``
+    (``auto``: ``pool_device`` where an ``EnginePool`` was made for a device, else CUDA when present) and
+    ``--golden-device`` (default: the engine's). A GPU asked for and absent is a ``ValueError`` naming the flag;
+    ``--golden-device`` other than the CPU with ``--golden-streamed`` too (the streamed golden reads its weights into
+    host memory)."""
+    asked = pool_device if opts.device == "auto" and pool_device is not None else opts.device
+    device = resolve_device(asked, "--device")
+    golden = resolve_device(opts.golden_device, "--golden-device") if opts.golden_device else device
+    if opts.streamed and golden != "cpu":
+        if opts.golden_device:
+            raise ValueError(f"--golden-streamed with --golden-device {opts.golden_device}: the streamed golden "
+                             "runs on the host (a layer at a time from the checkpoint); give --golden-device cpu")
+        golden = "cpu"  # the streamed golden is a host golden (recorded in the result's meta.devices)
+        logger.info("tpcheck diff: --golden-streamed: the golden and the references run on the host")
+    return device, golden
 
 
 def _check_pipeline(opts: DiffOptions, cfg) -> None:

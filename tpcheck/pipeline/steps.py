@@ -19,6 +19,7 @@ import torch
 from tpcheck.capture.batches import RequestLog, StepBatch
 from tpcheck.capture.core import with_handoffs
 from tpcheck.capture.points import kind_of, split_point
+from tpcheck.inputs.devices import to_device
 from tpcheck.judge.noise_floor import NoiseFloor
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.pipeline.forced import RecordedInputs, forced_step
@@ -62,6 +63,9 @@ class RunContext:
     handoffs: tuple[int, ...] = ()  # --pp: the layers after which a stage hands over (tpcheck.capture.core.handoff)
     head_dim: int = 0  # the local pass on each prompt's last rows writes keys and values (tpcheck.pipeline.local_rows)
     local_rows_ran: bool = False  # set by a local pass that gave some prompt a prefix (LastRows)
+    # where the golden, the references and every statistic are computed (--golden-device): the engine's points
+    # and a replayed golden are moved there as they arrive (tpcheck.inputs.devices.to_device), once a step
+    golden_device: str = "cpu"
 
 
 class GoldenCache:
@@ -186,21 +190,22 @@ class DiffPass:
         c = self.ctx
         points, eng_teacher, teacher, held = (None,) * 4 if self.recorded is None else \
             forced_step(c.engine, batch, self.with_kv, c.num_layers, self.recorded)  # a dump's local pass
+        points = None if points is None else to_device(points, c.golden_device)
         gold, given = self.last.golden(step)  # the local pass on the last rows: its rows' golden, and the prefix
         g_caches, r_caches = self._caches(batch, held, given)
         if self.routes.engine_first:  # MoE: the golden follows the engine's routes (tpcheck.pipeline.routes)
-            points = c.engine.step(batch.tokens, None, self.with_kv)
+            points = to_device(c.engine.step(batch.tokens, None, self.with_kv), c.golden_device)
             self.routes.record(step, points)
         gold = gold if gold is not None else self.cache_in.take(step) if self.cache_in is not None else \
             self._golden(step, batch, g_caches, self.routes.golden_route(step), teacher)
-        gold = self.routes.order(gold)
+        gold = self.routes.order(to_device(gold, c.golden_device))  # a replayed golden is read to the host
         if self.cache_out is not None:
             self.cache_out.put(step, gold)
         if self.isolated and self.recorded is None:
             teacher = teacher_of(gold, c.num_layers)
             eng_teacher = {i: t.to(c.dtype) for i, t in teacher.items()}
-        if points is None:
-            points = c.engine.step(batch.tokens, eng_teacher, self.with_kv)
+        if points is None:  # on the golden's device, where every statistic is computed (the adapter places eng_teacher)
+            points = to_device(c.engine.step(batch.tokens, eng_teacher, self.with_kv), c.golden_device)
         subsets = dict(getattr(c.engine, "point_rows", None) or {})  # points that hold only some rows
         self._measure_references(step, batch, r_caches, gold, teacher, subsets)
         order = [self.log.order[rid] for rid in batch.ids]

@@ -28,7 +28,8 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     if kv_scales is not None:  # after the capture: k_rope is the key before the cache rounds it, as in the engine
         n = query.shape[2]
         for t, s in zip((key, value), kv_scales):
-            t[:, :, -n:] = fake_quant_kv(t[:, :, -n:], s)  # in place: the cache keeps the rounded values
+            # the scales are plain attributes (read from the checkpoint on the host): moved to the cache's device
+            t[:, :, -n:] = fake_quant_kv(t[:, :, -n:], s.to(t.device))  # in place: the cache keeps the rounded values
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # submodule: loaded on first call
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 

@@ -188,25 +188,26 @@ def new_cache(model):
     return cache
 
 
-def fill_cache(cache, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], head_dim: int, dtype: torch.dtype) -> None:
+def fill_cache(cache, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], head_dim: int, dtype: torch.dtype,
+               device: torch.device | str) -> None:
     """Write a prompt's first positions into an empty ``DynamicCache``, layer by layer in order: ``kv[layer]`` is
-    ``(keys after RoPE, values)``, ``[positions, kv_heads * head_dim]``, rounded to ``dtype``. A forward from the next
-    position then attends over them as over its own earlier positions (the local pass on the last rows,
-    ``tpcheck.pipeline.local_rows``)."""
+    ``(keys after RoPE, values)``, ``[positions, kv_heads * head_dim]``, rounded to ``dtype`` on ``device`` (the
+    model's: a cache lives where its model computes). A forward from the next position then attends over them as
+    over its own earlier positions (the local pass on the last rows, ``tpcheck.pipeline.local_rows``)."""
     for i in sorted(kv):
-        k, v = (t.to(dtype).view(t.shape[0], -1, head_dim).transpose(0, 1)[None] for t in kv[i])
+        k, v = (t.to(dtype=dtype, device=device).view(t.shape[0], -1, head_dim).transpose(0, 1)[None] for t in kv[i])
         cache.update(k.contiguous(), v.contiguous(), i)
 
 
 def fill_caches(caches: list, lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]], head_dim: int,
-                dtype: torch.dtype) -> None:
-    """``fill_cache`` of each prompt ``b``'s first ``lens[b]`` positions into ``caches[b]``: ``kv``'s rows are every
-    prompt's prefix, concatenated in order."""
+                dtype: torch.dtype, device: torch.device | str) -> None:
+    """``fill_cache`` of each prompt ``b``'s first ``lens[b]`` positions into ``caches[b]`` on ``device``: ``kv``'s
+    rows are every prompt's prefix, concatenated in order."""
     offset = 0
     for cache, n in zip(caches, lens):
         if n:
             fill_cache(cache, {i: (k[offset:offset + n], v[offset:offset + n]) for i, (k, v) in kv.items()},
-                       head_dim, dtype)
+                       head_dim, dtype, device)
         offset += n
 
 
@@ -238,8 +239,9 @@ def forward_one(model, input_ids: list[int], cache, start: int):
     return model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_keyword(model): cache})
 
 
-def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """HF's logits of each prompt alone (one forward each, no cache kept) at ``dtype`` (``tpcheck check``)."""
-    model = load_hf_model(model_dir, dtype)
+def hf_logits(model_dir: str | Path, dtype: str, prompts: list[list[int]], device: str = "cpu") -> list[torch.Tensor]:
+    """HF's logits of each prompt alone (one forward each, no cache kept) at ``dtype`` on ``device``, left there
+    (``tpcheck check``)."""
+    model = load_hf_model(model_dir, dtype).to(device)
     with torch.no_grad():
-        return [model(torch.tensor([p])).logits[0] for p in prompts]
+        return [model(torch.tensor([p], device=model.device)).logits[0] for p in prompts]

@@ -53,7 +53,7 @@ def fake_quant(x: torch.Tensor, scheme: Int8Scheme, input_scale: torch.Tensor | 
     ``input_scale``; float64 end to end for the golden, else the scale and rounding in float32 (as an engine
     quantizes its bf16 / fp16 / fp32 activations) and the product cast back."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    q, s = quantize_activation(x, scheme.num_type, work, None if scheme.dynamic_input else input_scale)
+    q, s = quantize_activation(x, scheme.num_type, work, None if scheme.dynamic_input else input_scale.to(x.device))
     return (q * s).to(x.dtype)
 
 

@@ -70,6 +70,7 @@ class DiffMeta:
     notes: tuple[str, ...] = ()
     rounding: dict | None = None                 # the engine's declared rounding (tpcheck.capture.rounding)
     local_rows: int | None = None                # the local pass ran each prompt's last N rows (None: every row)
+    devices: dict | None = None                  # {"engine": ..., "golden": ...}: where each ran (None: not recorded)
 
     def to_dict(self) -> dict:
         """The result's ``meta`` (the schema's ``diff_meta``): the run's keys, then the origin's, then the effective
@@ -83,6 +84,8 @@ class DiffMeta:
             out["rounding"] = self.rounding
         if self.local_rows is not None:
             out["local_rows"] = self.local_rows
+        if self.devices is not None:
+            out["devices"] = dict(self.devices)
         if self.effective_precision is not None:
             out["effective_precision"] = self.effective_precision
         if self.notes:
