@@ -45,13 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
     ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="cmd")
-    _add_checkpoint_commands(sub)
-    _add_check(sub)
-    _add_diff(sub)
-    _add_compare(sub)
     from tpcheck.cli import compare_results, completion, gate, invariance, sweep
-    for command in (gate, invariance, compare_results, sweep, completion):
-        command.register(sub)
+    for add in (_add_checkpoint_commands, _add_check, _add_diff, _add_compare, gate.register, invariance.register,
+                compare_results.register, sweep.register, completion.register):
+        add(sub)
     return ap
 
 
