@@ -88,7 +88,7 @@ def test_layouts_transformers_cannot_shard_are_refused(ckpt, capsys):
     assert main(["diff", "--engine", "hf-tp", "--model", str(ckpt("tiny-mqa")), "--tp", "2"]) == 2
     err = capsys.readouterr().err
     assert "num_key_value_heads=1 is not divisible by tp=2" in err and "split a head" in err
-    assert main(["diff", "--engine", "hf-tp", "--preset", "tiny", "--inject", "swap_qk"]) == 2
+    assert main(["diff", "--engine", "hf-tp", "--preset", "tiny", "--inject", "gate_up_swapped"]) == 2
     assert "--inject applies to impl only" in capsys.readouterr().err
     # impl's paged cache takes a block size; another engine keeps its own layout: the flag is refused, not ignored
     assert main(["diff", "--engine", "hf-tp", "--preset", "tiny", "--block-size", "8"]) == 2

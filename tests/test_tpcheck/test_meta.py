@@ -57,11 +57,11 @@ def test_a_diff_and_a_dump_compare_write_the_fields_of_the_record(tmp_path):
     fields = {f.name for f in dataclasses.fields(DiffMeta)} - {"origin", "notes", "local_rows"}
     origin = {f.name for f in dataclasses.fields(RunOrigin)}
     # ``stages`` (with ``pp``) is written for a pipelined run only: tests/test_tpcheck/test_pipeline_diff.py
-    assert set(live.meta) - {"tolerances", "notes"} == fields | (origin - {"dump", "stages"}) | set(RUN_META_KEYS)
+    assert set(live.meta) - {"tolerances", "notes", "allowances"} == fields | (origin - {"dump", "stages"}) | set(RUN_META_KEYS)
     dump = read_dump(tmp_path / "d")
     adapter = DumpAdapter(dump, Reductions(dump.tp))
     r = compare(adapter, DiffOptions(model=d, prompts=adapter.prompts, decode_steps=adapter.decode_steps),
                 origin=RunOrigin(tp=dump.tp, engine=dump.engine, dump=str(tmp_path / "d"), command="tpcheck compare"))
-    assert set(r.meta) - {"tolerances", "notes"} == fields | {"tp", "dump", "engine"} | set(RUN_META_KEYS)
+    assert set(r.meta) - {"tolerances", "notes", "allowances"} == fields | {"tp", "dump", "engine"} | set(RUN_META_KEYS)
     assert r.meta["command"] == "tpcheck compare" and r.meta["dump"] == str(tmp_path / "d")
     assert r.passed and live.passed

@@ -222,7 +222,7 @@ def test_the_docs_commands_run(ckpt, tmp_path, capsys):
     from pathlib import Path
     from tpcheck.engines.sglang_dump import writer
     text = (Path(__file__).parents[2] / "docs" / "sglang.md").read_text()
-    block = re.search(r"## Try it without SGLang.*?```\n(.*?)```", text, re.S).group(1)
+    block = re.search(r"## Try it without SGLang.*?```(?:bash)?\n(.*?)```", text, re.S).group(1)
     lines = [ln for ln in block.splitlines() if ln.strip()]
     assert len(lines) == 3
     for line in lines:

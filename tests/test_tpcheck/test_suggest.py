@@ -17,9 +17,7 @@ from tpcheck.cli.suggest import check_argv, did_you_mean
     (["faults", "matrix", "--faults", "gate_up_swaped"], "did you mean 'gate_up_swapped'?"),
 ])
 def test_unknown_names_say_what_was_meant(argv, says, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
+    assert main(argv) == 2
     err = capsys.readouterr()
     assert err.out == ""                                  # no banner, no usage listing
     lines = err.err.strip().splitlines()
@@ -39,9 +37,7 @@ def test_known_names_and_real_checkpoints_pass(ckpt):
 
 def test_model_that_is_no_checkpoint(tmp_path, capsys):
     for argv in (["--model", str(tmp_path / "no-such-dir")], ["compare", str(tmp_path), "--model", str(tmp_path)]):
-        with pytest.raises(SystemExit) as e:
-            main(argv)
-        assert e.value.code == 2
+        assert main(argv) == 2
     err = capsys.readouterr()
     assert err.out == "" and err.err.strip().splitlines() == [
         f"tpcheck: error: --model {tmp_path / 'no-such-dir'}: no such directory",

@@ -15,7 +15,7 @@ from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
-from tpcheck.cli.suggest import refuse_unknown
+from tpcheck.cli.suggest import check_argv, refuse
 
 options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
 checkpoints = Lazy("tpcheck.inputs.checkpoints")
@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--version"]:  # answered before the parser, whose choices import torch (3 s)
         print(_version())
         return 0
-    argv = refuse_unknown(default_command(argv))  # a name or path that cannot be right: exit 2 before any usage
+    argv = default_command(argv)
+    if (bad := check_argv(argv)) is not None:  # a name or path that cannot be right: exit 2 before any usage
+        return refuse(bad)
     a = _parser().parse_args(argv)
     from tpcheck.progress import LogHandler
     progress = LogHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck" (above any progress bar)

@@ -1,14 +1,15 @@
 """Names on the command line checked before the parser and before any banner: a ``--preset``, ``--engine``,
 ``--inject`` / ``--faults`` name tpcheck does not know is one error line with the closest known names ("did you
 mean"), and a ``--model`` that is not a checkpoint directory is named at once (argparse would print its whole
-usage and every choice; a run would print its header first). ``refuse_unknown`` ends the command line there, with
-exit 2, as argparse does on a bad flag."""
+usage and every choice; a run would print its header first). ``refuse`` prints it, and ``main`` exits 2 there."""
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
 import sys
 from typing import Callable, Iterable
+
+from tpcheck.cli.exit_codes import Exit
 
 
 def did_you_mean(word: str, names: Iterable[str]) -> str:
@@ -74,11 +75,8 @@ def check_argv(argv: list[str]) -> str | None:
     return None
 
 
-def refuse_unknown(argv: list[str]) -> list[str]:
-    """``argv`` unchanged when ``check_argv`` finds nothing; else its line on stderr and ``SystemExit(2)``, as argparse
-    ends on a bad flag (the parser's own usage listing and every choice are not printed)."""
-    bad = check_argv(argv)
-    if bad is not None:
-        print(f"tpcheck: error: {bad}", file=sys.stderr)
-        raise SystemExit(2)
-    return argv
+def refuse(bad: str) -> int:
+    """``bad`` (``check_argv``'s line) on stderr; the exit code 2 (the parser's own usage listing and every choice
+    are not printed)."""
+    print(f"tpcheck: error: {bad}", file=sys.stderr)
+    return Exit.BAD_INPUT
