@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def expected_exit(command: str) -> int:
 
 def run_page(path: Path, cwd: Path, timeout: float = 600) -> list[str]:
     """Run every unmarked shell block of a page, in order, in ``cwd``; the failures (empty when all ran as said)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+               PATH=os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", ""))))  # the venv's tpcheck
     failures = []
     for b in shell_blocks(path):
         if b.needs:

@@ -45,6 +45,9 @@ def test_model_that_is_no_checkpoint(tmp_path, capsys):
 
 
 def test_the_console_script_exits_2(tmp_path):
+    import os
     import subprocess
-    r = subprocess.run(["tpcheck", "--preset", "smal"], capture_output=True, text=True, timeout=120)
+    import sys
+    tpcheck = os.path.join(os.path.dirname(sys.executable), "tpcheck")  # this environment's console script
+    r = subprocess.run([tpcheck, "--preset", "smal"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == "" and "did you mean 'small'" in r.stderr
