@@ -1,6 +1,6 @@
 """tpcheck on a GPU, whole, in one script: what a lent GPU machine runs (no network; torch, transformers, pandas,
 hypothesis, pytest installed; tpcheck with ``pip install --no-deps --no-build-isolation -e .``), printing every
-figure of issue 55's "done when" it can measure, each with its verdict.
+figure of its GPU checklist (docs/gpu.md) it can measure, each with its verdict.
 
 Sections, in order of what matters most (each skipped, and said so, when ``--budget-s`` runs out):
 
@@ -268,7 +268,7 @@ def main() -> int:
     ap.add_argument("--layers-8b", type=int, default=4, help="decoder layers of the 8B-shaped checkpoint")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting sections past this (default 450)")
     ap.add_argument("--peak-fp64-tflops", type=float, default=67.0, help="H200 float64 tensor-core peak")
-    ap.add_argument("--peak-bf16-tflops", type=float, default=790.0, help="H200 bfloat16 dense peak (issue 55's)")
+    ap.add_argument("--peak-bf16-tflops", type=float, default=790.0, help="H200 bfloat16 dense peak")
     ap.add_argument("--out", default="gpu_check.json", help="the figures as JSON")
     a = ap.parse_args()
     c = Check(a)
@@ -282,7 +282,7 @@ def main() -> int:
         c.parts.close()
         c.pool.close()
     c.tf32()
-    print("[6] CUDA graphs: not built (issue 55)")
+    print("[6] CUDA graphs: not built yet")
     f = c.figures
     f["total_s"] = round(time.perf_counter() - c.t0, 1)
     f["passed"] = bool(c.ok) and all(c.ok)

@@ -1,5 +1,5 @@
 """``tpcheck invariance``: impl's batch-invariant mode is bitwise invariant over batch 1/4/16 x the probe's slot x
-prompt lengths, decode, chunked prefill and prefix-cache hits included, at tp 1 and 2 (Hypothesis, on the session's
+prompt lengths, decode, chunked prefill and prefix-cache hits included, at tp 1 and 2 (Hypothesis, on the test run's
 pooled engines); default impl is not, and the report names where it parts; an invariance fault is found at its
 origin under the batched schedule only; the command's exit codes and its JSON document."""
 from __future__ import annotations
