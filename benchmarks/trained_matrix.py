@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--catalog", action="store_true", help="every per-layer fault that can show, at --inject-layer")
     ap.add_argument("--dump", action="store_true", help="judge each run through its dump (tpcheck compare)")
     ap.add_argument("--faults", help="with --catalog: only these faults (comma-separated)")
+    ap.add_argument("--pick", help="only these runs, by index into the runs' list (e.g. 0,1,2: the shortest three "
+                    "one-prompt runs), so that a long matrix can be made in parts")
     ap.add_argument("--json", help="write every run as JSON")
     args = ap.parse_args(argv)
     log = make_log("trained_matrix")
@@ -144,6 +146,11 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(args.model)
     bos = cfg.hf.bos_token_id
     runs = prompts_of(tok, bos, args.one_prompt, args.two_prompt, args.max_len)
+    if args.pick:
+        picked = [int(i) for i in args.pick.split(",")]
+        if bad := [i for i in picked if not 0 <= i < len(runs)]:
+            ap.error(f"--pick {bad}: there are {len(runs)} runs (0..{len(runs) - 1})")
+        runs = [runs[i] for i in picked]
     out: list[dict] = []
     pool = EnginePool()
     if args.catalog:
