@@ -17,7 +17,7 @@ from impl.placements import Fused, Shard
 from impl.shard_plan import kv_split
 from tpcheck.capture.dump import Dump, DumpAdapter
 from tpcheck.capture.dump_format import DumpError
-from tpcheck.engines.sglang_dump import batches, rules as name_rules, sniff_format
+from tpcheck.engines.sglang_dump import batches, passes, rules as name_rules, sniff_format
 from tpcheck.engines.sglang_dump.assemble import PARALLEL_INFO_KEYS, assemble, axis_coords
 from tpcheck.engines.sglang_dump.dims import parse_dims
 from tpcheck.engines.sglang_dump.files import DumpFile, load_file, scan
@@ -127,14 +127,19 @@ def dump_root(root: Path) -> Path:
     return exps[0]
 
 
-def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped: bool = False) -> SglangDump:
+def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped: bool = False,
+                     layout: str = "sglang") -> SglangDump:
     """Read and check the dump under ``root`` for the checkpoint ``model``; every inconsistency (an unmapped name
     unless ``allow_unmapped``, a missing rank or step's auxiliary values, a pickled object) a DumpError naming the
-    file."""
-    root = dump_root(Path(root))
+    file. ``layout``: ``"sglang"`` the dumper's ``key=value___...pt`` files, ``"sglang-passes"`` the older
+    forward-hook dumper's ``TP*_PP*_Rank*_pid*/Pass*.pt`` (``passes.py``: its own rules first)."""
+    extra = [Path(p) for p in rule_files] + ([passes.RULES] if layout == "sglang-passes" else [])
+    root = Path(root) if layout == "sglang-passes" else dump_root(Path(root))
+    if not root.is_dir():
+        raise DumpError(f"{root}: no such dump directory")
     cfg = load_config(model)
-    rule_list = name_rules.load_rules([Path(p) for p in rule_files])
-    files = scan(root)
+    rule_list = name_rules.load_rules(extra)
+    files = passes.scan(root) if layout == "sglang-passes" else scan(root)
     report, aux, by_step, rule_of = NameReport(), {}, {}, {}
     for f in files:
         if f.name in batches.AUX_NAMES:
@@ -252,10 +257,10 @@ def open_any(root: str | Path, fmt: str, model: str, reductions, rule_files=(), 
 def open_sglang(root: str | Path, fmt: str, model: str, reductions, rule_files=(), allow_unmapped: bool = False):
     """``tpcheck compare --format sglang``'s dump: (the ``SglangDump``, the ``DumpAdapter`` that replays it, None:
     one stage), its names' fate printed first (what is compared, what a rule leaves out, what no rule maps).
-    ``fmt``: ``"sglang"``; ``"sglang-passes"`` (the older per-pass layout) is refused, naming the directory."""
-    if fmt == "sglang-passes":
-        raise DumpError(f"{root}: SGLang's older TP*_PP*_Rank*_pid*/Pass*.pt forward-hook layout is not read yet: "
-                        "dump with SGLang's dumper (DUMPER_ENABLE=1 DUMPER_NON_INTRUSIVE_MODE=all)")
-    dump = read_sglang_dump(root, model, rule_files, allow_unmapped)
+    ``fmt``: ``"sglang"`` (the dumper's files, or ``--format sglang`` given for either layout) or
+    ``"sglang-passes"`` (the older forward-hook dumper's Pass files)."""
+    if fmt == "sglang" and sniff_format(root) == "sglang-passes":
+        fmt = "sglang-passes"
+    dump = read_sglang_dump(root, model, rule_files, allow_unmapped, fmt)
     print("\n".join(dump.names.lines()))
     return dump, DumpAdapter(dump, reductions(dump.tp)), None
