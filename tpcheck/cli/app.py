@@ -98,7 +98,10 @@ def _add_compare(sub) -> None:
     cp = sub.add_parser("compare", help="judge a dump (tpcheck diff --dump, tpcheck.capture in any engine) "
                                         "against the golden, like tpcheck diff")
     cp.add_argument("dump_dir", type=Path, metavar="DUMP_DIR")
-    cp.add_argument("--model", type=Path, required=True, help="the Hugging Face checkpoint the engine ran (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral, Qwen3 or Gemma 3)")
+    cp.add_argument("target", type=Path, nargs="?", metavar="TARGET", help="a second dump: the two compared with each "
+                    "other against both sides' rounding (no --model: docs/sglang.md), or each judged against the "
+                    "golden (--model)")
+    cp.add_argument("--model", type=Path, help="the Hugging Face checkpoint the engine ran (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral, Qwen3 or Gemma 3); required but for two dumps")
     cp.add_argument("--reduce-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the dtype of the engine's all-reduces (default: the dump's dtype)")
     cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
@@ -150,6 +153,39 @@ def _cmd_diff(a, argv: list[str]) -> int:
 
 
 def _cmd_compare(a, argv: list[str]) -> int:
+    if a.target is not None:
+        return _cmd_compare_two(a, argv)
+    if a.model is None:
+        raise ValueError("compare DUMP_DIR needs --model (the checkpoint the dump's engine ran)")
+    return _cmd_compare_one(a, argv)
+
+
+def _cmd_compare_two(a, argv: list[str]) -> int:
+    """Two dumps: each judged against the golden (--model, the worse exit code), else one against the other."""
+    if a.model is not None:
+        codes = []
+        for which, d in (("baseline", a.dump_dir), ("target", a.target)):
+            print(f"==== {which}: {d}")
+            one = argparse.Namespace(**{**vars(a), "dump_dir": d, "target": None})
+            one.json, one.csv, one.parquet, one.html = (_suffixed(p, which) for p in (a.json, a.csv, a.parquet, a.html))
+            codes.append(_cmd_compare_one(one, argv))
+        print(f"\nbaseline: exit {codes[0]}; target: exit {codes[1]}")
+        return max(codes)
+    from tpcheck.engines.sglang_dump import pair
+    if any(x is not None for x in (a.json, a.csv, a.parquet, a.html)):
+        raise ValueError("two dumps without --model: the report is printed (no --json, --csv, --parquet, --html)")
+    base, target = (pair.read_side(d, a.name_rules, a.allow_unmapped) for d in (a.dump_dir, a.target))
+    text, code = pair.report(pair.compare_sides(base, target), base, target)
+    print(text)
+    return code
+
+
+def _suffixed(path: Path | None, which: str) -> Path | None:
+    """``out.json`` -> ``out.baseline.json``: each side's outputs beside the other's."""
+    return None if path is None else path.with_name(f"{path.stem}.{which}{path.suffix}")
+
+
+def _cmd_compare_one(a, argv: list[str]) -> int:
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.result.meta import RunOrigin

@@ -139,7 +139,7 @@ def _entries(path: Path, n: int, rank: int, meta: dict) -> list[DumpFile]:
     batch = [k for k in obj if BATCH in k]
     top = batch[0].split(BATCH)[0] if batch else "model"
     out = []
-    for key, v in obj.items():
+    for order, (key, v) in enumerate(obj.items()):  # the hooks' order: the order the modules ran
         if BATCH in key:
             if not key.startswith(top + BATCH):
                 raise DumpError(f"{path}: {key} and {batch[0]}: two top modules")
@@ -152,7 +152,9 @@ def _entries(path: Path, n: int, rank: int, meta: dict) -> list[DumpFile]:
                             "belongs to a pass before the first")
         for index in ([None] if at is None or isinstance(v, torch.Tensor) else range(len(v))):
             full = name if at is None else entry_name(at, index)
-            out.append(DumpFile(path, step, rank, full, {"pass": str(n)}, entry=(key, index), meta=meta))
+            late = step < n  # recorded after the pass before had run through: last of that pass
+            tags = {"pass": str(n), "dump_index": str(order + (1_000_000 if late else 0))}
+            out.append(DumpFile(path, step, rank, full, tags, entry=(key, index), meta=meta))
     return out
 
 

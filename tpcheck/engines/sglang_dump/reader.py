@@ -76,9 +76,19 @@ class SglangDump(Dump):
             if rule.parts:
                 placement = self._fused(rule.parts, placement, tensors[0], loaded[0][0])
             else:
+                placement = self._kv_replicas(point, placement)
                 self._check_width(point, placement, tensors, loaded[0][0], dims)
             out[point] = (placement, tensors)
         return out
+
+    def _kv_replicas(self, point: str, placement):
+        """Keys split over tp where tp exceeds the KV heads: each rank holds one head, ``tp // kv_heads`` ranks the
+        same one (``impl.shard_plan.kv_split``); the dims grammar has no spelling for that, so ``h[tp]`` is read
+        with the replicas the model's KV heads imply (checked by the width, compared by the replica rule)."""
+        if point.endswith(".attn.k_rope") and placement == Shard(-1):
+            _, replicas = kv_split(self.cfg.num_kv_heads, self.tp)
+            return Shard(-1, replicas)
+        return placement
 
     def _check_width(self, point: str, placement, tensors: list[torch.Tensor], where: str, dims) -> None:
         """The whole point's width (the ranks' widths summed where tp splits the features) must be the model's:
@@ -88,7 +98,9 @@ class SglangDump(Dump):
         hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         want = {"attn.q_rope": q, "attn.context": q, "attn.k_rope": kv, "mlp.act": cfg.intermediate_size,
                 "logits": cfg.vocab_size}.get(kind, hidden if kind in _HIDDEN_KINDS else None)
-        got = sum(t.shape[-1] for t in tensors) if placement == Shard(-1) else tensors[0].shape[-1]
+        split = isinstance(placement, Shard) and placement.dim == -1
+        got = sum(t.shape[-1] for t in tensors) // (placement.replicas if split else 1) if split \
+            else tensors[0].shape[-1]
         if want is not None and got != want:
             raise DumpError(f"{where}: {point} is {got} wide as dims {dims.text if dims else None!r} assemble it, the "
                             f"model's is {want}: the dims annotation is wrong (or the rule maps another tensor)")
@@ -161,16 +173,8 @@ def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped
                         f"{names[:8]}; add a rule (--name-rules FILE.toml, see docs/sglang.md) or pass "
                         "--allow-unmapped to compare the rest")
     _check_sources(report, root)
-    steps = sorted(aux)
-    if not steps:
-        raise DumpError(f"{root}: no input_ids / positions / seq_lens dumped: the requests of each step come from "
-                        "SGLang's auxiliary dumps (non-intrusive mode core or all)")
-    world, tp, first_meta = _world(root, files, aux[steps[0]])
-    ids, step_batches, index = batches.RequestIds(), [], []
-    for s in steps:
-        values = {name: _agreed(name, fs, world) for name, fs in aux[s].items()}
-        step_batches.append(batches.step_batch(values, ids, s))
-        index.append(by_step.get(s, {}))
+    tp, first_meta, steps, step_batches = read_batches(root, files, aux)
+    index = [by_step.get(s, {}) for s in steps]
     for s in set(by_step) - set(steps):
         raise DumpError(f"{next(iter(by_step[s].values()))[0].path}: step {s} has points but no input_ids / "
                         "positions / seq_lens")
@@ -182,6 +186,21 @@ def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped
                       [b.tokens for b in step_batches], [b.starts for b in step_batches], batches=step_batches,
                       point_names=[frozenset(n for p in pts for n in _with_parts(p, rule_of[p])) for p in index],
                       index=index, rule_of=rule_of, cfg=cfg, steps=steps, names=report)
+
+
+def read_batches(root: Path, files: list[DumpFile], aux: dict[int, dict[str, list[DumpFile]]]):
+    """(tp size, a file's meta, SGLang's step numbers, each step's ``StepBatch``) from the auxiliary files ``aux``
+    ({step: {name: every rank's files}}): every world rank present, every rank's batch the same."""
+    steps = sorted(aux)
+    if not steps:
+        raise DumpError(f"{root}: no input_ids / positions / seq_lens dumped: the requests of each step come from "
+                        "SGLang's auxiliary dumps (non-intrusive mode core or all)")
+    world, tp, first_meta = _world(root, files, aux[steps[0]])
+    ids, step_batches = batches.RequestIds(), []
+    for s in steps:
+        values = {name: _agreed(name, fs, world) for name, fs in aux[s].items()}
+        step_batches.append(batches.step_batch(values, ids, s))
+    return tp, first_meta, steps, step_batches
 
 
 def _with_parts(point: str, rule) -> list[str]:

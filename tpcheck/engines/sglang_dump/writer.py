@@ -119,11 +119,11 @@ def parallel_info(rank: int, tp: int) -> dict:
 
 
 def dims_of(placement, spelling: str) -> str | None:
-    """A placement as a dims annotation of a ``[tokens, features]`` tensor."""
+    """A placement as a dims annotation of a ``[tokens, features]`` tensor. KV heads replicated over ranks (tp >
+    KV heads) are written ``h[tp]``, the heads each rank holds: the grammar has no spelling for replicas, and the
+    reader recovers them from the model's KV heads."""
     if spelling == "none":
         return None
-    if isinstance(placement, Shard) and placement.replicas > 1:
-        raise DumpError("KV heads replicated over ranks (tp > KV heads) have no dims spelling in SGLang's grammar")
     split = {Replicate: (), Partial: (Split("tp", partial=True),)}.get(type(placement), (Split("tp"),))
     return format_dims(Dims((Dim("t"), Dim("h", split))), old=spelling == "old")
 
