@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ class DumpFile:
     tags: dict[str, str]
     entry: tuple[str, int | None] | None = None
     meta: dict | None = None
+    loader: Callable[["DumpFile"], tuple[object, dict]] | None = None  # loads an entry: (value, meta)
 
     @property
     def dump_index(self) -> int:
@@ -92,9 +94,8 @@ def load_file(f: DumpFile) -> tuple[object, dict]:
     tensor (or a flat list of strings / numbers: ``rids``), the meta plain data (strings, numbers, lists, dicts).
     The meta's ``name``, ``rank`` and ``step``, where present, must be the file name's. Anything else is a
     DumpError naming the file."""
-    if f.entry is not None:
-        from tpcheck.engines.sglang_dump import passes  # passes imports DumpFile from here
-        return passes.load_entry(f)
+    if f.loader is not None:
+        return f.loader(f)
     try:
         obj = torch.load(f.path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from impl.placements import Shard
+from tpcheck.capture.dump import read_dump
 from tpcheck.capture.dump_format import DumpError
 from tpcheck.engines.sglang_dump import passes, rules as name_rules, sniff_format
 from tpcheck.engines.sglang_dump.assemble import assemble, axis_coords
@@ -56,7 +57,6 @@ def read_side(root: str | Path, rule_files=(), allow_unmapped: bool = False) -> 
     """A dump of any format read without a checkpoint (see the module doc)."""
     fmt = sniff_format(root)
     if fmt == "tpcheck":
-        from tpcheck.capture.dump import read_dump
         d = read_dump(root)
         return Side(Path(root), d.tp, d.dtype, [(b.tokens, b.starts) for b in d.batches],
                     [_lazy(d.points, s) for s in range(len(d.batches))])

@@ -154,7 +154,7 @@ def _entries(path: Path, n: int, rank: int, meta: dict) -> list[DumpFile]:
             full = name if at is None else entry_name(at, index)
             late = step < n  # recorded after the pass before had run through: last of that pass
             tags = {"pass": str(n), "dump_index": str(order + (1_000_000 if late else 0))}
-            out.append(DumpFile(path, step, rank, full, tags, entry=(key, index), meta=meta))
+            out.append(DumpFile(path, step, rank, full, tags, entry=(key, index), meta=meta, loader=load_entry))
     return out
 
 
