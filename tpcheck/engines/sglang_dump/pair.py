@@ -28,11 +28,9 @@ from impl.placements import Shard
 from tpcheck.capture.dump import read_dump
 from tpcheck.capture.dump_format import DumpError
 from tpcheck.engines.sglang_dump import passes, rules as name_rules, sniff_format
-from tpcheck.engines.sglang_dump.assemble import assemble, axis_coords
 from tpcheck.engines.sglang_dump.batches import AUX_NAMES
-from tpcheck.engines.sglang_dump.dims import parse_dims
-from tpcheck.engines.sglang_dump.files import load_file, scan
-from tpcheck.engines.sglang_dump.reader import NameReport, _dtype, dump_root, read_batches
+from tpcheck.engines.sglang_dump.files import scan
+from tpcheck.engines.sglang_dump.reader import NameReport, _dtype, assemble_files, dump_root, read_batches
 from tpcheck.measure.unshard import unshard
 
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -98,14 +96,7 @@ def _lazy(points, step: int) -> dict:
 
 
 def _assembled(name: str, files, rule):
-    loaded = []
-    for f in files:
-        value, meta = load_file(f)
-        if not isinstance(value, torch.Tensor):
-            raise DumpError(f"{f.path}: {name} holds a list, not a tensor")
-        dims = parse_dims(meta["dims"], str(f.path)) if meta.get("dims") is not None else rule.dims
-        loaded.append((str(f.path), value, axis_coords(meta, str(f.path)), dims))
-    return assemble(name, [(w, t, c) for w, t, c, _ in loaded], loaded[0][3])
+    return assemble_files(files, rule)[:2]
 
 
 @dataclass(frozen=True)
@@ -182,7 +173,7 @@ def report(rows: list[PairRow], a: Side, b: Side) -> tuple[str, int]:
              f"{'step':>4}  {'name':<64} {'rel_diff':>9} {'sglang':>9} {'excess':>9}"]
     for r in rows:
         lines.append(f"{r.step:>4}  {r.name[-64:]:<64} {r.rel_diff:>9.3g} {r.sglang_rel_diff:>9.3g} "
-                     f"{r.excess:>9.3g}" + (f"  PARTS" if r.parted else "") + (f"  ({r.note})" if r.note else ""))
+                     f"{r.excess:>9.3g}" + ("  PARTS" if r.parted else "") + (f"  ({r.note})" if r.note else ""))
     first = next((r for r in rows if r.parted), None)
     same = sum(r.rel_diff == 0 for r in rows)
     compared = sum(not r.note for r in rows)

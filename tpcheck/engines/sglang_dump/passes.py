@@ -67,7 +67,7 @@ def rank_dirs(root: Path) -> tuple[int, dict[int, Path]]:
             found.setdefault((int(m.group("pp")), int(m.group("tp"))), []).append(d)
     if not found:
         raise DumpError(f"{root}: no TP*_PP*_Rank*_pid* directories of SGLang's forward-hook dumper")
-    for (pp, tp), dirs in found.items():
+    for (_, tp), dirs in found.items():
         if len(dirs) > 1:
             raise DumpError(f"{dirs[1]}: tp rank {tp} has {len(dirs)} directories ({', '.join(d.name for d in dirs)}): "
                             "passes of several server processes; keep one run's")

@@ -61,23 +61,13 @@ class SglangDump(Dump):
         out = {}
         for point, files in self.index[step].items():
             rule = self.rule_of[point]
-            loaded = []
-            for f in files:
-                value, meta = load_file(f)
-                if not isinstance(value, torch.Tensor):
-                    raise DumpError(f"{f.path}: {f.name} holds a list, not a tensor")
-                dims = parse_dims(meta["dims"], str(f.path)) if meta.get("dims") is not None else rule.dims
-                loaded.append((str(f.path), value, axis_coords(meta, str(f.path)), dims))
-            dims = loaded[0][3]
-            for where, _, _, d in loaded[1:]:
-                if d != dims:
-                    raise DumpError(f"{where}: dims {d.text if d else None!r}, rank 0's {dims.text if dims else None!r}")
-            placement, tensors = assemble(files[0].name, [(w, t, c) for w, t, c, _ in loaded], dims)
+            placement, tensors, dims = assemble_files(files, rule)
+            where = str(files[0].path)
             if rule.parts:
-                placement = self._fused(rule.parts, placement, tensors[0], loaded[0][0])
+                placement = self._fused(rule.parts, placement, tensors[0], where)
             else:
                 placement = self._kv_replicas(point, placement)
-                self._check_width(point, placement, tensors, loaded[0][0], dims)
+                self._check_width(point, placement, tensors, where, dims)
             out[point] = (placement, tensors)
         return out
 
@@ -123,6 +113,24 @@ class SglangDump(Dump):
             raise DumpError(f"{where}: {t.shape[-1]} features per rank, but {'|'.join(parts)} of this model at tp "
                             f"{tp} is {'+'.join(str(w) for _, w, _ in spec)} (another checkpoint, or wrong dims)")
         return Fused(spec)
+
+
+def assemble_files(files: list[DumpFile], rule: name_rules.NameRule):
+    """(tp placement, per-tp-rank tensors, dims) of one name at one step from every rank's file, unsharded by the
+    files' dims (else the rule's); a list where a tensor belongs, or ranks annotated differently, a DumpError."""
+    loaded = []
+    for f in files:
+        value, meta = load_file(f)
+        if not isinstance(value, torch.Tensor):
+            raise DumpError(f"{f.path}: {f.name} holds a list, not a tensor")
+        dims = parse_dims(meta["dims"], str(f.path)) if meta.get("dims") is not None else rule.dims
+        loaded.append((str(f.path), value, axis_coords(meta, str(f.path)), dims))
+    dims = loaded[0][3]
+    for where, _, _, d in loaded[1:]:
+        if d != dims:
+            raise DumpError(f"{where}: dims {d.text if d else None!r}, rank 0's {dims.text if dims else None!r}")
+    placement, tensors = assemble(files[0].name, [(w, t, c) for w, t, c, _ in loaded], dims)
+    return placement, tensors, dims
 
 
 def dump_root(root: Path) -> Path:
