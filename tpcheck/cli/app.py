@@ -11,7 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from tpcheck.cli import exit_codes
+from tpcheck.cli import compare_two, exit_codes
 from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
@@ -98,7 +98,7 @@ def _add_compare(sub) -> None:
     cp = sub.add_parser("compare", help="judge a dump (tpcheck diff --dump, tpcheck.capture in any engine) "
                                         "against the golden, like tpcheck diff")
     cp.add_argument("dump_dir", type=Path, metavar="DUMP_DIR")
-    cp.add_argument("--model", type=Path, required=True, help="the Hugging Face checkpoint the engine ran (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral, Qwen3 or Gemma 3)")
+    cp.add_argument("--model", type=Path, help="the Hugging Face checkpoint the engine ran (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral, Qwen3 or Gemma 3); required but for two dumps")
     cp.add_argument("--reduce-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the dtype of the engine's all-reduces (default: the dump's dtype)")
     cp.add_argument("--exact-ops", action="store_true", help="as tpcheck diff --exact-ops, on the dumped inputs")
@@ -112,13 +112,7 @@ def _add_compare(sub) -> None:
                     help="canonical points the engine must report, else exit 3 (default: %(default)s)")
     cp.add_argument("--tolerances", type=Path, metavar="FILE.toml",
                     help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
-    cp.add_argument("--format", choices=["auto", "tpcheck", "sglang"], default="auto",
-                    help="the dump's format: tpcheck's, or SGLang's dumper (vLLM's and Megatron's ports too: "
-                         "docs/sglang.md); auto: told from the files (default)")
-    cp.add_argument("--name-rules", type=Path, action="append", default=[], metavar="FILE.toml",
-                    help="--format sglang: rules mapping dumped names to points, before the shipped ones")
-    cp.add_argument("--allow-unmapped", action="store_true", help="--format sglang: list the names no rule maps "
-                    "and compare the rest (default: exit 2)")
+    compare_two.add_args(cp)  # a second dump, and the formats of other tools' dumps
     _add_outputs(cp)
 
 
@@ -150,6 +144,8 @@ def _cmd_diff(a, argv: list[str]) -> int:
 
 
 def _cmd_compare(a, argv: list[str]) -> int:
+    if a.model is None:
+        raise ValueError("compare DUMP_DIR needs --model (the checkpoint the dump's engine ran)")
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.result.meta import RunOrigin
@@ -366,7 +362,7 @@ def _run(a, argv: list[str]) -> int:
         return _cmd_diff(a, argv)
     if a.cmd == "compare":
         check_output_paths(a.json, a.csv, a.parquet, a.html)
-        return _cmd_compare(a, argv)
+        return _cmd_compare(a, argv) if a.target is None else compare_two.run(a, argv, _cmd_compare)
     if a.cmd == "sweep":
         from tpcheck.cli import sweep
         check_output_paths(a.json, a.html / "index.html" if a.html else None)

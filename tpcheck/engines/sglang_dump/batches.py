@@ -7,7 +7,8 @@ batch order), ``seq_lens`` (one per request: its length once the step has run, c
 A request's tokens in the step are therefore the next ``seq_lens[i] - positions[first]`` tokens, at consecutive
 positions ending at ``seq_lens[i] - 1``: that is checked, not assumed. Requests are followed over the steps by
 ``rids``; without them by ``req_pool_indices`` (a slot keeps its request until it finishes; a slot whose request
-starts again at position 0 holds a new one). The result is tpcheck's ``StepBatch`` per step
+starts again at position 0 holds a new one); without either, by their positions (``RequestIds.by_position``).
+The result is tpcheck's ``StepBatch`` per step
 (``tpcheck.capture.batches``): requests joining and leaving at any step, chunked prefill and recompute are then
 replayed by the golden as for tpcheck's own dumps."""
 from __future__ import annotations
@@ -22,21 +23,24 @@ REQUIRED = ("input_ids", "positions", "seq_lens")
 
 
 class RequestIds:
-    """Request ids over the steps: ``rids`` where dumped, else one id per request-pool slot and generation."""
+    """Request ids over the steps: ``rids`` where dumped, else one id per request-pool slot and generation, else
+    (SGLang's older forward-hook dumps record neither) by position: see ``by_position``."""
 
     def __init__(self):
         self.slot_ids: dict[int, str] = {}
         self.generation = 0
+        self.length: dict[str, int] = {}  # by position: each request's tokens so far
+        self.seen: dict[str, tuple[int, int]] = {}  # by position: (-last step it ran in, its row in that step)
 
-    def ids(self, rids, slots: list[int] | None, starts: list[int], where: str) -> list[str]:
+    def ids(self, rids, slots: list[int] | None, starts: list[int], ends: list[int], step: int,
+            where: str) -> list[str]:
         n = len(starts)
         if rids is not None:
             if len(rids) != n:
                 raise DumpError(f"{where}: {len(rids)} rids for {n} requests (seq_lens)")
             return [str(r) for r in rids]
         if slots is None:
-            raise DumpError(f"{where}: neither rids nor req_pool_indices: the requests cannot be followed over the "
-                            "steps (dump with SGLang's non-intrusive dumper, mode core or all)")
+            return self.by_position(starts, ends, step, where)
         if len(slots) != n:
             raise DumpError(f"{where}: {len(slots)} req_pool_indices for {n} requests (seq_lens)")
         out = []
@@ -45,6 +49,37 @@ class RequestIds:
                 self.generation += 1
                 self.slot_ids[slot] = f"slot{slot}.{self.generation}"
             out.append(self.slot_ids[slot])
+        return out
+
+    def by_position(self, starts: list[int], ends: list[int], step: int, where: str) -> list[str]:
+        """Requests followed by their positions alone: one starting at 0 is new; one continuing at position p is
+        one of the earlier requests with p tokens so far, the most recently run first (a finished request stops
+        running), those of one step in their batch order (SGLang keeps a running batch's order). Where that
+        does not decide (a request that finished and one that goes on, both last run in the same step with the
+        same length), and where no earlier request has p tokens (a prefix-cache hit, or passes missing), a
+        DumpError: guessing would give the golden another request's tokens."""
+        out: list[str | None] = [None] * len(starts)
+        claimed: set[str] = set()
+        for p in sorted({s for s in starts if s > 0}):
+            group = [i for i, s in enumerate(starts) if s == p]
+            cands = sorted((r for r, n in self.length.items() if n == p and r not in claimed), key=self.seen.get)
+            if len(cands) < len(group):
+                raise DumpError(f"{where}: {len(group)} request(s) continue at position {p}, but {len(cands)} earlier "
+                                f"request(s) have {p} tokens: a prefix-cache hit (run SGLang with "
+                                "--disable-radix-cache), or passes are missing")
+            if len(cands) > len(group) and self.seen[cands[len(group) - 1]][0] == self.seen[cands[len(group)]][0]:
+                raise DumpError(f"{where}: requests at position {p} cannot be told apart by their positions (of "
+                                f"{len(cands)} with {p} tokens, last run in one step, {len(group)} go on): dump "
+                                "with SGLang's dumper (DUMPER_ENABLE=1), which records request ids")
+            for i, r in zip(group, cands):
+                out[i] = r
+                claimed.add(r)
+        for i, s in enumerate(starts):
+            if s == 0:
+                self.generation += 1
+                out[i] = f"req{self.generation}"
+        for i, r in enumerate(out):
+            self.length[r], self.seen[r] = ends[i], (-step, i)
         return out
 
 
@@ -85,7 +120,7 @@ def step_batch(aux: dict[str, tuple[object, str]], ids: RequestIds, step: int) -
     rids = aux["rids"][0] if "rids" in aux else None
     slots = _ints(aux["req_pool_indices"][0], "req_pool_indices", aux["req_pool_indices"][1]) \
         if "req_pool_indices" in aux else None
-    return StepBatch(ids.ids(rids, slots, starts, where), tokens, starts)
+    return StepBatch(ids.ids(rids, slots, starts, lens, step, where), tokens, starts)
 
 
 def last_rows(batch: StepBatch) -> list[int]:

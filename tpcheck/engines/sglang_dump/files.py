@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -34,13 +35,18 @@ _MAX_DEPTH = 6
 
 @dataclass(frozen=True)
 class DumpFile:
-    """A file's parsed name: ``step``, ``rank`` (world rank), ``name`` and every tag as written (strings)."""
+    """A file's parsed name: ``step``, ``rank`` (world rank), ``name`` and every tag as written (strings). An entry
+    of an older forward-hook dump's Pass file (``tpcheck.engines.sglang_dump.passes``) has ``entry`` (its key and
+    list index in the file) and ``meta`` (what its directory says of the rank)."""
 
     path: Path
     step: int
     rank: int
     name: str
     tags: dict[str, str]
+    entry: tuple[str, int | None] | None = None
+    meta: dict | None = None
+    loader: Callable[["DumpFile"], tuple[object, dict]] | None = None  # loads an entry: (value, meta)
 
     @property
     def dump_index(self) -> int:
@@ -88,6 +94,8 @@ def load_file(f: DumpFile) -> tuple[object, dict]:
     tensor (or a flat list of strings / numbers: ``rids``), the meta plain data (strings, numbers, lists, dicts).
     The meta's ``name``, ``rank`` and ``step``, where present, must be the file name's. Anything else is a
     DumpError naming the file."""
+    if f.loader is not None:
+        return f.loader(f)
     try:
         obj = torch.load(f.path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:

@@ -17,7 +17,7 @@ from impl.placements import Fused, Shard
 from impl.shard_plan import kv_split
 from tpcheck.capture.dump import Dump, DumpAdapter
 from tpcheck.capture.dump_format import DumpError
-from tpcheck.engines.sglang_dump import batches, rules as name_rules, sniff_format
+from tpcheck.engines.sglang_dump import batches, passes, rules as name_rules, sniff_format
 from tpcheck.engines.sglang_dump.assemble import PARALLEL_INFO_KEYS, assemble, axis_coords
 from tpcheck.engines.sglang_dump.dims import parse_dims
 from tpcheck.engines.sglang_dump.files import DumpFile, load_file, scan
@@ -61,24 +61,24 @@ class SglangDump(Dump):
         out = {}
         for point, files in self.index[step].items():
             rule = self.rule_of[point]
-            loaded = []
-            for f in files:
-                value, meta = load_file(f)
-                if not isinstance(value, torch.Tensor):
-                    raise DumpError(f"{f.path}: {f.name} holds a list, not a tensor")
-                dims = parse_dims(meta["dims"], str(f.path)) if meta.get("dims") is not None else rule.dims
-                loaded.append((str(f.path), value, axis_coords(meta, str(f.path)), dims))
-            dims = loaded[0][3]
-            for where, _, _, d in loaded[1:]:
-                if d != dims:
-                    raise DumpError(f"{where}: dims {d.text if d else None!r}, rank 0's {dims.text if dims else None!r}")
-            placement, tensors = assemble(files[0].name, [(w, t, c) for w, t, c, _ in loaded], dims)
+            placement, tensors, dims = assemble_files(files, rule)
+            where = str(files[0].path)
             if rule.parts:
-                placement = self._fused(rule.parts, placement, tensors[0], loaded[0][0])
+                placement = self._fused(rule.parts, placement, tensors[0], where)
             else:
-                self._check_width(point, placement, tensors, loaded[0][0], dims)
+                placement = self._kv_replicas(point, placement)
+                self._check_width(point, placement, tensors, where, dims)
             out[point] = (placement, tensors)
         return out
+
+    def _kv_replicas(self, point: str, placement):
+        """Keys split over tp where tp exceeds the KV heads: each rank holds one head, ``tp // kv_heads`` ranks the
+        same one (``impl.shard_plan.kv_split``); the dims grammar has no spelling for that, so ``h[tp]`` is read
+        with the replicas the model's KV heads imply (checked by the width, compared by the replica rule)."""
+        if point.endswith(".attn.k_rope") and placement == Shard(-1):
+            _, replicas = kv_split(self.cfg.num_kv_heads, self.tp)
+            return Shard(-1, replicas)
+        return placement
 
     def _check_width(self, point: str, placement, tensors: list[torch.Tensor], where: str, dims) -> None:
         """The whole point's width (the ranks' widths summed where tp splits the features) must be the model's:
@@ -88,7 +88,9 @@ class SglangDump(Dump):
         hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         want = {"attn.q_rope": q, "attn.context": q, "attn.k_rope": kv, "mlp.act": cfg.intermediate_size,
                 "logits": cfg.vocab_size}.get(kind, hidden if kind in _HIDDEN_KINDS else None)
-        got = sum(t.shape[-1] for t in tensors) if placement == Shard(-1) else tensors[0].shape[-1]
+        split = isinstance(placement, Shard) and placement.dim == -1
+        got = sum(t.shape[-1] for t in tensors) // (placement.replicas if split else 1) if split \
+            else tensors[0].shape[-1]
         if want is not None and got != want:
             raise DumpError(f"{where}: {point} is {got} wide as dims {dims.text if dims else None!r} assemble it, the "
                             f"model's is {want}: the dims annotation is wrong (or the rule maps another tensor)")
@@ -113,6 +115,24 @@ class SglangDump(Dump):
         return Fused(spec)
 
 
+def assemble_files(files: list[DumpFile], rule: name_rules.NameRule):
+    """(tp placement, per-tp-rank tensors, dims) of one name at one step from every rank's file, unsharded by the
+    files' dims (else the rule's); a list where a tensor belongs, or ranks annotated differently, a DumpError."""
+    loaded = []
+    for f in files:
+        value, meta = load_file(f)
+        if not isinstance(value, torch.Tensor):
+            raise DumpError(f"{f.path}: {f.name} holds a list, not a tensor")
+        dims = parse_dims(meta["dims"], str(f.path)) if meta.get("dims") is not None else rule.dims
+        loaded.append((str(f.path), value, axis_coords(meta, str(f.path)), dims))
+    dims = loaded[0][3]
+    for where, _, _, d in loaded[1:]:
+        if d != dims:
+            raise DumpError(f"{where}: dims {d.text if d else None!r}, rank 0's {dims.text if dims else None!r}")
+    placement, tensors = assemble(files[0].name, [(w, t, c) for w, t, c, _ in loaded], dims)
+    return placement, tensors, dims
+
+
 def dump_root(root: Path) -> Path:
     """The directory holding the files: ``root`` itself, or its one experiment directory (SGLang writes
     ``{DUMPER_DIR}/{exp_name}/``); several experiments there are an error naming them."""
@@ -127,14 +147,19 @@ def dump_root(root: Path) -> Path:
     return exps[0]
 
 
-def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped: bool = False) -> SglangDump:
+def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped: bool = False,
+                     layout: str = "sglang") -> SglangDump:
     """Read and check the dump under ``root`` for the checkpoint ``model``; every inconsistency (an unmapped name
     unless ``allow_unmapped``, a missing rank or step's auxiliary values, a pickled object) a DumpError naming the
-    file."""
-    root = dump_root(Path(root))
+    file. ``layout``: ``"sglang"`` the dumper's ``key=value___...pt`` files, ``"sglang-passes"`` the older
+    forward-hook dumper's ``TP*_PP*_Rank*_pid*/Pass*.pt`` (``passes.py``: its own rules first)."""
+    extra = [Path(p) for p in rule_files] + ([passes.RULES] if layout == "sglang-passes" else [])
+    root = Path(root) if layout == "sglang-passes" else dump_root(Path(root))
+    if not root.is_dir():
+        raise DumpError(f"{root}: no such dump directory")
     cfg = load_config(model)
-    rule_list = name_rules.load_rules([Path(p) for p in rule_files])
-    files = scan(root)
+    rule_list = name_rules.load_rules(extra)
+    files = passes.scan(root) if layout == "sglang-passes" else scan(root)
     report, aux, by_step, rule_of = NameReport(), {}, {}, {}
     for f in files:
         if f.name in batches.AUX_NAMES:
@@ -156,16 +181,8 @@ def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped
                         f"{names[:8]}; add a rule (--name-rules FILE.toml, see docs/sglang.md) or pass "
                         "--allow-unmapped to compare the rest")
     _check_sources(report, root)
-    steps = sorted(aux)
-    if not steps:
-        raise DumpError(f"{root}: no input_ids / positions / seq_lens dumped: the requests of each step come from "
-                        "SGLang's auxiliary dumps (non-intrusive mode core or all)")
-    world, tp, first_meta = _world(root, files, aux[steps[0]])
-    ids, step_batches, index = batches.RequestIds(), [], []
-    for s in steps:
-        values = {name: _agreed(name, fs, world) for name, fs in aux[s].items()}
-        step_batches.append(batches.step_batch(values, ids, s))
-        index.append(by_step.get(s, {}))
+    tp, first_meta, steps, step_batches = read_batches(root, files, aux)
+    index = [by_step.get(s, {}) for s in steps]
     for s in set(by_step) - set(steps):
         raise DumpError(f"{next(iter(by_step[s].values()))[0].path}: step {s} has points but no input_ids / "
                         "positions / seq_lens")
@@ -177,6 +194,21 @@ def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped
                       [b.tokens for b in step_batches], [b.starts for b in step_batches], batches=step_batches,
                       point_names=[frozenset(n for p in pts for n in _with_parts(p, rule_of[p])) for p in index],
                       index=index, rule_of=rule_of, cfg=cfg, steps=steps, names=report)
+
+
+def read_batches(root: Path, files: list[DumpFile], aux: dict[int, dict[str, list[DumpFile]]]):
+    """(tp size, a file's meta, SGLang's step numbers, each step's ``StepBatch``) from the auxiliary files ``aux``
+    ({step: {name: every rank's files}}): every world rank present, every rank's batch the same."""
+    steps = sorted(aux)
+    if not steps:
+        raise DumpError(f"{root}: no input_ids / positions / seq_lens dumped: the requests of each step come from "
+                        "SGLang's auxiliary dumps (non-intrusive mode core or all)")
+    world, tp, first_meta = _world(root, files, aux[steps[0]])
+    ids, step_batches = batches.RequestIds(), []
+    for s in steps:
+        values = {name: _agreed(name, fs, world) for name, fs in aux[s].items()}
+        step_batches.append(batches.step_batch(values, ids, s))
+    return tp, first_meta, steps, step_batches
 
 
 def _with_parts(point: str, rule) -> list[str]:
@@ -252,10 +284,10 @@ def open_any(root: str | Path, fmt: str, model: str, reductions, rule_files=(), 
 def open_sglang(root: str | Path, fmt: str, model: str, reductions, rule_files=(), allow_unmapped: bool = False):
     """``tpcheck compare --format sglang``'s dump: (the ``SglangDump``, the ``DumpAdapter`` that replays it, None:
     one stage), its names' fate printed first (what is compared, what a rule leaves out, what no rule maps).
-    ``fmt``: ``"sglang"``; ``"sglang-passes"`` (the older per-pass layout) is refused, naming the directory."""
-    if fmt == "sglang-passes":
-        raise DumpError(f"{root}: SGLang's older TP*_PP*_Rank*_pid*/Pass*.pt forward-hook layout is not read yet: "
-                        "dump with SGLang's dumper (DUMPER_ENABLE=1 DUMPER_NON_INTRUSIVE_MODE=all)")
-    dump = read_sglang_dump(root, model, rule_files, allow_unmapped)
+    ``fmt``: ``"sglang"`` (the dumper's files, or ``--format sglang`` given for either layout) or
+    ``"sglang-passes"`` (the older forward-hook dumper's Pass files)."""
+    if fmt == "sglang" and sniff_format(root) == "sglang-passes":
+        fmt = "sglang-passes"
+    dump = read_sglang_dump(root, model, rule_files, allow_unmapped, fmt)
     print("\n".join(dump.names.lines()))
     return dump, DumpAdapter(dump, reductions(dump.tp)), None

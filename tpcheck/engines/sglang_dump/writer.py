@@ -26,7 +26,7 @@ from impl.config import load_config
 from impl.placements import Fused, Partial, Replicate, Shard
 from tpcheck.capture.dump import read_dump
 from tpcheck.capture.dump_format import DumpError
-from tpcheck.engines.sglang_dump import batches, rules as name_rules
+from tpcheck.engines.sglang_dump import batches, passes, rules as name_rules
 from tpcheck.engines.sglang_dump.dims import Dim, Dims, Split, format_dims
 
 
@@ -55,6 +55,61 @@ class FileSink:
         self.steps[rank] += 1
 
 
+class PassSink:
+    """SGLang's older forward-hook layout (``tpcheck.engines.sglang_dump.passes``):
+    ``{out}/TP{r}_PP0_Rank{r}_pid{pid}/Pass{n:05d}.pt``, one dict per pass of each module's output under its module
+    name (a tuple's as a list), the batch as ``model.forward_batch_info.*``, and what that dumper records after
+    writing a pass (the logits processor's) in the next pass's file; the last pass's is never written, as there.
+    Request ids and pool slots are not recorded (the layout has none). ``emit`` writes one pass; a subclass can
+    hand it to SGLang's own ``TensorDumper`` instead."""
+
+    def __init__(self, out: str | Path, tp: int, pid: int = 4242):
+        self.dirs = [Path(out) / f"TP{r}_PP0_Rank{r}_pid{pid}" for r in range(tp)]
+        for d in self.dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            if any(d.iterdir()):
+                raise DumpError(f"{d}: not empty; write into a new directory")
+        self.tp, self.passes = tp, [0] * tp
+        self.now: list[dict] = [{} for _ in range(tp)]
+        self.late: list[dict] = [{} for _ in range(tp)]
+        self.carry: list[dict] = [{} for _ in range(tp)]
+        self.batch: list[dict] = [{} for _ in range(tp)]
+
+    def dump(self, rank: int, name: str, value, dims: str | None, tags: dict) -> bool:
+        """Record ``name``'s value; False where this layout has no place for it (a module's input, request ids,
+        pool slots)."""
+        if name in batches.REQUIRED:
+            self.batch[rank][name] = value
+            return True
+        if name in batches.AUX_NAMES or ".output" not in name:
+            return False
+        key, index = passes.entry_key(name)
+        (self.late if passes.is_late(key, "model") else self.now)[rank].setdefault(key, {})[index] = value
+        return True
+
+    def step(self, rank: int) -> None:
+        collapse = lambda parts: {k: _collapsed(k, v) for k, v in parts.items()}  # noqa: E731
+        self.emit(rank, collapse(self.now[rank]), collapse(self.late[rank]), self.batch[rank])
+        self.now[rank], self.late[rank], self.batch[rank] = {}, {}, {}
+        self.passes[rank] += 1
+
+    def emit(self, rank: int, now: dict, late: dict, batch: dict) -> None:
+        entries = {**self.carry[rank], **now, **{f"model{passes.BATCH}{k}": v for k, v in batch.items()}}
+        torch.save(entries, self.dirs[rank] / f"Pass{self.passes[rank]:05d}.pt")
+        self.carry[rank] = late
+
+
+def _collapsed(key: str, parts: dict):
+    """A module's outputs by index (None: the one a rule names alone, index 0 of a tuple) as the forward hook
+    stores them: one tensor, or a list."""
+    if list(parts) == [None]:
+        return parts[None]
+    parts = {0 if i is None else i: t for i, t in parts.items()}
+    if sorted(parts) != list(range(len(parts))):
+        raise DumpError(f"{key}: outputs {sorted(parts)} are not a tuple's 0..n-1")
+    return [parts[i] for i in range(len(parts))]
+
+
 def parallel_info(rank: int, tp: int) -> dict:
     """SGLang's ``sglang_parallel_info`` of a plain TP run (no PP, DP attention, EP or CP)."""
     return {"tp_rank": rank, "tp_size": tp, "pp_rank": 0, "pp_size": 1, "moe_ep_rank": 0, "moe_ep_size": 1,
@@ -64,13 +119,18 @@ def parallel_info(rank: int, tp: int) -> dict:
 
 
 def dims_of(placement, spelling: str) -> str | None:
-    """A placement as a dims annotation of a ``[tokens, features]`` tensor."""
+    """A placement as a dims annotation of a ``[tokens, features]`` tensor. KV heads replicated over ranks (tp >
+    KV heads) are written ``h[tp]``, the heads each rank holds: the grammar has no spelling for replicas, and the
+    reader recovers them from the model's KV heads."""
     if spelling == "none":
         return None
-    if isinstance(placement, Shard) and placement.replicas > 1:
-        raise DumpError("KV heads replicated over ranks (tp > KV heads) have no dims spelling in SGLang's grammar")
     split = {Replicate: (), Partial: (Split("tp", partial=True),)}.get(type(placement), (Split("tp"),))
     return format_dims(Dims((Dim("t"), Dim("h", split))), old=spelling == "old")
+
+
+def passes_rules() -> list:
+    """The rules that name points in the older forward-hook layout: its own, then the shipped ones."""
+    return name_rules.load_rules([passes.RULES])
 
 
 def write_from_dump(src: str | Path, model: str, sink, spelling: str = "new", rids: bool = False,
@@ -105,8 +165,9 @@ def write_from_dump(src: str | Path, model: str, sink, spelling: str = "new", ri
                 if rule.rows == "last":
                     t = t[_last_of(b, point, t)]
                 p = Shard(-1) if isinstance(placement, Fused) else placement
-                sink.dump(rank, engine, t.contiguous(), dims_of(p, spelling), {} if layer is None else
-                          {"layer_id": layer})
+                if sink.dump(rank, engine, t.contiguous(), dims_of(p, spelling), {} if layer is None else
+                             {"layer_id": layer}) is False:  # no place for it in the sink's layout
+                    left_out.add(point)
             sink.step(rank)
     return sorted(left_out)
 
@@ -130,9 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the new SGLang dump directory (DUMPER_DIR)")
     ap.add_argument("--dims", choices=["new", "old", "none"], default="new", help="the dims spelling to write")
     ap.add_argument("--rids", action="store_true", help="dump the request ids too")
+    ap.add_argument("--layout", choices=["dumper", "passes"], default="dumper",
+                    help="SGLang's dumper's files (default), or its older forward-hook dumper's Pass files")
     a = ap.parse_args(argv)
+    tp = read_dump(a.src).tp
     with torch.no_grad():
-        left = write_from_dump(a.src, a.model, FileSink(a.out, read_dump(a.src).tp), a.dims, a.rids)
+        if a.layout == "passes":
+            left = write_from_dump(a.src, a.model, PassSink(a.out, tp), "none", rules=passes_rules())
+        else:
+            left = write_from_dump(a.src, a.model, FileSink(a.out, tp), a.dims, a.rids)
     print(f"wrote {a.out}; not written (no SGLang name, or the KV cache): {', '.join(left) or 'none'}")
     return 0
 
