@@ -16,6 +16,7 @@ from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
 from tpcheck.cli.suggest import check_argv, refuse
+from tpcheck.result.columns import help_epilog
 
 options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
 checkpoints = Lazy("tpcheck.inputs.checkpoints")
@@ -31,7 +32,8 @@ diff's flags without a command mean diff (``tpcheck --tp 4 --no-isolate``)."""
 
 
 def _add_outputs(p: argparse.ArgumentParser) -> None:
-    """The verdict's outputs, shared by diff and compare."""
+    """The verdict's outputs, and the legend of the tables' columns after the flags, shared by diff and compare."""
+    p.epilog, p.formatter_class = help_epilog(), argparse.RawDescriptionHelpFormatter
     p.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
     p.add_argument("--csv", type=Path, help="write every row as CSV")
     p.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
@@ -176,8 +178,7 @@ def _show(r, a) -> int:
     from tpcheck.result.documents import write_atomic
     from tpcheck.measure.precision import precision_of
     from tpcheck.result.report.html import write_html
-    failing = r.first_divergence is not None
-    if failing:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
+    if r.first_divergence is not None:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
         print(r.summary())
     for mode in ["propagated"] + (["isolated"] if r.meta.get("isolate") else []):
         t = r.table[r.table["mode"] == mode]
@@ -186,8 +187,7 @@ def _show(r, a) -> int:
             (", and the origin" if "origin" in shown else "")
         print(f"\n{mode}: {what}")
         print(_fmt(shown))
-    print()
-    print("\n".join(r.summary().splitlines()[:2]) if failing else r.summary())  # the verdict again, last
+    print("\n" + r.summary(brief=True))  # the verdict again, last (a failing run's: with its origin alone)
     print(precision_of(r.table, r.meta))  # the engine's effective precision, after the verdict
     parquet = lambda p: write_atomic(p, lambda t: r.table.drop(columns=["order"]).to_parquet(t, index=False))  # noqa: E731
     for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
