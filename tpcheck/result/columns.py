@@ -1,12 +1,14 @@
 """What each column of a diff's table means, in one line each: the one legend ``tpcheck diff --help`` and
 ``tpcheck compare --help`` print (``help_epilog``), the HTML report shows (a legend under its table, each header's
-tooltip) and ``docs/reference/columns.md`` holds (``markdown``). Every column of ``tpcheck.result.table.Row`` but
+tooltip) and ``docs/reference/summary.md`` holds (``markdown``, with the summary's hints). Every column of ``tpcheck.result.table.Row`` but
 ``order`` (execution order, never saved or shown) has an entry, in the table's order; the terminal's per-layer
 table adds ``origin`` (``SHOWN``). The JSON schema (``result.schema.json``) keeps the contract of each field;
-this is what a person reads beside the numbers. Imports nothing: ``--help`` stays fast."""
+this is what a person reads beside the numbers. Imports nothing heavy: ``--help`` stays fast."""
 from __future__ import annotations
 
 import textwrap
+
+from tpcheck.result.hints import BY_CAUSE, HINTS, WHY
 
 COLUMN_LEGEND: dict[str, str] = {
     "point": "the canonical point: embed, layers.N.<kind>, final_norm, logits",
@@ -84,22 +86,51 @@ def help_epilog() -> str:
     """The columns' legend for ``--help``: the per-layer tables' columns, then the others (``--all-rows``,
     ``--json``, ``--csv``)."""
     rest = [c for c in COLUMN_LEGEND if c not in LAYER_TABLE]
-    return "\n".join(["the tables' columns (docs/reference/columns.md):", *legend_lines(LAYER_TABLE), "",
+    return "\n".join(["the tables' columns (docs/reference/summary.md):", *legend_lines(LAYER_TABLE), "",
                       "the other columns (--all-rows, --json, --csv):", *legend_lines(rest)])
 
 
+#: the origin of ``tpcheck diff --preset tiny --tp 2 --inject skip_o_proj_allreduce`` (its first_divergence)
+EXAMPLE = {"point": "layers.0.attn.out", "step": 0, "mode": "isolated", "rel_err": 0.546, "ref_rel_err": 3.21e-07,
+           "ref_by": "hf@0", "threshold": 1.65e-06, "excess": 5.11e+05, "gain": -0.268, "gain_threshold": 0.388,
+           "max_abs": 1.87, "max_abs_index": [1, 0, 9], "rank_spread": 1.2, "rank_spread_by": "0 vs 1",
+           "replica_rel_err": 0.843, "note": ""}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
 def markdown() -> str:
-    """``docs/reference/columns.md``: the legend as a table (``python -m tpcheck.result.columns`` prints it)."""
-    rows = [f"| `{c}` | {describe(c).replace('|', chr(92) + '|')} |" for c in [*COLUMN_LEGEND, *SHOWN]]
+    """``docs/reference/summary.md``: the summary's causes and hints (``tpcheck.result.hints``) and the columns'
+    legend, as tables (``python -m tpcheck.result.columns`` prints it; ``tests/test_docs.py`` keeps the page equal
+    to it)."""
+    from tpcheck.result.origin import origin_lines  # the example as the summary writes it (imports torch: not --help)
+    hints = [f"| `{kind}` | {'any' if c == '*' else f'`{c}`'} | {_cell(h)} |"
+             for kind, by in HINTS.items() for c, h in by.items()]
     return "\n".join([
-        "# The table's columns", "",
-        "<!-- generated: python -m tpcheck.result.columns > docs/reference/columns.md -->", "",
+        "# The summary and the table", "",
+        "<!-- generated: python -m tpcheck.result.columns > docs/reference/summary.md -->", "",
+        "A failing run's summary names its origin in three lines of at most 120 characters:", "",
+        "```text", *origin_lines(EXAMPLE, "float32"), "```", "",
+        "**Where** (the point, the step, the pass, and the prompt and token of the largest difference), **how far** "
+        "(one ratio: the row's `excess`), **why** (the kind of evidence, then its numbers) and **what to check "
+        "next**, by the point's kind and the evidence.", "",
+        "## Why: the kinds of evidence", "",
+        "| cause | the `why:` line says |", "|---|---|",
+        *[f"| `{c}` | {_cell(w)} |" for c, w in WHY.items()], "",
+        "## Next: what to check", "",
+        "By the origin's point kind and cause (`any`: whatever the evidence); a kind or cause without its own hint "
+        "takes the cause's:", "",
+        "| point kind | cause | next: check |", "|---|---|---|", *hints,
+        *[f"| (any other) | `{c}` | {_cell(h)} |" for c, h in BY_CAUSE.items()], "",
+        "## The table's columns", "",
         "Every column of a diff's table (`tpcheck diff --json` / `--csv` / `--all-rows`, and the HTML report's "
-        "table), in its order; the terminal's per-layer tables show `step`, `layer`, `point`, `rel_err`, "
-        "`ref_rel_err`, `ref_by`, `excess`, `gain`, `max_abs`, `passed`, `note` and `origin`. The same text is in "
-        "`tpcheck diff --help` and in the report (a legend under its table, and each header's tooltip). The JSON "
-        "schema (`tpcheck schema`) states each field's contract.", "",
-        "| column | what it says |", "|---|---|", *rows, ""])
+        "table), in its order; the terminal's per-layer tables show " + ", ".join(f"`{c}`" for c in LAYER_TABLE) +
+        ". The same text is in `tpcheck diff --help` and in the report (a legend under its table, and each "
+        "header's tooltip); the JSON schema (`tpcheck schema`) states each field's contract.", "",
+        "| column | what it says |", "|---|---|",
+        *[f"| `{c}` | {_cell(describe(c))} |" for c in [*COLUMN_LEGEND, *SHOWN]], ""])
 
 
 if __name__ == "__main__":

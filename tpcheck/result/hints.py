@@ -30,16 +30,16 @@ STRUCTURAL = ("nan", "shape", "exact-ops", "note")
 COLLECTIVE = ("ranks",)
 
 _NORM = "the norm: its weight convention (Gemma's 1 + w), eps, the dtype it multiplies its weight in"
-_QKV = {
+_KV_REPLICAS = "the KV-head replicas (tp > KV heads): rank r holds KV head r // replicas, its cache and scales"
+_Q = {
     "floor": "the QKV weight shards: the dim split (out_features), the q/k/v order, which rank's slice; biases",
     "gain": "the QKV GEMM's scales / quantization: one scale per fused partition, which rank's scale rows",
-    "ranks": "the KV-head replicas (tp > KV heads: rank r holds head r // replicas) and each rank's QKV slice",
 }
+_KV_PROJ = {**_Q, "ranks": _KV_REPLICAS}
 _GATE_UP = {
     "floor": "the gate/up weight shards: the fused halves' order, the dim split (out_features), which rank's",
     "gain": "that GEMM's scales / quantization: one scale per fused partition, which rank's scale rows",
 }
-_KV_REPLICAS = "the KV-head replicas (tp > KV heads): rank r holds KV head r // replicas, its cache and scales"
 _ROPE = {"*": "RoPE: the positions (decode offsets), the base (rope_theta, scaling), the layout (halves or pairs)",
          "ranks": _KV_REPLICAS}
 _KV = {"*": "what the cache stores: KV heads repeated or not, the slot mapping (block boundaries), its dtype / scales",
@@ -51,7 +51,7 @@ _SHARED = {"*": "the shared expert and its sigmoid gate (a replicated linear: ne
 HINTS: dict[str, dict[str, str]] = {
     "embed": {"*": "the vocab-parallel embedding: each rank's id range, ids outside it masked to 0, the padding"},
     "input_norm": {"*": _NORM},
-    "attn.q": _QKV, "attn.k": _QKV, "attn.v": _QKV,
+    "attn.q": _Q, "attn.k": _KV_PROJ, "attn.v": _KV_PROJ,
     "attn.q_norm": _QK_NORM, "attn.k_norm": _QK_NORM,
     "attn.q_rope": _ROPE, "attn.k_rope": _ROPE,
     "kv.k": _KV, "kv.v": _KV,

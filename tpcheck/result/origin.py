@@ -22,10 +22,11 @@ def origin_lines(fd: dict, dtype: str, allowance: float = 0.0, width: int = WIDT
     fd = {**fd, "gain_allowance": allowance}
     cause = cause_of(fd)
     step = f"step {fd['step']}" + (f", {fd['mode']}" if fd["mode"] != "propagated" else "")
-    far = {"nan": "not finite"}.get(cause, WHY[cause] if cause in STRUCTURAL else f"{fd['excess']:.3g}x its threshold")
+    far = {"nan": "not finite"}.get(cause, WHY[cause] if cause in STRUCTURAL else _far(fd["excess"]))
     idx = fd.get("max_abs_index")
     at = f", largest |diff| {fd['max_abs']:.3g} at prompt {idx[0]}, token {idx[1]}" \
-        if isinstance(idx, (list, tuple)) and len(idx) == 3 and math.isfinite(_float(fd.get("max_abs"))) else ""
+        if isinstance(idx, (list, tuple)) and len(idx) == 3 and math.isfinite(_float(fd.get("max_abs"))) \
+        and cause not in STRUCTURAL else ""
     kind = split_point(fd["point"])[1]
     nxt = hint(kind, cause)
     if cause == "gain" and truncation_like(fd["gain"], dtype, fd.get("gain_se", 0.0)):
@@ -33,6 +34,12 @@ def origin_lines(fd: dict, dtype: str, allowance: float = 0.0, width: int = WIDT
     lines = [f"origin: {fd['point']} ({step}): {far}{at}", f"why: {_why(fd, cause, dtype)}", f"next: check {nxt}"]
     return [textwrap.fill(line, width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
                           break_long_words=False, break_on_hyphens=False) for i, line in enumerate(lines)]
+
+
+def _far(excess: float) -> str:
+    """How far over: ``5.1e+05x its threshold``; an infinite excess (a zero threshold, a NaN on one rank only) in
+    words."""
+    return "infinitely over its threshold" if math.isinf(excess) else f"{excess:.3g}x its threshold"
 
 
 def cause_of(fd: dict) -> str:
@@ -65,7 +72,7 @@ def _why(fd: dict, cause: str, dtype: str) -> str:
         (f", {fd['ref_by']})" if fd.get("ref_by") else ")")
     if cause == "ranks":
         spread = _float(fd.get("rank_spread"))
-        by = f"ranks {fd.get('rank_spread_by') or '?'} differ by {spread:.3g}" if math.isfinite(spread) else \
+        by = f"ranks {fd.get('rank_spread_by') or '?'} differ by {spread:.3g}" if not math.isnan(spread) else \
             "another rank's copy errs"
         return f"{WHY[cause]}: {by}; {err}, threshold {thr:.3g}"
     if cause == "gain":
