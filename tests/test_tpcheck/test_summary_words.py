@@ -184,3 +184,7 @@ def test_the_reference_page_is_the_legend():
     page = (ROOT / "docs" / "reference" / "summary.md").read_text(encoding="utf-8")
     assert page == markdown(), "run `python -m tpcheck.result.columns > docs/reference/summary.md`"
     assert "reference/summary.md" in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    from tpcheck.result.columns import EXAMPLE
+    from tpcheck.result.origin import origin_lines
+    verdict = (ROOT / "docs" / "verdict.md").read_text(encoding="utf-8")  # its example is the summary's own lines
+    assert "\n".join(origin_lines(EXAMPLE, "float32")) in verdict

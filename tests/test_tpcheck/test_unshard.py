@@ -127,7 +127,7 @@ def test_replicas_beyond_the_threshold_fail_with_the_ranks_named_first(times):
     far = "infinitely over its threshold" if times == INF else f"{times:.3g}x its threshold"
     assert where.startswith(f"origin: {POINT} (step 0): {far}") and where.count("x its") <= 1
     assert why.startswith("  why: ranks disagree: ranks 0 vs 2 differ by ") and "; rel_err " in why
-    assert nxt == "  next: check the o_proj all-reduce (the row-parallel reduction: each rank's partial sum, added once)"
+    assert nxt.startswith("  next: check the o_proj all-reduce (each rank's partial added once: not skipped, ")
     assert flagged_by(fd) == "ranks disagree"
     code, msg, _ = gate.gate_result(r)
     assert code == 1 and f"{POINT} (layer 1, step 0, propagated)" in msg

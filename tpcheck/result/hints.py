@@ -49,19 +49,20 @@ _SHARED = {"*": "the shared expert and its sigmoid gate (a replicated linear: ne
 
 #: point kind -> cause (or "*": any) -> what to check next
 HINTS: dict[str, dict[str, str]] = {
-    "embed": {"*": "the vocab-parallel embedding: each rank's id range, ids outside it masked to 0, the padding"},
+    "embed": {"*": "the vocab-parallel embedding: each rank's id range, ids outside it masked to 0, the all-reduce"},
     "input_norm": {"*": _NORM},
     "attn.q": _Q, "attn.k": _KV_PROJ, "attn.v": _KV_PROJ,
     "attn.q_norm": _QK_NORM, "attn.k_norm": _QK_NORM,
     "attn.q_rope": _ROPE, "attn.k_rope": _ROPE,
     "kv.k": _KV, "kv.v": _KV,
     "attn.context": {
-        "*": "the attention: the mask (causal, sliding window), the KV cache it reads, the softmax scale",
+        "*": "the attention: the mask (causal, sliding window), the GQA head mapping, the KV cache read, the scale",
         "nan": "the mask: a -inf times 0 is NaN (mask with masked_fill, or a large negative)",
         "ranks": _KV_REPLICAS,
     },
     "attn.out": {
-        "ranks": "the o_proj all-reduce (the row-parallel reduction: each rank's partial sum, added once)",
+        "ranks": "the o_proj all-reduce (each rank's partial added once: not skipped, not twice, not in low "
+                 "precision)",
         "floor": "o_proj's weight shards (split along in_features), its bias (added once), the all-reduce's dtype",
         "gain": "o_proj's scales / quantization: the row-parallel scale's shard axis, its group tiles",
     },
@@ -77,7 +78,8 @@ HINTS: dict[str, dict[str, str]] = {
     "mlp.gate": _GATE_UP, "mlp.up": _GATE_UP,
     "mlp.act": {"*": "the activation (SiLU or GELU-tanh) and which gate/up half it multiplies"},
     "mlp.out": {
-        "ranks": "the down_proj all-reduce (the row-parallel reduction: each rank's partial sum, added once)",
+        "ranks": "the down_proj all-reduce (each rank's partial added once: not skipped, not twice, not in low "
+                 "precision)",
         "floor": "down_proj's weight shards (split along in_features), its bias (added once), a shared expert",
         "gain": "down_proj's scales / quantization: the row-parallel scale's shard axis, its group tiles",
     },
@@ -85,7 +87,7 @@ HINTS: dict[str, dict[str, str]] = {
     "handoff": {"*": "what a pipeline stage sends: hidden_states and residual, and no final norm before the last"},
     "out": {"*": "the layer's last residual add: the MLP's output plus the residual"},
     "final_norm": {"*": _NORM},
-    "logits": {"*": "lm_head: tied to the embedding or not, its vocab shards (gathered in order), the final norm"},
+    "logits": {"*": "lm_head: tied to the embedding or not, its vocab shards (padding stripped, gathered in order)"},
 }
 
 #: cause -> what to check next where the point's kind has no hint of its own
