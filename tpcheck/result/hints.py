@@ -47,6 +47,16 @@ _KV = {"*": "what the cache stores: KV heads repeated or not, the slot mapping (
 _QK_NORM = {"*": "the per-head q/k norm: applied before RoPE, its weight, eps"}
 _SHARED = {"*": "the shared expert and its sigmoid gate (a replicated linear: never all-reduced)"}
 
+
+
+def _row_parallel(proj: str, also: str) -> dict[str, str]:
+    """The hints of a row-parallel linear's output (``o_proj``, ``down_proj``): its all-reduce, shards, scales."""
+    return {"ranks": f"the {proj} all-reduce (each rank's partial added once: not skipped, not twice, not in low "
+                     "precision)",
+            "floor": f"{proj}'s weight shards (split along in_features), its bias (added once), {also}",
+            "gain": f"{proj}'s scales / quantization: the row-parallel scale's shard axis, its group tiles"}
+
+
 #: point kind -> cause (or "*": any) -> what to check next
 HINTS: dict[str, dict[str, str]] = {
     "embed": {"*": "the vocab-parallel embedding: each rank's id range, ids outside it masked to 0, the all-reduce"},
@@ -60,12 +70,7 @@ HINTS: dict[str, dict[str, str]] = {
         "nan": "the mask: a -inf times 0 is NaN (mask with masked_fill, or a large negative)",
         "ranks": _KV_REPLICAS,
     },
-    "attn.out": {
-        "ranks": "the o_proj all-reduce (each rank's partial added once: not skipped, not twice, not in low "
-                 "precision)",
-        "floor": "o_proj's weight shards (split along in_features), its bias (added once), the all-reduce's dtype",
-        "gain": "o_proj's scales / quantization: the row-parallel scale's shard axis, its group tiles",
-    },
+    "attn.out": _row_parallel("o_proj", "the all-reduce's dtype"),
     "attn.post_norm": {"*": _NORM},
     "attn.residual": {"*": "the residual add after attention: what is added, and any multiplier on it"},
     "post_attn_norm": {"*": _NORM},
@@ -77,12 +82,7 @@ HINTS: dict[str, dict[str, str]] = {
     "moe.shared": _SHARED, "moe.shared_gate": _SHARED,
     "mlp.gate": _GATE_UP, "mlp.up": _GATE_UP,
     "mlp.act": {"*": "the activation (SiLU or GELU-tanh) and which gate/up half it multiplies"},
-    "mlp.out": {
-        "ranks": "the down_proj all-reduce (each rank's partial added once: not skipped, not twice, not in low "
-                 "precision)",
-        "floor": "down_proj's weight shards (split along in_features), its bias (added once), a shared expert",
-        "gain": "down_proj's scales / quantization: the row-parallel scale's shard axis, its group tiles",
-    },
+    "mlp.out": _row_parallel("down_proj", "a shared expert"),
     "mlp.post_norm": {"*": _NORM},
     "handoff": {"*": "what a pipeline stage sends: hidden_states and residual, and no final norm before the last"},
     "out": {"*": "the layer's last residual add: the MLP's output plus the residual"},
