@@ -15,7 +15,7 @@ from tpcheck.cli import exit_codes
 from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
-from tpcheck.cli.suggest import check_argv, refuse
+from tpcheck.cli.suggest import PlainParser, check_argv, refuse, unknown_flag
 from tpcheck.result.columns import help_epilog
 
 options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
@@ -42,7 +42,7 @@ def _add_outputs(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tpcheck", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = PlainParser(prog="tpcheck", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
     ap.add_argument("--version", action="version", version=_version())
@@ -306,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_version())
         return 0
     argv = default_command(argv)
-    if (bad := check_argv(argv)) is not None:  # a name or path that cannot be right: exit 2 before any usage
-        return refuse(bad)
-    a = _parser().parse_args(argv)
+    if (bad := check_argv(argv) or unknown_flag(ap := _parser(), argv)) is not None:  # a name, path or flag that
+        return refuse(bad)  # cannot be right: exit 2 before any usage (with the closest known names)
+    a = ap.parse_args(argv)
     from tpcheck.progress import LogHandler
     progress = LogHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck" (above any progress bar)
     progress.setFormatter(logging.Formatter("%(message)s"))
