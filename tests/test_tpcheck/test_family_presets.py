@@ -287,7 +287,7 @@ def test_kv_replica_index_on_a_model_without_qkv_bias(ckpt, engines):
     r = tpcheck.diff(model=str(d), tp=4, prompts=prompts, inject=["kv_replica_index"], pool=engines)
     fd = r.first_divergence  # the ranks holding one KV head hold different heads: far beyond rounding
     assert (fd["point"], fd["note"]) == ("layers.0.attn.k", "") and fd["rank_spread"] > 100 * fd["threshold"]
-    assert fd["rank_spread_by"] in ("0 vs 1", "2 vs 3") and f"ranks {fd['rank_spread_by']} disagree by" in r.summary()
+    assert fd["rank_spread_by"] in ("0 vs 1", "2 vs 3") and f"ranks {fd['rank_spread_by']} differ by" in r.summary()
 
 
 # ---- drawn configs and the sweep ---------------------------------------------------------------------------

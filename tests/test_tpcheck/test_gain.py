@@ -222,7 +222,8 @@ def test_judge_fails_a_gain_over_each_term_and_names_it():
     assert not row["passed"] and row["excess"] == pytest.approx(7.8e-3 / (z * 1e-4))
     fd = bad.first_divergence
     assert fd["point"] == "layers.1.attn.residual" and fd["mode"] == "isolated" and fd["gain"] == 7.8e-3
-    assert f"gain +0.0078 over its threshold {z * 1e-4:.3g} ({7.8e-3 / (z * 1e-4):.3g}x)" in bad.summary()
+    assert f": {7.8e-3 / (z * 1e-4):.3g}x its threshold" in bad.summary()  # the excess: the gain's
+    assert f"why: a systematic gain: every element scaled by +0.0078 (threshold {z * 1e-4:.3g})" in bad.summary()
     shared, i = _with_gain(7.8e-3, 1e-4, 3e-3)  # the references have a gain of their own: k x it covers
     assert shared.table.loc[i, "passed"] and shared.table.loc[i, "gain_threshold"] == pytest.approx(9e-3)
     floor, i = _with_gain(3e-7, 1e-9, 0.0, floor=GAIN_C * U_FP32 * 8, dtype="float32")

@@ -40,7 +40,8 @@ def test_a_failing_run_prints_the_verdict_and_the_origin_before_any_table(capsys
     origin = next(i for i, line in enumerate(out) if line.startswith("origin: layers.1.attn.q (step 0)"))
     assert out[0].startswith("FAIL:") and origin < first_table
     assert any("layers.1.attn.q" in line and line.rstrip().endswith("<- origin") for line in out[first_table:])
-    assert out[-3].startswith("FAIL:") and out[-2].startswith("origin:")  # and the verdict again, last
+    assert out[-5].startswith("FAIL:") and out[-4].startswith("origin:")  # and the verdict again, last, with its
+    assert out[-3].startswith("  why: ") and out[-2].startswith("  next: check ")  # evidence and what to check
     assert out[-1].startswith("engine arithmetic: like 2^-")  # then the engine's effective precision
     assert "(float32 is 2^-24" in out[-1]
 

@@ -101,8 +101,11 @@ def _judged(gain: float, mode: str | None, dtype: str = "bfloat16", rel_err: flo
 def test_a_truncation_sized_shrink_passes_only_where_declared():
     g = -2.0 ** -8  # one truncation's mean at its largest: 3x the gain threshold
     near, trunc = _judged(g, None), _judged(g, "truncate")
-    assert not near.passed and "gain -0.00391 over its threshold" in near.summary()
-    assert "rounding toward zero to bfloat16" in near.summary()  # the origin names it (result.origin)
+    origin = near.summary().replace("\n    ", " ")  # its lines wrapped at 120 characters, joined again
+    assert not near.passed and "why: a systematic gain: every element scaled by -0.00391 (threshold " in origin
+    assert "rounding toward zero to bfloat16" in origin  # the origin names it (result.origin), and what to check:
+    assert "next: check whether a kernel truncates its bfloat16 results (rounding toward zero): if so, --rounding " \
+        "truncate" in origin
     assert trunc.passed, trunc.summary()
     row = trunc.table.iloc[0]
     assert bool(row.by_rounding) and row.gain_threshold == near.table.iloc[0].gain_threshold  # the column unchanged
@@ -121,7 +124,7 @@ def test_a_positive_gain_is_judged_as_before_with_a_declared_truncation():
 def test_a_shrink_beyond_the_allowance_fails():
     r = _judged(-(2.0 ** -7) - 1e-2, "truncate")  # past 2^-7 + the threshold
     assert not r.passed and not r.table.iloc[0].by_rounding
-    assert "gain -0.0178 over its threshold" in r.summary()
+    assert "a systematic gain: every element scaled by -0.0178 (threshold " in r.summary()
     within = _judged(-(2.0 ** -7) - 1e-3, "truncate")  # 2^-7 past the threshold's noise, within its sum
     assert within.passed and within.table.iloc[0].by_rounding
 
@@ -131,7 +134,8 @@ def test_the_allowance_is_the_dtypes_and_a_failing_rel_err_still_fails():
     assert _judged(-2.0 ** -11, "truncate", "float16").passed  # float16: 2^-10
     assert not _judged(-2.0 ** -8, "truncate", "float16").passed
     r = _judged(-2.0 ** -8, "truncate", rel_err=1.0)  # the per-element rule is not widened
-    assert not r.passed and "gain" not in r.summary().splitlines()[1]  # the origin: rel_err, its gain allowed
+    origin = r.summary(brief=True).split("\n", 1)[1]  # the origin's lines: rel_err, its gain allowed
+    assert not r.passed and "gain" not in origin and "why: above the noise floor: rel_err 1," in origin
 
 
 def test_a_saved_result_keeps_its_declared_rounding(tmp_path):

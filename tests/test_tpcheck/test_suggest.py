@@ -51,3 +51,27 @@ def test_the_console_script_exits_2(tmp_path):
     tpcheck = os.path.join(os.path.dirname(sys.executable), "tpcheck")  # this environment's console script
     r = subprocess.run([tpcheck, "--preset", "smal"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == "" and "did you mean 'small'" in r.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["diff", "--tpp", "2"], "--tpp: not a flag of tpcheck diff; did you mean '--tp'"),
+    (["--dtyp=float32", "--tpp", "2"], "--tpp: not a flag of tpcheck diff; did you mean '--tp'"),  # diff's flags
+    (["faults", "matrix", "--jsn", "x.json"], "--jsn: not a flag of tpcheck faults matrix; did you mean '--json'?"),
+    (["presets", "extra"], "extra: an argument tpcheck presets does not take (tpcheck presets --help lists"),
+])
+def test_an_unknown_flag_says_what_was_meant(argv, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr()
+    assert err.out == ""  # no usage listing
+    lines = err.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpcheck: error: ") and says in lines[0], lines
+
+
+def test_help_is_plain_text():
+    """The descriptions carry reStructuredText's ``code`` for the CLI reference; --help prints them without it."""
+    from tpcheck.cli.app import _parser
+    top = _parser()
+    assert "``" in top.description and "``" not in top.format_help()
+    subs = next(a for a in top._actions if a.dest == "cmd").choices
+    assert [n for n, p in subs.items() if "``" in (p.description or "")]  # markup there to leave out
+    assert [n for n, p in subs.items() if "``" in p.format_help()] == []

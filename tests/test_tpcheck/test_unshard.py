@@ -69,9 +69,9 @@ def test_kv_head_replicas_the_worst_group_and_its_ranks():
 def test_shapes_or_integer_values_that_differ_stay_structural():
     t = _t()
     (u,) = unshard("layers.0.out", Replicate(), [t, t[:, :32]])
-    assert u.rank_mismatch == "ranks 0 vs 1 hold shapes [4, 64] vs [4, 32]" and math.isnan(u.rank_spread)
+    assert u.rank_mismatch == "ranks 0 vs 1 hold shapes 4 x 64 vs 4 x 32" and math.isnan(u.rank_spread)
     (u,) = unshard("layers.0.attn.k", Shard(-1, 2), [t, t, t, t[:2]])
-    assert u.rank_mismatch == "ranks 2 vs 3 hold shapes [4, 64] vs [2, 64]"
+    assert u.rank_mismatch == "ranks 2 vs 3 hold shapes 4 x 64 vs 2 x 64"
     ids = torch.tensor([[0, 3], [1, 2], [4, 5], [6, 7]])
     other = ids.clone()
     other[2, 1] = 6
@@ -123,29 +123,41 @@ def test_replicas_beyond_the_threshold_fail_with_the_ranks_named_first(times):
     assert not r.passed and r.table.loc[i, "excess"] == pytest.approx(times)
     fd = r.first_divergence
     assert (fd["point"], fd["step"], fd["rank_spread_by"]) == (POINT, 0, "0 vs 2")
-    origin = next(line for line in r.summary().splitlines() if line.startswith("origin:"))
-    assert origin.startswith(f"origin: {POINT} (step 0): ranks 0 vs 2 disagree by ")
-    assert f"({times:.3g}x the threshold " in origin and "; rel_err " in origin
+    where, why, nxt = _origin(r)
+    far = "infinitely over its threshold" if times == INF else f"{times:.3g}x its threshold"
+    assert where.startswith(f"origin: {POINT} (step 0): {far}") and where.count("x its") <= 1
+    assert why.startswith("  why: ranks disagree: ranks 0 vs 2 differ by ") and "; rel_err " in why
+    assert nxt.startswith("  next: check the o_proj all-reduce (each rank's partial added once: not skipped, ")
     assert flagged_by(fd) == "ranks disagree"
     code, msg, _ = gate.gate_result(r)
     assert code == 1 and f"{POINT} (layer 1, step 0, propagated)" in msg
     assert msg.split(": ", 2)[2].startswith("ranks 0 vs 2 disagree by "), msg
 
 
+def _origin(r) -> list[str]:
+    """The origin's three lines of ``r``'s summary: where and how far, why, what to check next (each of at most
+    120 characters, a longer one wrapped: joined again here)."""
+    lines = r.summary(brief=True).splitlines()[1:]
+    assert all(len(line) <= 120 for line in lines), lines
+    return "\n".join(lines).replace("\n    ", " ").splitlines()
+
+
 def test_a_structural_note_leads_the_origin_line():
     r = judge(sample_result(2, 0, isolate=False))
     i = r.table.index[r.table["point"] == POINT][0]
-    r.table.loc[i, "note"] = "ranks 0 vs 1 hold shapes [2, 8] vs [2, 4]"
-    origin = judge(r).summary().splitlines()[1]
-    assert origin.startswith(f"origin: {POINT} (step 0): ranks 0 vs 1 hold shapes [2, 8] vs [2, 4]; rel_err ")
-    assert "x the threshold; max |diff|" in origin  # the error told as its own multiple, not the verdict's
+    r.table.loc[i, "note"] = "ranks 0 vs 1 hold shapes 2 x 8 vs 2 x 4"
+    where, why, nxt = _origin(judge(r))
+    assert where == f"origin: {POINT} (step 0): shapes differ"  # a note fails the row whatever its error: no ratio
+    assert why == "  why: ranks 0 vs 1 hold shapes 2 x 8 vs 2 x 4"
+    assert nxt.startswith("  next: check the shard shapes: the dim split, heads per rank")
 
 
 def test_an_ordinary_failure_keeps_its_wording():
     r = sample_result(2, 0, isolate=False, fail_at=POINT)
-    origin = r.summary().splitlines()[1]
-    assert origin.startswith(f"origin: {POINT} (step 0): rel_err ") and "x its threshold " in origin
-    assert "disagree" not in origin
+    where, why, nxt = _origin(r)
+    assert where.startswith(f"origin: {POINT} (step 0): {r.first_divergence['excess']:.3g}x its threshold, largest ")
+    assert why.startswith("  why: above the noise floor: rel_err ") and "disagree" not in why
+    assert nxt.startswith("  next: check o_proj's weight shards (split along in_features)")
 
 
 # ---------------------------------------------------------------------------------------------- saved results
@@ -228,9 +240,9 @@ def test_a_replica_beyond_the_threshold_fails_with_the_ranks_named_first():
     assert not r.passed and r.table.loc[i, "excess"] == pytest.approx(3.0)
     fd = r.first_divergence
     assert fd["replica_rel_err"] == pytest.approx(3.0 * fd["threshold"])
-    origin = next(line for line in r.summary().splitlines() if line.startswith("origin:"))
-    assert origin.startswith(f"origin: {POINT} (step 0): ranks 0 vs 2 disagree by "), origin
-    assert "the other replica's rel_err" in origin and "(3x)" in origin
+    where, why, _ = _origin(r)
+    assert where.startswith(f"origin: {POINT} (step 0): 3x its threshold"), where
+    assert why.startswith("  why: ranks disagree: ranks 0 vs 2 differ by ") and "(another replica's " in why, why
     assert flagged_by(fd) == "ranks disagree"
     code, msg, _ = gate.gate_result(r)
     assert code == 1 and msg.split(": ", 2)[2].startswith("ranks 0 vs 2 disagree by "), msg
@@ -243,7 +255,7 @@ def test_a_replica_is_inherited_as_the_first_one_is():
     # the other replica's own op beyond it: not inherited, and the spread within it: the error is the cause
     r, i = _replica(0.5, 28.0, own_times=2.0, rel_times=27.0)
     assert not r.passed and not bool(r.table.loc[i, "inherited"])
-    origin = next(line for line in r.summary().splitlines() if line.startswith("origin:"))
+    origin = "\n".join(_origin(r))
     assert "disagree" not in origin and flagged_by(r.first_divergence) == "noise floor"
 
 
@@ -278,5 +290,6 @@ def test_the_summary_says_where_replicas_differ():
 
 def test_a_worse_other_replica_is_told_beside_the_first_ones_error():
     r, i = _replica(0.5, 3.0, rel_times=2.0)  # both fail, the spread within: the error is the cause
-    origin = next(line for line in r.summary().splitlines() if line.startswith("origin:"))
-    assert "disagree" not in origin and "(another replica's " in origin and "-> 3x its threshold" in origin, origin
+    where, why, _ = _origin(r)
+    assert ": 3x its threshold" in where and why.startswith("  why: above the noise floor: rel_err ")
+    assert "disagree" not in why and "(another replica's " in why, why

@@ -15,7 +15,8 @@ from tpcheck.cli import compare_two, exit_codes
 from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
 from tpcheck.cli.lazy import Lazy, version as _version
-from tpcheck.cli.suggest import check_argv, refuse
+from tpcheck.cli.suggest import PlainParser, check_argv, refuse, unknown_flag
+from tpcheck.result.columns import help_epilog
 
 options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
 checkpoints = Lazy("tpcheck.inputs.checkpoints")
@@ -31,7 +32,8 @@ diff's flags without a command mean diff (``tpcheck --tp 4 --no-isolate``)."""
 
 
 def _add_outputs(p: argparse.ArgumentParser) -> None:
-    """The verdict's outputs, shared by diff and compare."""
+    """The verdict's outputs, and the legend of the tables' columns after the flags, shared by diff and compare."""
+    p.epilog, p.formatter_class = help_epilog(), argparse.RawDescriptionHelpFormatter
     p.add_argument("--json", type=Path, help="write the verdict, origin and every row as JSON")
     p.add_argument("--csv", type=Path, help="write every row as CSV")
     p.add_argument("--all-rows", action="store_true", help="print every row, not the worst point per layer")
@@ -40,7 +42,7 @@ def _add_outputs(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tpcheck", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = PlainParser(prog="tpcheck", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="print the traceback of an error (also TPCHECK_DEBUG=1)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings and errors only)")
     ap.add_argument("--version", action="version", version=_version())
@@ -172,8 +174,7 @@ def _show(r, a) -> int:
     from tpcheck.result.documents import write_atomic
     from tpcheck.measure.precision import precision_of
     from tpcheck.result.report.html import write_html
-    failing = r.first_divergence is not None
-    if failing:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
+    if r.first_divergence is not None:  # the verdict, the origin and the isolate summary first: no table may push them out of sight
         print(r.summary())
     for mode in ["propagated"] + (["isolated"] if r.meta.get("isolate") else []):
         t = r.table[r.table["mode"] == mode]
@@ -182,8 +183,7 @@ def _show(r, a) -> int:
             (", and the origin" if "origin" in shown else "")
         print(f"\n{mode}: {what}")
         print(_fmt(shown))
-    print()
-    print("\n".join(r.summary().splitlines()[:2]) if failing else r.summary())  # the verdict again, last
+    print("\n" + r.summary(brief=True))  # the verdict again, last (a failing run's: with its origin alone)
     print(precision_of(r.table, r.meta))  # the engine's effective precision, after the verdict
     parquet = lambda p: write_atomic(p, lambda t: r.table.drop(columns=["order"]).to_parquet(t, index=False))  # noqa: E731
     for path, write in ((a.json, r.to_json), (a.csv, r.to_csv), (a.parquet, parquet),
@@ -302,9 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_version())
         return 0
     argv = default_command(argv)
-    if (bad := check_argv(argv)) is not None:  # a name or path that cannot be right: exit 2 before any usage
-        return refuse(bad)
-    a = _parser().parse_args(argv)
+    if (bad := check_argv(argv) or unknown_flag(ap := _parser(), argv)) is not None:  # a name, path or flag that
+        return refuse(bad)  # cannot be right: exit 2 before any usage (with the closest known names)
+    a = ap.parse_args(argv)
     from tpcheck.progress import LogHandler
     progress = LogHandler(sys.stderr)  # the library logs progress at INFO to "tpcheck" (above any progress bar)
     progress.setFormatter(logging.Formatter("%(message)s"))

@@ -1,9 +1,13 @@
 """Names on the command line checked before the parser and before any banner: a ``--preset``, ``--engine``,
 ``--inject`` / ``--faults`` name tpcheck does not know is one error line with the closest known names ("did you
 mean"), and a ``--model`` that is not a checkpoint directory is named at once (argparse would print its whole
-usage and every choice; a run would print its header first). ``refuse`` prints it, and ``main`` exits 2 there."""
+usage and every choice; a run would print its header first). ``refuse`` prints it, and ``main`` exits 2 there.
+A flag the command does not have is named the same way, with the command's closest flags (``unknown_flag``); and
+``PlainParser`` prints every help as plain text (the reStructuredText ````code```` of the descriptions, which the
+CLI reference renders as code, without its backticks)."""
 from __future__ import annotations
 
+import argparse
 import difflib
 from pathlib import Path
 import sys
@@ -80,3 +84,31 @@ def refuse(bad: str) -> int:
     are not printed)."""
     print(f"tpcheck: error: {bad}", file=sys.stderr)
     return Exit.BAD_INPUT
+
+
+def unknown_flag(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The first argument of ``argv`` that ``parser``'s command does not take, as one error line with its closest
+    flags (``tpcheck diff --tpp 2`` -> ``did you mean '--tp'?``); None when there is none. Any other parse error
+    is the parser's own (its usage, exit 2)."""
+    ns, extra = parser.parse_known_args(argv)
+    if not extra:
+        return None
+    cmd = parser
+    for name in (getattr(ns, "cmd", None), getattr(ns, "action", None)):  # the (sub)command that got the argument
+        subs = [a for a in cmd._actions if isinstance(a, argparse._SubParsersAction)]
+        if name and subs and name in subs[0].choices:
+            cmd = subs[0].choices[name]
+    word = extra[0].split("=", 1)[0]
+    if not word.startswith("-"):
+        return f"{extra[0]}: an argument {cmd.prog} does not take ({cmd.prog} --help lists what it takes)"
+    flags = [f for a in cmd._actions for f in a.option_strings if f.startswith("--")]
+    return f"{word}: not a flag of {cmd.prog}{did_you_mean(word, flags)} ({cmd.prog} --help lists them)"
+
+
+class PlainParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose help is plain text: reStructuredText's ````code```` markup, which the
+    descriptions carry for the CLI reference (``tpcheck.cli.reference``), printed without its backticks. The
+    subcommands' parsers are of the same class (argparse makes them so)."""
+
+    def format_help(self) -> str:
+        return super().format_help().replace("``", "")

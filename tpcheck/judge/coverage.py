@@ -72,7 +72,7 @@ class Coverage:
         missing = self.missing_required
         if missing:
             return (f"the engine did not report {len(missing)} required point(s) ({self.require!r}): "
-                    f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+                    f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         return ""
 
     def as_meta(self) -> dict:

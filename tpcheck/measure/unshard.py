@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from impl.placements import Fused, Partial, Replicate, Shard
+from tpcheck.measure.wording import shape_text
 
 
 @dataclass
 class Unsharded:
     name: str
     tensor: torch.Tensor
-    rank_mismatch: str = ""         # structural: e.g. "ranks 0 vs 1 hold shapes [2, 8] vs [2, 4]"
+    rank_mismatch: str = ""         # structural: e.g. "ranks 0 vs 1 hold shapes 2 x 8 vs 2 x 4"
     rank_spread: float = math.nan   # worst ||t_r - t_0|| / ||t_0|| over replicas; NaN: no replicas
     rank_spread_by: str = ""        # the ranks of that worst pair, e.g. "0 vs 2"
     # rank -> the whole point as that rank's replicas make it, for each rank whose replica is not bit-identical to
@@ -55,7 +56,7 @@ def _agree(tensors: list[tuple[int, torch.Tensor]]) -> tuple[str, float, str, di
     note, worst, by, differ = "", (math.nan if len(tensors) < 2 else 0.0), "", {}
     for r, t in tensors[1:]:
         if t.shape != t0.shape:
-            return f"ranks {r0} vs {r} hold shapes {list(t0.shape)} vs {list(t.shape)}", math.nan, "", {}
+            return f"ranks {r0} vs {r} hold shapes {shape_text(t0.shape)} vs {shape_text(t.shape)}", math.nan, "", {}
         if not (t0.is_floating_point() and t.is_floating_point()):  # ids, counts: no rounding can change them
             n = int((t != t0).sum())
             note = note or (f"ranks {r0} vs {r} hold different values ({n} of {t.numel()} elements)" if n else "")

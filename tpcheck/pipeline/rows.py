@@ -20,6 +20,7 @@ from tpcheck.measure.ahead import Ahead
 from tpcheck.measure.gain import RowScale, gain_fields, row_scale_allowance, scale_source
 from tpcheck.measure.metrics import compare, mismatch, rel_err, ulp_floor
 from tpcheck.measure.unshard import unshard
+from tpcheck.measure.wording import shape_text
 from tpcheck.pipeline.routes import sort_routes
 from tpcheck.result.table import NAN, Row
 
@@ -185,7 +186,7 @@ class RowMaker:
             stats = {"rel_err": float("inf"), "cosine": float("nan"), "max_abs": float("inf"), "max_abs_index": [],
                      "mean_abs": float("inf"), "p99_abs": float("inf"), "ref_norm": float(gold.double().norm()),
                      "nan": 0, "inf": 0}
-            note = f"shape {list(u.tensor.shape)} != golden {list(gold.shape)}"
+            note = f"shape {shape_text(u.tensor.shape)} != golden {shape_text(gold.shape)}"
         else:  # computed ahead for a whole point (rows), here for the rows of a subset or with some left out
             stats, replica_errs, gains = self._ahead.take(u.name) if whole and u.name in self._ahead else \
                 measure(u.tensor, gold, list(u.replicas.values()), self.isolated,

@@ -1,33 +1,87 @@
-"""The origin line of a failing run: what failed its first divergence, the cause first (``origin_cause``)."""
+"""The origin of a failing run in the summary (``origin_lines``): where it first diverged and how far (one ratio),
+why (the kind of evidence: ``cause_of``) and what to check next (``tpcheck.result.hints``); the isolate line
+(``isolate_line``); whether the ranks failed a row (``ranks_cause``)."""
 from __future__ import annotations
 
 import math
+import textwrap
+
+from tpcheck.capture.points import split_point
+from tpcheck.measure.wording import in_words
+from tpcheck.result.hints import STRUCTURAL, WHY, hint
 
 NAN = math.nan
+WIDTH = 120  # the longest line of the origin, wrapped beyond it
 
 
-def origin_cause(fd: dict, dtype: str, allowance: float = 0.0) -> str:
-    """What failed the origin row ``fd`` (``DiffResult.first_divergence``), its cause first: a structural note,
-    then ranks whose replica errs beyond the threshold (``ranks_cause``), then the error against the golden (the
-    first replica's, and another's where it is larger; after a cause it is told as its own multiple of the
-    threshold: ``excess`` is the cause's), then a systematic gain where it failed
-    (a negative gain: beyond ``gain_threshold`` plus ``allowance``, a declared rounding's: ``rounding_allowance``)."""
+def origin_lines(fd: dict, dtype: str, allowance: float = 0.0, width: int = WIDTH) -> list[str]:
+    """The summary's origin, three lines of at most ``width`` characters (a longer one wrapped, indented): where the
+    row ``fd`` (``DiffResult.first_divergence``) is and how far it is over (its ``excess``, the one ratio: the
+    judge's largest of its own ratios), why (``cause_of``: the kind of evidence, then its numbers) and what to
+    check next (``tpcheck.result.hints``). ``allowance``: the negative gain's widening (``rounding_allowance``)."""
     fd = {**fd, "gain_allowance": allowance}
-    thr = fd["threshold"]
-    ranks, rep = ranks_cause(fd), _float(fd.get("replica_rel_err"))
-    other = f" (another replica's {rep:.3g})" if rep > fd["rel_err"] and not ranks else ""
-    err = f"rel_err {fd['rel_err']:.3g}{other} vs HF {dtype} {fd['ref_rel_err']:.3g}" + \
-        (f" ({fd['ref_by']})" if fd.get("ref_by") else "")
-    where = f"max |diff| {fd['max_abs']:.3g} at (batch, token, feature) {fd['max_abs_index']}"
-    gain = f"; {_gain_note(fd, dtype)}" if _gain_failed(fd) else ""
-    causes = [fd["note"]] if fd["note"] else []
-    if ranks:
-        causes.append(ranks)
-    if not causes and not gain:
-        return f"{err} -> {fd['excess']:.3g}x its threshold {thr:.3g}; {where}"
-    if not causes:  # the error's own multiple: the excess may be the gain's
-        return f"{err} -> {_times(fd['rel_err'], thr)} its threshold {thr:.3g}; {where}{gain}"
-    return "; ".join(causes) + f"; {err}, {_times(fd['rel_err'], thr)} the threshold; {where}{gain}"
+    cause = cause_of(fd)
+    step = f"step {fd['step']}" + (f", {fd['mode']}" if fd["mode"] != "propagated" else "")
+    far = {"nan": "not finite"}.get(cause, WHY[cause] if cause in STRUCTURAL else _far(fd["excess"]))
+    idx = fd.get("max_abs_index")
+    at = f", largest |diff| {fd['max_abs']:.3g} at prompt {idx[0]}, token {idx[1]}" \
+        if isinstance(idx, (list, tuple)) and len(idx) == 3 and math.isfinite(_float(fd.get("max_abs"))) \
+        and cause not in STRUCTURAL else ""
+    kind = split_point(fd["point"])[1]
+    nxt = hint(kind, cause)
+    if cause == "gain" and truncation_like(fd["gain"], dtype, fd.get("gain_se", 0.0)):
+        nxt = f"whether a kernel truncates its {dtype} results (rounding toward zero): if so, --rounding truncate"
+    lines = [f"origin: {fd['point']} ({step}): {far}{at}", f"why: {_why(fd, cause, dtype)}", f"next: check {nxt}"]
+    return [textwrap.fill(line, width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
+                          break_long_words=False, break_on_hyphens=False) for i, line in enumerate(lines)]
+
+
+def _far(excess: float) -> str:
+    """How far over: ``5.1e+05x its threshold``; an infinite excess (a zero threshold, a NaN on one rank only) in
+    words."""
+    return "infinitely over its threshold" if math.isinf(excess) else f"{excess:.3g}x its threshold"
+
+
+def cause_of(fd: dict) -> str:
+    """The kind of evidence that failed the origin row ``fd`` (a ``tpcheck.result.hints.WHY`` key): its note's
+    (``shape``: shapes differ; ``exact-ops``; else ``note``), ``nan`` where the engine's error is not finite,
+    ``ranks`` where they disagree (``ranks_cause``), else whichever of the error against the golden (``floor``:
+    the worst replica's rel_err over the threshold) and the gain (``gain``: ``|gain|`` over its threshold) is
+    further over its bound; ``bound`` where neither is (``max |diff|`` over an absolute bound, ``abs_max``)."""
+    note = fd.get("note") or ""
+    if note:
+        return "shape" if "shape" in note else "exact-ops" if note.startswith("exact-ops") else "note"
+    if not math.isfinite(_float(fd.get("rel_err"))):
+        return "nan"
+    if ranks_cause(fd):
+        return "ranks"
+    rel = _worst_rel(fd)
+    over = {"floor": _ratio(rel, fd["threshold"]) if rel > fd["threshold"] else 0.0,
+            "gain": _ratio(abs(fd["gain"]), _gain_limit(fd)) if _gain_failed(fd) else 0.0}
+    best = max(over, key=over.get)
+    return best if over[best] > 0 else "bound"
+
+
+def _why(fd: dict, cause: str, dtype: str) -> str:
+    """The evidence of ``cause`` in words and numbers (no ratio: the origin's line has the one)."""
+    if cause in STRUCTURAL:
+        return fd["note"] if cause != "nan" else f"the engine's tensor holds NaN or Inf (rel_err {fd['rel_err']})"
+    thr, rep = fd["threshold"], _float(fd.get("replica_rel_err"))
+    err = f"rel_err {fd['rel_err']:.3g}" + (f" (another replica's {rep:.3g})" if rep > fd["rel_err"] else "")
+    floor = f"threshold {thr:.3g} (HF {dtype} errs {fd['ref_rel_err']:.3g}" + \
+        (f", {fd['ref_by']})" if fd.get("ref_by") else ")")
+    if cause == "ranks":
+        spread = _float(fd.get("rank_spread"))
+        by = f"ranks {fd.get('rank_spread_by') or '?'} differ by {spread:.3g}" if not math.isnan(spread) else \
+            "another rank's copy errs"
+        return f"{WHY[cause]}: {by}; {err}, threshold {thr:.3g}"
+    if cause == "gain":
+        return f"{WHY[cause]}: every element scaled by {_gain_note(fd, dtype)}" + (
+            f"; {err}, {floor}" if _worst_rel(fd) > thr else "")
+    extra = f"; gain {_gain_note(fd, dtype)}" if _gain_failed(fd) else ""
+    if cause == "bound":
+        return f"{WHY[cause]}: max |diff| {fd['max_abs']:.3g}; {err}, {floor}{extra}"
+    return f"{WHY[cause]}: {err}, {floor}{extra}"
 
 
 def ranks_cause(fd) -> str:
@@ -52,17 +106,53 @@ def _float(x) -> float:
         return NAN
 
 
+def _worst_rel(fd: dict) -> float:
+    """The row's error as the judge holds it: the worst replica's (``replica_rel_err``, NaN: none differs)."""
+    rep = _float(fd.get("replica_rel_err"))
+    return fd["rel_err"] if math.isnan(rep) else max(fd["rel_err"], rep)
+
+
+def isolate_line(growth: list[dict], origin_mode: str, width: int = WIDTH) -> str:
+    """The summary's ``isolate:`` line (a run with the local pass): the first layer whose output fails locally
+    creates the divergence, whether later ones fail locally too, and the factor by which the propagated error
+    grew across each later layer (``DiffResult.growth``); where no layer's output fails locally, whether the local
+    pass fails inside a layer (the origin in the ``isolated`` mode) or only the propagated run does."""
+    bad = [r["layer"] for r in growth if r.get("local_passed") is False]
+    if not bad:
+        return ("isolate: every layer's output is locally within the noise floor; the local pass fails inside a "
+                "layer (the origin's line)") if origin_mode == "isolated" else \
+            ("isolate: every layer is locally within the noise floor (the error is in a point outside the decoder "
+             "layers, or only in the propagated run)")
+    src, later = bad[0], bad[1:]
+    local = next(r["local_rel_err"] for r in growth if r["layer"] == src)
+    amp = [f"layer {r['layer']} x{r['amplification']:.3g}" for r in growth
+           if r["layer"] > src and r["amplification"] is not None]
+    also = "later layers are locally clean" if not later else \
+        f"{'layers' if len(later) > 1 else 'layer'} {in_words(later)} also {'fail' if len(later) > 1 else 'fails'} locally"
+    line = (f"isolate: layer {src} creates the divergence (local rel_err {local:.3g}); {also}; growth: "
+            + (", ".join(amp) or "none"))
+    return textwrap.fill(line, width, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+
+
+def _ratio(x: float, thr: float) -> float:
+    return x / thr if thr > 0 else (math.inf if x > 0 else 0.0)
+
+
 def _times(x: float, thr: float) -> str:
     """``x`` as a multiple of the threshold (a zero threshold: any error is infinitely over it)."""
-    ratio = x / thr if thr > 0 else (math.inf if x > 0 else 0.0)
-    return f"{ratio:.3g}x"
+    return f"{_ratio(x, thr):.3g}x"
+
+
+def _gain_limit(fd: dict) -> float:
+    """The bound ``|gain|`` is held to: its threshold, widened on the negative side by ``gain_allowance``."""
+    return fd["gain_threshold"] + (fd.get("gain_allowance", 0.0) if fd["gain"] < 0 else 0.0)
 
 
 def _gain_failed(fd: dict) -> bool:
     g, thr = fd.get("gain", NAN), fd.get("gain_threshold", NAN)
     if not (isinstance(g, float) and isinstance(thr, float)):
         return False
-    return abs(g) > thr + (fd.get("gain_allowance", 0.0) if g < 0 else 0.0)
+    return abs(g) > _gain_limit(fd)
 
 
 # stored mantissa bits: rounding toward zero (truncation) to these loses on average half an ulp, a relative
@@ -103,12 +193,12 @@ def truncation_like(gain: float, dtype: str, se: float = 0.0) -> bool:
 
 
 def _gain_note(fd: dict, dtype: str) -> str:
-    """``gain +0.0075 over its threshold 0.00079 (9.5x): a systematic relative error`` (the row's gain failed),
-    with what a truncating kernel would give where the gain has its sign and size (``truncation_like``)."""
+    """``+0.0075 (threshold 0.00079)``: the gain of the row ``fd``, with what a truncating kernel would give where
+    the gain has its sign and size (``truncation_like``)."""
     g, thr = fd["gain"], fd["gain_threshold"]
-    note = f"gain {g:+.3g} over its threshold {thr:.3g} ({abs(g) / thr:.3g}x): a systematic relative error"
+    note = f"{g:+.3g} (threshold {thr:.3g})"
     if truncation_like(g, dtype, fd.get("gain_se", 0.0)):
         bits = MANTISSA_BITS[dtype]
         note += (f", of the sign and size of rounding toward zero to {dtype} instead of to nearest (-2^-{bits + 2} "
-                 f"to -2^-{bits + 1} on average): a kernel that truncates its {dtype} results")
+                 f"to -2^-{bits + 1} on average)")
     return note

@@ -15,7 +15,7 @@ from tpcheck.measure.metrics import K_FACTOR
 from tpcheck.capture.points import point_order, split_point
 from tpcheck.inputs.validate import MAX_LAYERS, int_in, read_json
 from tpcheck.result.after_verdict import after_verdict
-from tpcheck.result.origin import origin_cause, rounding_allowance
+from tpcheck.result.origin import isolate_line, origin_lines, rounding_allowance
 
 NAN = math.nan
 
@@ -199,7 +199,12 @@ class DiffResult:
             prev = e if e > 0 else None
         return out
 
-    def summary(self) -> str:
+    def summary(self, brief: bool = False) -> str:
+        """The verdict in words: the head line, then a failing run's origin (``origin_lines``) and isolate line, or
+        a passing run's closest point; the closing lines (``after_verdict``) and coverage. ``brief``: a failing
+        run's head and origin alone (what the command line prints again last, after the tables)."""
+        if brief and self.first_divergence is not None:
+            return self._verdict(brief=True)
         cov = self.meta.get("coverage") or {}
         missing = cov.get("not_reported") or []
         tail = "" if not missing else (f"\nnot reported by the engine ({len(missing)}): {', '.join(missing[:12])}"
@@ -212,7 +217,7 @@ class DiffResult:
             tail += f"\ncoverage: {self.coverage_problem}"
         return self._verdict() + tail
 
-    def _verdict(self) -> str:
+    def _verdict(self, brief: bool = False) -> str:
         fd = self.first_divergence
         m = self.meta
         pp = f" pp={m['pp']}" if m.get("pp", 1) > 1 else ""
@@ -236,25 +241,11 @@ class DiffResult:
                 f" ({n_inh} as inherited: over the floor only through their inputs, their own op within it on the "
                 "engine's inputs)")  # a result judged before the allowances were counted
             return head + ", every point within the noise floor" + inh + ops + tail + after_verdict(self.table, m)
-        lines = [head, f"origin: {fd['point']} (step {fd['step']}{', ' + fd['mode'] if fd['mode'] != 'propagated' else ''}): "
-                       + origin_cause(fd, m["dtype"], rounding_allowance(m))]
+        lines = [head, *origin_lines(fd, m["dtype"], rounding_allowance(m))]
+        if brief:
+            return "\n".join(lines)
         if m.get("isolate"):
-            g = self.growth()
-            local_bad = [r["layer"] for r in g if r.get("local_passed") is False]
-            if local_bad:
-                src = local_bad[0]
-                amp = [f"layer {r['layer']} x{r['amplification']:.3g}" for r in g
-                       if r["layer"] > src and r["amplification"] is not None]
-                lines.append(f"isolate: layer {src} creates the divergence (local rel_err "
-                             f"{next(r['local_rel_err'] for r in g if r['layer'] == src):.3g}); later layers are locally "
-                             f"{'clean' if local_bad == [src] else 'also failing: ' + ', '.join(map(str, local_bad[1:]))}; growth: "
-                             + (", ".join(amp) or "none"))
-            elif fd["mode"] == "isolated":  # the local pass failed inside a layer, at no layer's out
-                lines.append("isolate: every layer's output is locally within the noise floor; the local pass "
-                             "fails inside a layer (the origin's line)")
-            else:
-                lines.append("isolate: every layer is locally within the noise floor (the error is in a point "
-                             "outside the decoder layers, or only in the propagated run)")
+            lines.append(isolate_line(self.growth(), fd["mode"]))
         return "\n".join(lines) + after_verdict(self.table, m)
 
     @classmethod

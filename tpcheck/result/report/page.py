@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from tpcheck.result.documents import write_text_atomic
+from tpcheck.result.columns import describe
 from tpcheck.result.report.chart import render_chart
 from tpcheck.result.report.heatmap import render_heat_legend, render_heat_points, render_heat_steps
 from tpcheck.result.report.precision import render_precision
@@ -81,7 +82,7 @@ def _table_data(t: pd.DataFrame, origin: dict | None) -> dict:
     const = {cols[i]: rows[0][i] for i in same}
     rows = [[x for i, x in enumerate(r) if i not in const_at] for r in rows] if (const_at := set(same)) else rows
     return {"cols": cols, "packed": [c for c in cols if c not in const], "const": const, "floats": _FLOAT_COLS,
-            "points": points, "modes": modes, "rows": rows, "origin": o}
+            "points": points, "modes": modes, "rows": rows, "origin": o, "legend": {c: describe(c) for c in cols}}
 
 
 
@@ -178,7 +179,14 @@ def _table_section(modes: list, steps: list, passed: bool) -> str:
         '<button id="f-prev" type="button">&larr; prev</button><button id="f-next" type="button">next &rarr;</button>'
         '<span id="f-info" class="mute"></span></div>'
         '<div class="tablewrap"><table class="rows" id="rows"><thead><tr></tr></thead><tbody></tbody></table></div>'
-        '<noscript>The table needs JavaScript; the same rows are in the --json / --csv export.</noscript></div>')
+        '<noscript>The table needs JavaScript; the same rows are in the --json / --csv export.</noscript>'
+        f'{_legend()}</div>')
+
+
+def _legend() -> str:
+    """The columns explained (``tpcheck.result.columns``): each header's tooltip says the same."""
+    items = "".join(f"<dt>{e(c)}</dt><dd>{e(describe(c))}</dd>" for c in _COLS)
+    return f'<details class="legend" id="legend"><summary>the columns</summary><dl class="meta">{items}</dl></details>'
 
 
 def render_html(result: DiffResult, title: str | None = None) -> str:

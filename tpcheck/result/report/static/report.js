@@ -63,6 +63,7 @@
   COLS.forEach(function (c) {
     var th = document.createElement("th");
     th.textContent = c;
+    th.title = (D.legend || {})[c] || "";  // what the column says (tpcheck.result.columns): a property, never markup
     th.dataset.col = c;
     th.addEventListener("click", function () {
       if (sortCol === c) sortDir = -sortDir; else { sortCol = c; sortDir = c === "excess" || c === "rel_err" ? -1 : 1; }
