@@ -50,7 +50,7 @@ def main() -> int:
     log = make_log("dump_generate")
 
     from impl import SamplingParams
-    from tpcheck.engines.impl import generate_dumped, get_llm
+    from tpcheck.engines.impl.adapter import generate_dumped, get_llm
     from tpcheck.capture.core import QUEUE_MB
     import inspect
     queued = "queue_mb" in inspect.signature(generate_dumped).parameters

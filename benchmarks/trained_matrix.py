@@ -188,7 +188,7 @@ def main(argv=None) -> int:
 def catalog(args, pool, cfg, runs, log) -> int:
     """Every per-layer fault that can show in each (tp, dtype) of the run, injected at ``--inject-layer``, on each of
     the runs' prompts: the expected origin, the one found and its excess."""
-    from tpcheck.inputs.faults import FAULTS
+    from tpcheck.engines.impl.faults import FAULTS
     print(f"\n{'fault':<34} {'tp':>3} {'dtype':>9} {'lens':>10} {'expected':<26} {'found':<26} {'excess':>9}")
     for tp in [int(x) for x in args.tp.split(",")]:
         for dtype in args.dtype.split(","):

@@ -90,13 +90,13 @@ def moe_route_second_best(runner, layer: int):
 
 
 def pending_points(runner) -> list[str]:
-    """The points impl's installed capture holds for a step not yet closed (``tpcheck.capture.impl``)."""
+    """The points impl's installed capture holds for a step not yet closed (``tpcheck.engines.impl.ranks``)."""
     st = getattr(runner.model, "_tpcheck", None)
     return [] if st is None else sorted(st["capture"]._pending)
 
 
 def capture_names(runner) -> list[str]:
-    """The points impl's installed capture hooks can give (``tpcheck.capture.impl``)."""
+    """The points impl's installed capture hooks can give (``tpcheck.engines.impl.ranks``)."""
     st = getattr(runner.model, "_tpcheck", None)
     return [] if st is None else sorted(st["capture"].names)
 

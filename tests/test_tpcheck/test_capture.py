@@ -16,7 +16,7 @@ from torch import nn
 
 from fake_tp import fake_rank
 from impl.placements import Fused, Partial, Replicate, Shard
-from tpcheck.capture import impl as capture_impl
+from tpcheck.engines.impl import ranks as capture_impl
 from tpcheck.capture import (HF_MAP, IMPL_MAP, VLLM_MAP, VLLM_NORMS_ONLY_MAP, Rule, from_env, install)
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 from tpcheck.capture.maps import vllm_gate_up_placement, vllm_qkv_placement

@@ -14,7 +14,7 @@ from multiprocessing.connection import wait
 
 import pytest
 
-import tpcheck.engines.impl
+import tpcheck.engines.impl.adapter
 from impl.executor import RankError
 from tpcheck.cli.app import _exit_code, main
 from tpcheck.pipeline.diff import compare_engine

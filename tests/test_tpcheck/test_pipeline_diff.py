@@ -12,10 +12,10 @@ from diff_runs import LAYERS, run_diff
 from impl.placements import Replicate
 from tpcheck.capture.points import point_names, stage_handoffs
 from tpcheck.cli import fault_matrix as M
-from tpcheck.inputs.faults import FAULTS
+from tpcheck.engines.impl.faults import FAULTS
 from tpcheck.cli.app import main
 from impl.pipeline import layer_partition
-from tpcheck.engines.impl import point_stage, stage_points
+from tpcheck.engines.impl.adapter import point_stage, stage_points
 from tpcheck.judge.coverage import CoverageError
 
 STAGES = ((0, 1), (1, 2))  # tiny (2 layers) at pp 2

@@ -6,7 +6,7 @@ Module names are as ``model.named_modules()`` gives them on the object you pass 
 ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen3ForCausalLM`` (the same names; Qwen3 adds
 ``self_attn.q_norm`` / ``k_norm``, whose rules match nothing in the other families). None of the maps reports
 the KV-cache points (``layers.{i}.kv.k|v``): a cache is read back after the step, in each engine's own layout
-(impl: ``tpcheck.capture.impl.read_kv``)."""
+(impl: ``tpcheck.engines.impl.ranks.read_kv``)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -66,7 +66,7 @@ IMPL_MAP = NameMap("impl", (
     Rule(r"model\.norm", "final_norm", declared()),
     # the LM head returns the gathered logits (padding stripped) on rank 0, None elsewhere
     Rule(r"lm_head", "logits", Replicate()),
-), doc="""impl (``runner.model``): the points and placements of ``tpcheck.capture.impl``'s hooks, from the
+), doc="""impl (``runner.model``): the points and placements of ``tpcheck.engines.impl.ranks``'s hooks, from the
 modules' declared ``output_placement``; ``qkv_proj`` / ``gate_up_proj`` whole with their ``Fused`` placement
 (``layers.{i}.attn.`` → q, k, v; ``layers.{i}.mlp.`` → gate, up); Qwen3's per-head q/k norms from
 ``q_norm`` / ``k_norm`` (``HeadRMSNorm``, placed like the heads they normalise); q/k after RoPE from

@@ -348,7 +348,7 @@ def _run(a, argv: list[str]) -> int:
             from tpcheck.cli import fault_matrix_command
             check_output_paths(a.json)
             return fault_matrix_command.run(a)
-        from tpcheck.inputs.faults import FAULTS
+        from tpcheck.engines.impl.faults import FAULTS
         for f in FAULTS.values():
             print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
         return 0

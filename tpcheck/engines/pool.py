@@ -11,7 +11,7 @@ import os
 from typing import Callable, TypeVar
 
 from impl.executor import start_fork_server
-from tpcheck.engines.impl import get_llm
+from tpcheck.engines.impl.adapter import get_llm
 from tpcheck.inputs.devices import resolve_device
 
 E = TypeVar("E")

@@ -39,7 +39,7 @@ class EngineEntry:
 
 
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
-    EngineEntry("impl", "tpcheck.engines.impl", "impl, this project's engine (faults can be injected)",
+    EngineEntry("impl", "tpcheck.engines.impl.adapter", "impl, this project's engine (faults can be injected)",
                 dumps_in_ranks=True),
     EngineEntry("hf-tp", "tpcheck.engines.hf_tp",
                 "Hugging Face transformers' own tensor parallelism (from_pretrained tp_plan, tpcheck.engines.hf_tp)"),

@@ -20,7 +20,7 @@ from tpcheck.capture.dump import Dump, DumpAdapter, DumpError, read_dump
 from impl.config import load_config
 from tpcheck.capture.points import fused_out_stage, model_point_names, point_stage, stage_handoffs
 from tpcheck.capture.rounding import least_known
-from tpcheck.engines.impl import stage_points
+from tpcheck.engines.impl.adapter import stage_points
 from tpcheck.capture.stages import STAGE_FILE
 from tpcheck.inputs.validate import int_in, read_json
 

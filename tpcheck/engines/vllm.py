@@ -53,7 +53,7 @@ from impl.config import ConfigError, ModelConfig
 from tpcheck.reference.reductions import Reductions
 from tpcheck.engines.adapter import by_point
 from tpcheck.capture.rounding import cpu_has_bf16_rounding, declared_rounding
-from tpcheck.engines.impl import stage_points
+from tpcheck.engines.impl.adapter import stage_points
 from tpcheck.engines.vllm_pp import check_pp_faults, check_stages
 from tpcheck.capture.points import fused_out_stage
 from tpcheck.capture.vllm_plugin import cpu_bind

@@ -16,7 +16,7 @@ from tpcheck.engines.registry import EngineEntry
 from tpcheck.engines.registry import engine as engine_entry
 from tpcheck.inputs.checkpoints import cached_checkpoint
 from tpcheck.inputs.devices import resolve_device
-from tpcheck.inputs.faults import get_fault
+from tpcheck.engines.impl.faults import get_fault
 from tpcheck.inputs.prompts import random_prompts
 from tpcheck.inputs.quant_check import check_quantized_checkpoint
 from tpcheck.options import DiffOptions

@@ -1,5 +1,5 @@
 """impl, this project's engine, as an engine under test (``tpcheck diff --engine impl``, the default): hooks live
-in ``tpcheck.capture.impl`` inside each rank; faults (``tpcheck.inputs.faults``) can be injected."""
+in ``tpcheck.engines.impl.ranks`` inside each rank; faults (``tpcheck.engines.impl.faults``) can be injected."""
 from __future__ import annotations
 
 import os
@@ -9,12 +9,12 @@ import torch
 from impl import LLM
 from impl.errors import ConfigError
 from impl.pipeline import parse_partition
-from tpcheck.capture import impl as capture_impl
+from tpcheck.engines.impl import ranks as capture_impl
 from tpcheck.capture.core import QUEUE_MB
 from tpcheck.capture.points import point_stage, split_point
 from tpcheck.engines.adapter import Points, by_point
 from tpcheck.judge.coverage import CoverageError
-from tpcheck.inputs import faults
+from tpcheck.engines.impl import faults
 from tpcheck.reference.reductions import Reductions
 
 FAULTS = True  # --inject patches impl's modules in its ranks
@@ -61,8 +61,8 @@ def start(pool, plan) -> "ImplAdapter":
 
 
 class ImplAdapter:
-    """impl through ``impl.LLM.call``: hooks live in ``tpcheck.capture.impl`` inside each rank. Faults
-    (``tpcheck.inputs.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights.
+    """impl through ``impl.LLM.call``: hooks live in ``tpcheck.engines.impl.ranks`` inside each rank. Faults
+    (``tpcheck.engines.impl.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights.
     ``dump``: ``tpcheck.capture.dump.DumpWriter`` keywords less rank/tp/engine; each rank writes its own points there
     (``tpcheck diff --dump``). ``points``: a regex; the ranks capture only those points (``--points``)."""
 
@@ -232,7 +232,7 @@ def generate_dumped(llm: LLM, prompts: list[list[int]], params=None, root: str |
         if method == "step":  # one forward of the scheduled batch: every rank writes its points of it
             tokens, starts = [list(t) for t, _, _ in args[0]], [s for _, s, _ in args[0]]
             ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
-            call("call", "tpcheck.capture.impl:serving_step", last["ids"], tokens, starts, {"logits": ends.tolist()},
+            call("call", "tpcheck.engines.impl.ranks:serving_step", last["ids"], tokens, starts, {"logits": ends.tolist()},
                  last["prompts"])
         return out
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tpcheck.inputs.faults.patching import mark, read_tensors
-from tpcheck.inputs.faults.registry import Needs, fault
+from tpcheck.engines.impl.faults.patching import mark, read_tensors
+from tpcheck.engines.impl.faults.registry import Needs, fault
 
 
 def _w8a8(cfg) -> bool:  # W8A8 (GPTQ / AWQ and a KV-cache-only scheme have no weight_scale)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from impl.distributed import all_reduce
 from impl.layers.moe import SparseMoeBlock
-from tpcheck.inputs.faults.patching import mark
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.engines.impl.faults.patching import mark
+from tpcheck.engines.impl.faults.registry import fault
 
 
 def _sparse(cfg, plan, dtype) -> bool:

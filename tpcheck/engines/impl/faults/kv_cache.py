@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from impl.context import get_context
-from tpcheck.inputs.faults.patching import mark
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.engines.impl.faults.patching import mark
+from tpcheck.engines.impl.faults.registry import fault
 
 
 def _kv_heads_repeatable(cfg, plan, dtype) -> bool:

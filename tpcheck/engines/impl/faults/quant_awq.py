@@ -8,9 +8,9 @@ import torch
 
 from impl.quant_awq import AwqScheme, pack_awq
 from impl.quant_gptq import unpack_cols
-from tpcheck.inputs.faults.patching import mark
-from tpcheck.inputs.faults.quant_gptq import column_targets, load_as_rank0, scales_by_output
-from tpcheck.inputs.faults.registry import Needs, fault
+from tpcheck.engines.impl.faults.patching import mark
+from tpcheck.engines.impl.faults.quant_gptq import column_targets, load_as_rank0, scales_by_output
+from tpcheck.engines.impl.faults.registry import Needs, fault
 
 
 def _awq_scheme(cfg) -> bool:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from impl.layers.rotary import default_inv_freq, llama3_inv_freq
-from tpcheck.inputs.faults.patching import mark, seeded_randn
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.engines.impl.faults.patching import mark, seeded_randn
+from tpcheck.engines.impl.faults.registry import fault
 
 
 # ---- Qwen3: q/k norm after RoPE instead of before ------------------------------------------------------------

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tpcheck.inputs.faults.patching import mark, read_tensors
-from tpcheck.inputs.faults.registry import Needs, fault
+from tpcheck.engines.impl.faults.patching import mark, read_tensors
+from tpcheck.engines.impl.faults.registry import Needs, fault
 
 
 def _kv_scheme(cfg) -> bool:

@@ -5,8 +5,8 @@ import torch
 
 from impl.context import get_context
 from impl.layers.attention import block_slots
-from tpcheck.inputs.faults.patching import mark
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.engines.impl.faults.patching import mark
+from tpcheck.engines.impl.faults.registry import fault
 
 DEFAULT_ROPE_THETA = 10000.0     # what a config reader falls back to when it misses rope_theta
 

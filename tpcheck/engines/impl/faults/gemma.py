@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from impl.layers.rotary import default_inv_freq
-from tpcheck.inputs.faults.families import _has_window, _smallest_window
-from tpcheck.inputs.faults.patching import mark
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.engines.impl.faults.families import _has_window, _smallest_window
+from tpcheck.engines.impl.faults.patching import mark
+from tpcheck.engines.impl.faults.registry import fault
 
 
 def _gemma(cfg, plan, dtype) -> bool:

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from impl.distributed import all_reduce
 from impl.pipeline import PPMissingLayer
-from tpcheck.inputs.faults.patching import mark, seeded_randn
-from tpcheck.inputs.faults.registry import fault, tp_gt_1
+from tpcheck.engines.impl.faults.patching import mark, seeded_randn
+from tpcheck.engines.impl.faults.registry import fault, tp_gt_1
 
 LOW_PRECISION_REDUCE = torch.bfloat16
 

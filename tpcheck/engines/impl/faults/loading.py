@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpcheck.inputs.faults.patching import mark, read_tensors, seeded_randn
-from tpcheck.inputs.faults.registry import fault, tp_gt_1
+from tpcheck.engines.impl.faults.patching import mark, read_tensors, seeded_randn
+from tpcheck.engines.impl.faults.registry import fault, tp_gt_1
 from safetensors.torch import load_file
 from impl.loader import checkpoint_files
 from impl.pipeline import PPMissingLayer

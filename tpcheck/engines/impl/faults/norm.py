@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tpcheck.inputs.faults.patching import mark
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.engines.impl.faults.patching import mark
+from tpcheck.engines.impl.faults.registry import fault
 
 
 def _half_precision(cfg, plan, dtype) -> bool:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from impl import batch_invariant
-from tpcheck.inputs.faults.patching import mark
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.engines.impl.faults.patching import mark
+from tpcheck.engines.impl.faults.registry import fault
 
 SPLIT_ABOVE = 32  # tokens in a step above which the faulty kernels split their reduction in two
 

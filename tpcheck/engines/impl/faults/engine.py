@@ -1,15 +1,15 @@
 """Applying faults to a live impl engine: ``apply`` / ``describe`` run inside each rank (through
-``LLM.call("tpcheck.inputs.faults:apply", ...)``); ``inject`` / ``restore`` / ``injected`` drive an ``impl.LLM``."""
+``LLM.call("tpcheck.engines.impl.faults:apply", ...)``); ``inject`` / ``restore`` / ``injected`` drive an ``impl.LLM``."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import types
 
-from tpcheck.inputs.faults.patching import mark, marks
-from tpcheck.inputs.faults.registry import get_fault
+from tpcheck.engines.impl.faults.patching import mark, marks
+from tpcheck.engines.impl.faults.registry import get_fault
 
-APPLY = "tpcheck.inputs.faults:apply"
+APPLY = "tpcheck.engines.impl.faults:apply"
 _OVERRIDE_TYPES = (types.FunctionType, types.MethodType, functools.partial)
 
 
@@ -18,7 +18,7 @@ _OVERRIDE_TYPES = (types.FunctionType, types.MethodType, functools.partial)
 def apply(runner, names: list[str] | str, layer: int | None = None) -> list[str]:
     """Inject faults into this rank's loaded model: every decoder layer (``layer`` None) or only
     ``runner.model.model.layers[layer]``; layer-independent faults ignore ``layer``. Returns the names
-    applied. Run on every rank: ``llm.call("tpcheck.inputs.faults:apply", ["rope_skipped"], 1)``.
+    applied. Run on every rank: ``llm.call("tpcheck.engines.impl.faults:apply", ["rope_skipped"], 1)``.
     Undo by reloading the runner (``llm.reload()``).
 
     The driver's prefix cache is not the rank's to clear: after a plain ``llm.call`` a request sharing a

@@ -12,8 +12,8 @@ from impl.context import get_context
 from impl.layers.norm import RMSNorm
 from impl.loader import load_weights
 from impl.models.decoder import DecoderLayer
-from tpcheck.inputs.faults.patching import mark, read_tensors
-from tpcheck.inputs.faults.registry import fault
+from tpcheck.engines.impl.faults.patching import mark, read_tensors
+from tpcheck.engines.impl.faults.registry import fault
 
 
 def _tied(cfg, plan, dtype) -> bool:
