@@ -45,12 +45,12 @@ LAZY_IMPORTS = {
     "tpcheck/pytest_plugin.py": "pytest loads the plugin in every session of a project that installs tpcheck: its "
                                 "fixtures import torch and the pipeline when used",
     "tpcheck/__init__.py": "import tpcheck stays cheap: tpcheck.diff and friends import the pipeline on first use",
-    "tpcheck/capture/vllm_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: vLLM and the capture "
+    "tpcheck/engines/vllm/plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: vLLM and the capture "
                                       "are imported only once TPCHECK_DUMP asks for a dump",
-    "tpcheck/engines/vllm_fault_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: nothing is "
+    "tpcheck/engines/vllm/fault_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: nothing is "
                                             "imported unless TPCHECK_DUMP_FAULT asks for a fault",
-    "tpcheck/engines/vllm.py": "vLLM is optional (its own virtual environment): imported when --engine vllm runs",
-    "tpcheck/engines/vllm_worker.py": "runs in vLLM's worker processes: vLLM's modules, and the capture once "
+    "tpcheck/engines/vllm/adapter.py": "vLLM is optional (its own virtual environment): imported when --engine vllm runs",
+    "tpcheck/engines/vllm/worker.py": "runs in vLLM's worker processes: vLLM's modules, and the capture once "
                                       "tpcheck sets a rank up",
 }
 #: imports that go up, each with why it stays for now (a new one fails the test)

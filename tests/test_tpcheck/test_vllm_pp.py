@@ -45,7 +45,7 @@ def test_engine_vllm_pp2_clean_each_point_from_its_stage(pool, ckpt):  # noqa: F
 def test_engine_vllm_pp2_finds_a_pipeline_fault_at_its_origin(pool, ckpt, fault, origin):  # noqa: F811
     """A pipeline fault seeded in vLLM's ranks at the boundary after layer 0 (the Python API's faults, as
     ``VLLM_FAULTS``): found at its origin, by the noise floor, far over its threshold; stage 0's own points pass."""
-    from tpcheck.engines.vllm import start
+    from tpcheck.engines.vllm.adapter import start
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.pipeline.plan import RunPlan

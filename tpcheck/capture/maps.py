@@ -205,7 +205,7 @@ VLLM_MAP = NameMap("vllm", (
     Rule(_L + r"mlp\.down_proj", _P + "mlp.out", index=0),
     Rule(_L + "post_feedforward_layernorm", _P + "mlp.post_norm"),
     # mixture of experts: the router (a replicated linear: (logits, bias)); the experts its router object chose,
-    # through the module tpcheck.capture.vllm_routes attaches (attach_route_probes: call it before install); the
+    # through the module tpcheck.engines.vllm.routes attaches (attach_route_probes: call it before install); the
     # FusedMoE runner's output, all-reduced, is the sparse block's (no shared expert outside it)
     Rule(_L + r"mlp\.gate", _P + "moe.router", index=0),
     Rule(_L + r"mlp\.route_probe", _P + "moe.topk_weights", index=0),
@@ -243,7 +243,7 @@ the worker's ``model_runner.model``), with ``enforce_eager=True`` (SGLang: ``--d
 * ``step_done(step, tokens, starts)``: ``tokens`` per sequence in the order of the batch's rows, each
   sequence at the same index every step (vLLM may reorder requests between steps: map them back).
 * Mixture of experts: ``mlp.gate`` is the router (``moe.router``); ``mlp.route_probe`` is the module
-  ``tpcheck.capture.vllm_routes.attach_route_probes`` puts between the FusedMoE runner and its router's
+  ``tpcheck.engines.vllm.routes.attach_route_probes`` puts between the FusedMoE runner and its router's
   ``select_experts`` (call it before ``install``): ``moe.topk_weights`` / ``moe.topk_ids``, what the experts
   kernel receives; ``mlp.experts`` (the runner) gives the block's all-reduced output, ``mlp.out``. Not reported:
   ``moe.experts`` (the kernel returns only the weighted sum).

@@ -1,7 +1,6 @@
-"""A pipeline stage's side of vLLM's stage boundaries, inside a rank (``tpcheck.engines.vllm_pp`` for
-``tpcheck diff --engine vllm --pp``, ``tpcheck.capture.vllm_plugin`` for ``TPCHECK_DUMP``): the stage's layers, the
-hand-off points it sends or receives, and the stage file of a pipelined dump (``tpcheck.engines.stage_dump`` reads
-it)."""
+"""A pipeline stage's side of its stage boundaries, inside a rank: the hand-off points it sends or receives
+(``HandoffHooks``: impl's ranks, ``tpcheck.engines.impl.ranks``; vLLM's, ``tpcheck.engines.vllm.stages``) and the
+stage file of a pipelined dump (``write_stage``; ``tpcheck.engines.stage_dump`` reads it)."""
 from __future__ import annotations
 
 import re
@@ -14,13 +13,6 @@ from tpcheck.capture.core import handoff
 from tpcheck.inputs.step_store import write_json_atomic
 
 STAGE_FILE = "stage.json"
-
-
-def stage_range(model) -> tuple[int, int]:
-    """The decoder layers ``[start, end)`` that this rank's pipeline stage holds (vLLM's ``get_pp_indices``, as
-    its model recorded them); every layer without pipeline parallelism."""
-    inner = model.model
-    return int(getattr(inner, "start_layer", 0)), int(getattr(inner, "end_layer", len(inner.layers)))
 
 
 class HandoffHooks:
@@ -66,18 +58,6 @@ class HandoffHooks:
         for h in self._handles:
             h.remove()
         self._handles, self._got = [], {}
-
-
-class StageHandoffs(HandoffHooks):
-    """A vLLM stage's hand-offs (``HandoffHooks``) on its model (``Qwen2ForCausalLM`` and the like: called with
-    ``intermediate_tensors``, a stage before the last returning them), for the stage's own boundaries
-    (``stage_range``); none on a one-stage model, nor for a hand-off the ``points`` regex (``--points``) does not
-    keep."""
-
-    def __init__(self, model, points: str | None = None):
-        start, end = stage_range(model)
-        super().__init__(model, start - 1 if start > 0 else None, end - 1 if end < len(model.model.layers) else None,
-                         "intermediate_tensors", points)
 
 
 def write_stage(root: str | Path, stage: int, pp: int, layers: tuple[int, int]) -> None:

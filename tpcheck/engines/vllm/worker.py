@@ -1,6 +1,6 @@
 """Inside each vLLM worker of ``tpcheck.engines.vllm.VLLMAdapter``: the ``TPCheckWorker`` methods (mixed in
 through ``worker_extension_cls``, called by name with ``collective_rpc``: no pickled functions), the faults they
-apply inside one rank (``VLLM_FAULTS``, defined in ``tpcheck.engines.vllm_faults``), and the paged KV cache read
+apply inside one rank (``VLLM_FAULTS``, defined in ``tpcheck.engines.vllm.faults``), and the paged KV cache read
 back (``paged_kv_rows``, pure)."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import re
 import torch
 
 from impl.placements import Shard
-from tpcheck.capture.vllm_routes import attach_route_probes
-from tpcheck.engines.vllm_faults import VLLM_FAULTS, ScaledGemm, apply_fault, undo_faults  # noqa: F401 - re-exported
-from tpcheck.capture.stages import StageHandoffs, stage_range
-from tpcheck.engines.vllm_pp import make_receive_buffers
+from tpcheck.engines.vllm.routes import attach_route_probes
+from tpcheck.engines.vllm.faults import VLLM_FAULTS, ScaledGemm, apply_fault, undo_faults  # noqa: F401 - re-exported
+from tpcheck.engines.vllm.stages import StageHandoffs, stage_range
+from tpcheck.engines.vllm.pp import make_receive_buffers
 
 # ---------------------------------------------------------------- the paged KV cache, read back (pure)
 
@@ -292,7 +292,7 @@ class TPCheckWorker:
         if sorted(req_ids, key=st["order"].get) != req_ids or set(req_ids) != set(st["order"]):
             raise RuntimeError(f"tpcheck: vLLM's batch {req_ids} is not the sequences {list(st['order'])} in order")
         ids, pos = st["inputs"]
-        from tpcheck.capture.vllm_plugin import step_rows
+        from tpcheck.engines.vllm.plugin import step_rows
         points, rows = step_rows({**st["cap"].step_done(), **st["handoff"].take()}, bounds, ids.shape[0])
         points["__inputs__"] = ([ids[a:b].tolist() for a, b in bounds], [int(pos[a]) for a, _ in bounds])
         points["__rows__"] = rows
@@ -349,7 +349,7 @@ def _force_inputs(st: dict, args, kwargs):
     pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
     if ids is None or pos is None or st.get("sched") is None:  # not a step: a warm-up or profiling forward
         return None
-    from tpcheck.capture.vllm_plugin import batch_rows
+    from tpcheck.engines.vllm.plugin import batch_rows
     st["batch"] = batch_rows(st["runner"], st["sched"])  # after the runner's _update_states
     st["sched"] = None
     force = st.get("force")

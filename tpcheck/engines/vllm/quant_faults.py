@@ -120,7 +120,7 @@ def gate_up_scale_slot0(mod, worker):
     return _replace(scale, new)
 
 
-# name -> (submodule of decoder layer, "param", the fault): merged into vllm_worker.VLLM_FAULTS
+# name -> (submodule of decoder layer, "param", the fault): merged into vllm.worker.VLLM_FAULTS
 QUANT_FAULTS = {
     "qkv-scale-rank0-rows": ("self_attn.qkv_proj", "param", qkv_scale_rank0_rows),    # attn.q
     "o-proj-scale-rolled": ("self_attn.o_proj", "param", o_proj_scale_rolled),        # attn.out

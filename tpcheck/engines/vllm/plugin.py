@@ -29,18 +29,18 @@ request's ``prefill_token_ids``), so a request that starts past 0 on blocks anot
 token ids (prompt embeddings), the first such step logs a warning at once: ``compare`` will refuse the request.
 
 ``AFTER_LOAD`` lets another plugin act on the loaded model first: ``TPCHECK_DUMP_FAULT``'s seeded fault
-(``tpcheck.engines.vllm_fault_plugin``).
+(``tpcheck.engines.vllm.fault_plugin``).
 """
 from __future__ import annotations
 
 import logging
 import os
 
-logger = logging.getLogger("tpcheck.capture.vllm_plugin")
+logger = logging.getLogger("tpcheck.engines.vllm.plugin")
 
 _PATCHED = "_tpcheck_patched"
 #: callables run on each worker once its model is loaded, before the dump installs (a seeded fault:
-#: ``tpcheck.engines.vllm_fault_plugin``); their errors stop the worker, as asked-for work should
+#: ``tpcheck.engines.vllm.fault_plugin``); their errors stop the worker, as asked-for work should
 AFTER_LOAD: list = []
 
 
@@ -128,7 +128,7 @@ class StepDump:
         self.seen: set[str] = set()                # the requests of the steps written so far
         self.warned = False                        # a prefix-cache hit without token ids has been reported
         self.stopped = False
-        self.handoffs = None                       # a pipeline stage's hand-offs (tpcheck.engines.vllm_pp)
+        self.handoffs = None                       # a pipeline stage's hand-offs (tpcheck.engines.vllm.pp)
 
     def pre_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -237,7 +237,7 @@ def _install(worker) -> None:
 
     from tpcheck import capture
     from tpcheck.capture.maps import VLLM_MAP
-    from tpcheck.capture.vllm_routes import attach_route_probes
+    from tpcheck.engines.vllm.routes import attach_route_probes
     runner = worker.model_runner
     model = runner.get_model()
     attach_route_probes(model)  # the experts vLLM chose (moe.topk_ids), before the capture hooks
@@ -253,7 +253,8 @@ def _install(worker) -> None:
     dump = StepDump(cap, runner)
     if stage is not None:
         from tpcheck.capture.core import ENV_DIR, ENV_POINTS
-        from tpcheck.capture.stages import StageHandoffs, stage_range, write_stage
+        from tpcheck.capture.stages import write_stage
+        from tpcheck.engines.vllm.stages import StageHandoffs, stage_range
         dump.handoffs = StageHandoffs(model, os.environ.get(ENV_POINTS) or None)
         if get_tensor_model_parallel_rank() == 0:
             write_stage(os.environ[ENV_DIR], stage, pp.world_size, stage_range(model))

@@ -7,7 +7,7 @@ Without it, ``--engine vllm`` is refused before anything starts (``check_layout`
 
 How (no pickled functions: every call into the ranks is a method *name*):
 
-* the ``LLM`` is started with ``worker_extension_cls="tpcheck.engines.vllm_worker.TPCheckWorker"``, so each
+* the ``LLM`` is started with ``worker_extension_cls="tpcheck.engines.vllm.worker.TPCheckWorker"``, so each
   vLLM worker gains the ``tpcheck_*`` methods, called through ``LLM.collective_rpc("tpcheck_...")``;
 * ``tpcheck_setup`` installs ``tpcheck.capture`` with ``VLLM_MAP`` on the worker's model (no writer: the
   points go back to the harness), a forward pre-hook on the model that records (and, teacher-forcing the
@@ -21,12 +21,12 @@ How (no pickled functions: every call into the ranks is a method *name*):
 Teacher forcing of tokens: vLLM samples its own next token, but the model consumes the one the harness
 gives: the pre-hook writes it into ``input_ids`` (so the KV cache holds the harness's token; vLLM's own
 record of its output is ignored). Teacher forcing of hidden states (the local pass, on by default as for impl):
-each step's ``teacher`` goes to the ranks (``tpcheck_teach``), whose ``vllm_worker.NormTeacher`` calls the fused
+each step's ``teacher`` goes to the ranks (``tpcheck_teach``), whose ``vllm.worker.NormTeacher`` calls the fused
 add + RMSNorm at each layer's entry on ``(0, the golden's input)`` (layer 0: its input replaced): an exact teacher input in any dtype. The KV cache is
-read back from vLLM's paged cache (``vllm_worker.paged_kv_rows``: the CPU backend's layout and the
+read back from vLLM's paged cache (``vllm.worker.paged_kv_rows``: the CPU backend's layout and the
 flash-attention layout). vLLM computes ``logits`` only for the rows it samples (at a prefill, each prompt's
 last): those rows are compared, and the run's coverage counts the others (``rows_not_produced``).
-Faults (``vllm_worker.VLLM_FAULTS``) wrap one module or one linear's GEMM on one rank (Python API only:
+Faults (``vllm.worker.VLLM_FAULTS``) wrap one module or one linear's GEMM on one rank (Python API only:
 ``--inject`` names impl's fault catalog).
 
 The environment vLLM's CPU build needs, set here where unset (``vllm_env``): ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
@@ -54,11 +54,11 @@ from tpcheck.reference.reductions import Reductions
 from tpcheck.engines.adapter import by_point
 from tpcheck.capture.rounding import cpu_has_bf16_rounding, declared_rounding
 from tpcheck.engines.impl.adapter import stage_points
-from tpcheck.engines.vllm_pp import check_pp_faults, check_stages
+from tpcheck.engines.vllm.pp import check_pp_faults, check_stages
 from tpcheck.capture.points import fused_out_stage
-from tpcheck.capture.vllm_plugin import cpu_bind
+from tpcheck.engines.vllm.plugin import cpu_bind
 
-logger = logging.getLogger("tpcheck.engines.vllm")
+logger = logging.getLogger("tpcheck.engines.vllm.adapter")
 
 Points = dict[str, tuple[object, list[torch.Tensor | None]]]
 
@@ -158,7 +158,7 @@ class VLLMAdapter:
     caching, no tokenizer), driven one engine step per harness step. ``faults``: ``(name, layer, rank)``
     triples of ``FAULTS``, applied at ``begin`` and removed at ``close``. ``llm_kwargs`` go to ``LLM``.
     vLLM all-reduces row-parallel partial products in the activations' dtype: ``Reductions(tp)``. ``pp``: pipeline
-    stages of ``tp`` ranks each (``pipeline_parallel_size``; ``tpcheck.engines.vllm_pp``), each point taken from the
+    stages of ``tp`` ranks each (``pipeline_parallel_size``; ``tpcheck.engines.vllm.pp``), each point taken from the
     stage that reports it (``point_stage``)."""
 
     point_stage = staticmethod(fused_out_stage)  # the stage whose ranks report a point (the rows' stage column)
@@ -167,7 +167,7 @@ class VLLMAdapter:
                  pp: int = 1, pp_partition: str | None = None, **llm_kwargs):
         vllm_env(tp * pp)
         self.reductions = Reductions(tp)
-        self.teacher_forcing = True  # the local pass: through the fused norms (vllm_worker.NormTeacher)
+        self.teacher_forcing = True  # the local pass: through the fused norms (vllm.worker.NormTeacher)
         self.tp, self.pp, self.faults = tp, pp, list(faults)
         # pipeline stages' layers [start, end), as vLLM split them (None: one stage); the points the run expects
         self.stages: tuple[tuple[int, int], ...] | None = None
@@ -197,7 +197,7 @@ class VLLMAdapter:
             self.llm = LLM(model=str(model_dir), tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
                            dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, enable_prefix_caching=False,
                            max_model_len=max_model_len, seed=0,
-                           worker_extension_cls="tpcheck.engines.vllm_worker.TPCheckWorker", **llm_kwargs)
+                           worker_extension_cls="tpcheck.engines.vllm.worker.TPCheckWorker", **llm_kwargs)
         finally:
             if pp_partition is not None and old is None:
                 del os.environ["VLLM_PP_LAYER_PARTITION"]

@@ -10,7 +10,7 @@ uses, so they are captured, not recomputed from the logits: ``RouteProbe`` is an
 router's own bound ``select_experts``; the router instance's ``select_experts`` is replaced by the probe, so the
 runner's call goes through the module, its forward hooks (``VLLM_MAP``: ``mlp.route_probe`` ->
 ``moe.topk_weights``, ``moe.topk_ids``) see exactly what the kernel gets, and a forward pre-hook can change what
-the selection sees on one rank (``vllm_worker.VLLM_FAULTS["route-expert-raised"]``).
+the selection sees on one rank (``vllm.worker.VLLM_FAULTS["route-expert-raised"]``).
 
 The ids are the router's logical (global) expert ids: vLLM maps them to physical ids after ``_compute_routing``
 only with EPLB, inside ``_select_experts``, whose result the probe returns unchanged; ``tpcheck.pipeline.routes``

@@ -1,5 +1,5 @@
 """A vLLM ``general_plugins`` entry point: ``TPCHECK_DUMP_FAULT=NAME@LAYER[:RANK]`` (with ``TPCHECK_DUMP``) seeds
-one of ``--engine vllm``'s in-rank faults (``tpcheck.engines.vllm_faults.VLLM_FAULTS``, or a pipeline one) into
+one of ``--engine vllm``'s in-rank faults (``tpcheck.engines.vllm.faults.VLLM_FAULTS``, or a pipeline one) into
 decoder layer ``LAYER`` on TP rank ``RANK`` (default 0) of the user's own, unchanged script::
 
     TPCHECK_DUMP=runs/bad TPCHECK_DUMP_FAULT=o-proj-partial@1:1 python my_vllm_script.py
@@ -15,15 +15,15 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger("tpcheck.engines.vllm_fault_plugin")
+logger = logging.getLogger("tpcheck.engines.vllm.fault_plugin")
 
 ENV_FAULT = "TPCHECK_DUMP_FAULT"
 
 
 def parse_fault(spec: str, num_layers: int) -> tuple[str, int, int]:
     """``NAME@LAYER[:RANK]`` as ``(name, layer, rank)``; a ``ValueError`` naming ``TPCHECK_DUMP_FAULT`` otherwise."""
-    from tpcheck.engines.vllm_faults import VLLM_FAULTS
-    from tpcheck.engines.vllm_pp import VLLM_PP_FAULTS
+    from tpcheck.engines.vllm.faults import VLLM_FAULTS
+    from tpcheck.engines.vllm.pp import VLLM_PP_FAULTS
     name, _, where = spec.partition("@")
     layer, _, rank = where.partition(":")
     known = [*VLLM_FAULTS, *VLLM_PP_FAULTS]
@@ -38,7 +38,7 @@ def seed(worker) -> None:
     """``TPCHECK_DUMP_FAULT``'s fault applied on this worker's rank (nothing on the other ranks)."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    from tpcheck.engines.vllm_faults import apply_fault
+    from tpcheck.engines.vllm.faults import apply_fault
     model = worker.model_runner.get_model()
     name, layer, rank = parse_fault(os.environ[ENV_FAULT], len(model.model.layers))
     tp = get_tensor_model_parallel_world_size()
@@ -56,6 +56,6 @@ def register() -> None:
     if not os.environ.get("TPCHECK_DUMP"):
         logger.warning(f"tpcheck: {ENV_FAULT} without TPCHECK_DUMP: nothing is seeded (the fault is for a dump)")
         return
-    from tpcheck.capture.vllm_plugin import AFTER_LOAD
+    from tpcheck.engines.vllm.plugin import AFTER_LOAD
     if seed not in AFTER_LOAD:  # plugins may be loaded more than once per process
         AFTER_LOAD.append(seed)

@@ -1,12 +1,12 @@
-"""The faults ``tpcheck.engines.vllm_worker.TPCheckWorker`` applies inside one vLLM rank, by name (``VLLM_FAULTS``):
+"""The faults ``tpcheck.engines.vllm.worker.TPCheckWorker`` applies inside one vLLM rank, by name (``VLLM_FAULTS``):
 tensor-parallel ones on a decoder layer's modules, a mixture-of-experts route, quantization scales
-(``tpcheck.engines.vllm_quant_faults``); the pipeline's (``tpcheck.engines.vllm_pp``) act on a stage boundary."""
+(``tpcheck.engines.vllm.quant_faults``); the pipeline's (``tpcheck.engines.vllm.pp``) act on a stage boundary."""
 from __future__ import annotations
 
-from tpcheck.capture.stages import stage_range
-from tpcheck.capture.vllm_routes import raise_expert
-from tpcheck.engines.vllm_pp import VLLM_PP_FAULTS, apply_pp_fault
-from tpcheck.engines.vllm_quant_faults import QUANT_FAULTS
+from tpcheck.engines.vllm.stages import stage_range
+from tpcheck.engines.vllm.routes import raise_expert
+from tpcheck.engines.vllm.pp import VLLM_PP_FAULTS, apply_pp_fault
+from tpcheck.engines.vllm.quant_faults import QUANT_FAULTS
 
 # ---------------------------------------------------------------- faults, applied inside one rank
 
@@ -63,7 +63,7 @@ VLLM_FAULTS.update(QUANT_FAULTS)
 
 
 def apply_fault(model, worker, name: str, layer: int) -> list[tuple[str, object]]:
-    """Fault ``name`` (``VLLM_FAULTS``, or a pipeline one of ``tpcheck.engines.vllm_pp.VLLM_PP_FAULTS``) applied to
+    """Fault ``name`` (``VLLM_FAULTS``, or a pipeline one of ``tpcheck.engines.vllm.pp.VLLM_PP_FAULTS``) applied to
     decoder layer ``layer`` of this rank's ``model`` (none where the layer is another pipeline stage's); what
     ``undo_faults`` takes to undo it. ``worker``: the vLLM worker (a quantization scale fault reads its device)."""
     if name in VLLM_PP_FAULTS:  # a stage boundary's, on the side it acts on

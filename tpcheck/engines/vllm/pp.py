@@ -1,5 +1,5 @@
 """Real vLLM under pipeline parallelism (``tpcheck diff --engine vllm --pp N``): what a pipelined vLLM rank needs
-beyond ``tpcheck.engines.vllm_worker`` (each rank's stage, its receive buffers, the stage boundary's hand-off
+beyond ``tpcheck.engines.vllm.worker`` (each rank's stage, its receive buffers, the stage boundary's hand-off
 points, the seeded pipeline faults) and how the harness assigns a vLLM point to the stage that reports it.
 
 vLLM's layout (``vllm.distributed.parallel_state``): ``pp x tp`` workers, global rank ``stage * tp + tp_rank``
@@ -15,7 +15,7 @@ import os
 
 from impl.config import ConfigError
 from impl.pipeline import layer_partition
-from tpcheck.capture.stages import stage_range
+from tpcheck.engines.vllm.stages import stage_range
 
 
 def check_stages(stages, num_layers: int, pp: int, partition: str | None) -> None:
