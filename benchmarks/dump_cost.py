@@ -102,7 +102,7 @@ def main() -> int:
 def compare_rate(llm, model_dir: str, prompt: list[int], a, root: Path) -> dict:
     """A dump of every point, compared ``a.repeats`` times as ``tpcheck compare`` does: rows/s and MiB/s."""
     from impl import SamplingParams
-    from tpcheck.capture.dump import DumpAdapter, read_dump
+    from tpcheck.engines.dump.replay import DumpAdapter, read_dump
     from tpcheck.engines.impl.adapter import generate_dumped
     from tpcheck.pipeline.diff import compare_engine
     from tpcheck.reference.reductions import Reductions

@@ -80,7 +80,7 @@ def judged_dump(args, pool, prompts, tp: int, dtype: str, inject: str | None):
     import tempfile
 
     import tpcheck
-    from tpcheck.engines.stage_dump import open_dump, stage_options
+    from tpcheck.engines.dump.stages import open_dump, stage_options
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.reference.reductions import Reductions

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, how
 from common import make_log, print_table  # noqa: E402
 from dump_local_pass import compare_dump, excess_at, origin  # noqa: E402
 
-from tpcheck.capture.dump import DumpingAdapter  # noqa: E402
+from tpcheck.engines.dump.dumping import DumpingAdapter  # noqa: E402
 
 from tpcheck.engines.pool import EnginePool  # noqa: E402
 from tpcheck.engines.vllm.adapter import start  # noqa: E402

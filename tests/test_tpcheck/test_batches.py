@@ -11,7 +11,8 @@ import pytest
 
 from impl.placements import Replicate
 from tpcheck.capture.batches import RequestLog, StepBatch
-from tpcheck.capture.dump import DumpError, DumpWriter, read_dump
+from tpcheck.capture.dump import DumpError, DumpWriter
+from tpcheck.engines.dump.replay import read_dump
 from tpcheck.cli.app import main
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 

@@ -12,7 +12,8 @@ import torch
 import tpcheck
 from diff_runs import verdict_rows
 from tpcheck.cli.app import main
-from tpcheck.capture.dump import DumpAdapter, DumpError, read_dump
+from tpcheck.capture.dump import DumpError
+from tpcheck.engines.dump.replay import DumpAdapter, read_dump
 from tpcheck.cli.fault_matrix import prompts_for, smallest_config
 from tpcheck.pipeline.diff import compare_engine
 from tpcheck.reference.reductions import Reductions

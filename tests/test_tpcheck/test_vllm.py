@@ -166,7 +166,7 @@ def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, 
     """TPCHECK_DUMP=DIR on an unchanged vLLM serving loop (tp 2): requests join at different steps, prompts are
     prefilled in chunks, requests leave at different steps; `tpcheck compare` follows each request and passes; and
     the loop samples the same tokens with the same logprobs with the dump off."""
-    from tpcheck.capture.dump import read_dump
+    from tpcheck.engines.dump.replay import read_dump
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
     dump = tmp_path / "dump"
@@ -233,7 +233,7 @@ def test_plugin_dump_with_prefix_caching_compares_clean(vllm_env, ckpt, tmp_path
     """vLLM's prefix caching on (its default): the second prompt's first 128 tokens (a CPU block) are served from
     the first prompt's blocks, for both of its sampled completions; the dump records their prompts and
     `tpcheck compare` rebuilds the cached prefix in the golden and passes."""
-    from tpcheck.capture.dump import read_dump
+    from tpcheck.engines.dump.replay import read_dump
     script = tmp_path / "prefix.py"
     script.write_text(PREFIX_SCRIPT)
     dump = tmp_path / "dump"
@@ -270,7 +270,7 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     sampled; --dump written and `tpcheck compare` of it judged the same."""
     import tpcheck
     from diff_runs import propagated_rows
-    from tpcheck.capture.dump import DumpAdapter, read_dump
+    from tpcheck.engines.dump.replay import DumpAdapter, read_dump
     from tpcheck.pipeline.diff import compare_engine
     from tpcheck.reference.reductions import Reductions
     result = tpcheck.diff(str(ckpt), tp=2, dtype=dtype, prompts=PROMPTS, decode_steps=3, engine="vllm", pool=pool,

@@ -100,7 +100,7 @@ def test_plugin_dump_of_a_pp2_script_compares_clean(vllm_env, ckpt, tmp_path):  
     import subprocess
     import sys
 
-    from tpcheck.capture.dump import read_dump
+    from tpcheck.engines.dump.replay import read_dump
     script = tmp_path / "pp.py"
     script.write_text(PP_SCRIPT)
     dump = tmp_path / "dump"

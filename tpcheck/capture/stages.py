@@ -1,6 +1,6 @@
 """A pipeline stage's side of its stage boundaries, inside a rank: the hand-off points it sends or receives
 (``HandoffHooks``: impl's ranks, ``tpcheck.engines.impl.ranks``; vLLM's, ``tpcheck.engines.vllm.stages``) and the
-stage file of a pipelined dump (``write_stage``; ``tpcheck.engines.stage_dump`` reads it)."""
+stage file of a pipelined dump (``write_stage``; ``tpcheck.engines.dump.stages`` reads it)."""
 from __future__ import annotations
 
 import re

@@ -155,7 +155,7 @@ def _cmd_compare(a, argv: list[str]) -> int:
     from tpcheck.result.meta import RunOrigin
     from tpcheck.reference.reductions import Reductions
     from tpcheck.judge.tolerances import load_tolerances
-    from tpcheck.engines.stage_dump import stage_options
+    from tpcheck.engines.dump.stages import stage_options
     from tpcheck.engines.sglang_dump.reader import open_any
     tol = load_tolerances(a.tolerances)
     dump, engine, stages = open_any(a.dump_dir, a.format, str(a.model), lambda tp: Reductions(tp, a.reduce_dtype),

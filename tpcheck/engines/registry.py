@@ -5,7 +5,7 @@ or kept in the ``tpcheck.engines.pool.EnginePool``; ``plan`` the run resolved, a
 ``plan.opts`` its ``tpcheck.options.DiffOptions``, ``plan.model_dir``, ``plan.cfg``, ``plan.select``) and may define
 ``check_layout(cfg, tp)`` (refuse a layout it cannot run, before any rank starts) and ``FAULTS = True``
 (``--inject`` patches it). ``--dump`` is the entry's: ``EngineEntry.start`` wraps the adapter in a
-``tpcheck.capture.dump.DumpingAdapter`` (the points written from the driver), unless the engine's ranks write
+``tpcheck.engines.dump.dumping.DumpingAdapter`` (the points written from the driver), unless the engine's ranks write
 their own (``dumps_in_ranks``: impl). Modules are imported when an engine is used, so listing
 the engines costs nothing. Any other engine comes through a dump (``tpcheck compare``) or an adapter
 (``tpcheck.pipeline.diff.compare_engine``)."""
@@ -33,7 +33,7 @@ class EngineEntry:
         opts = plan.opts
         if opts.dump is None or self.dumps_in_ranks:
             return adapter
-        from tpcheck.capture.dump import DumpingAdapter  # imported with the dump, as the engine modules are
+        from tpcheck.engines.dump.dumping import DumpingAdapter  # imported with the dump, as the engine modules are
         budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)
         return DumpingAdapter(adapter, opts.dump, opts.dtype, self.name, opts.dump_points, budget, plan.model_dir)
 

@@ -243,7 +243,7 @@ def _install(worker) -> None:
     attach_route_probes(model)  # the experts vLLM chose (moe.topk_ids), before the capture hooks
     dtype = str(worker.model_config.dtype).removeprefix("torch.")
     ckpt = str(worker.model_config.model)  # a local checkpoint directory: the dump records its fingerprint
-    pp = get_pp_group()  # pipeline stages: each stage's ranks write DIR/stage{s} (tpcheck.engines.stage_dump)
+    pp = get_pp_group()  # pipeline stages: each stage's ranks write DIR/stage{s} (tpcheck.engines.dump.stages)
     stage = pp.rank_in_group if pp.world_size > 1 else None
     cap = capture.from_env(model, VLLM_MAP, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
                            dtype, "vllm", ckpt if os.path.isdir(ckpt) else None, stage=stage,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tpcheck.capture.dump import Dump, DumpAdapter, DumpError, read_dump
+from tpcheck.capture.dump_format import DumpError
+from tpcheck.engines.dump.replay import Dump, DumpAdapter, read_dump
 from impl.config import load_config
 from tpcheck.capture.points import fused_out_stage, model_point_names, point_stage, stage_handoffs
 from tpcheck.capture.rounding import least_known
