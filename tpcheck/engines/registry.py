@@ -26,6 +26,18 @@ class EngineEntry:
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
+    @property
+    def faults(self) -> bool:
+        """Whether ``--inject`` patches this engine (its module's ``FAULTS = True``)."""
+        return bool(getattr(self.load(), "FAULTS", False))
+
+    def check_layout(self, cfg, tp: int) -> None:
+        """The module's ``check_layout(cfg, tp)`` where it has one (it refuses a layout the engine cannot run,
+        before any rank starts); nothing where it has none."""
+        check = getattr(self.load(), "check_layout", None)
+        if check is not None:
+            check(cfg, tp)
+
     def start(self, pool, plan):
         """The adapter of the diff ``plan`` on ``pool`` (the module's ``start``), writing ``--dump`` unless the
         ranks do: the dump records the checkpoint's fingerprint (``plan.model_dir``) whatever the engine."""

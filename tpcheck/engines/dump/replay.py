@@ -14,6 +14,7 @@ from tpcheck.capture.batches import RequestLog, StepBatch, UnknownPrefix
 from tpcheck.capture.dump import FORMAT, STEP_FILE
 from tpcheck.capture.dump_format import DumpError, check_fits, check_rows, placement_from_json
 from tpcheck.capture.rounding import declared_rounding
+from tpcheck.engines.adapter import EngineAdapter
 from tpcheck.inputs.fingerprint import fingerprint
 from tpcheck.inputs.step_store import load_step
 from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, token_lists, verify_tensor
@@ -190,7 +191,7 @@ def _batch(meta: dict) -> StepBatch:
                      meta.get("prompts", {}))
 
 
-class DumpAdapter:
+class DumpAdapter(EngineAdapter):
     """A dump replayed as an engine (``tpcheck.engines.adapter.EngineAdapter``): each ``step`` returns the recorded
     points of the next step. ``schedule(s)`` gives the requests, tokens and positions the engine ran at step s
     (``tpcheck.capture.batches.StepBatch``), which the golden replays instead of its own greedy choice (so a

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from tpcheck.capture.dump_format import DumpError
+from tpcheck.engines.adapter import EngineAdapter
 from tpcheck.engines.dump.replay import Dump, DumpAdapter, read_dump
 from impl.config import load_config
 from tpcheck.capture.points import fused_out_stage, model_point_names, point_stage, stage_handoffs
@@ -94,7 +95,7 @@ def read_pipeline_dump(root: str | Path) -> tuple[list[Dump], tuple[tuple[int, i
     return dumps, tuple(stages)
 
 
-class PipelineDumpAdapter:
+class PipelineDumpAdapter(EngineAdapter):
     """The stages' dumps replayed as one engine (``tpcheck.engines.adapter.EngineAdapter``, as ``DumpAdapter``):
     each step's points from the stage that computed them, a boundary's hand-off checked against what the stage
     before sent (a finding in ``point_notes``), a stage that recorded none of its expected points exit 3."""

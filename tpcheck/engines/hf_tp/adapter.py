@@ -24,7 +24,7 @@ import torch
 from impl.config import ConfigError, ModelConfig, load_config
 from impl.distributed import shares_device
 from impl.executor import Executor
-from tpcheck.engines.adapter import by_point
+from tpcheck.engines.adapter import EngineAdapter, by_point
 from tpcheck.inputs.devices import gpu_count
 from tpcheck.reference.reductions import Reductions
 
@@ -40,7 +40,7 @@ def check_layout(cfg: ModelConfig, tp: int) -> None:
                               "shards q/k/v_proj by rows without replicating KV heads and would split a head")
 
 
-class HFTPAdapter:
+class HFTPAdapter(EngineAdapter):
     """``tpcheck.engines.adapter.EngineAdapter`` over ``tp`` HF tp_plan ranks (started here, reused until ``shutdown``).
     ``reductions``: transformers' row-parallel layers all-reduce their partial outputs in the activations'
     dtype, rank blocks contiguous along ``in_features`` (``Shard(1)`` weights)."""

@@ -12,7 +12,7 @@ from impl.pipeline import parse_partition
 from tpcheck.engines.impl import ranks as capture_impl
 from tpcheck.capture.core import QUEUE_MB
 from tpcheck.capture.points import point_stage, split_point
-from tpcheck.engines.adapter import Points, by_point
+from tpcheck.engines.adapter import EngineAdapter, Points, by_point
 from tpcheck.judge.coverage import CoverageError
 from tpcheck.engines.impl import faults
 from tpcheck.reference.reductions import Reductions
@@ -60,7 +60,7 @@ def start(pool, plan) -> "ImplAdapter":
     return adapter
 
 
-class ImplAdapter:
+class ImplAdapter(EngineAdapter):
     """impl through ``impl.LLM.call``: hooks live in ``tpcheck.engines.impl.ranks`` inside each rank. Faults
     (``tpcheck.engines.impl.faults``) are applied at ``begin`` and undone at ``close`` by reloading the weights.
     ``dump``: ``tpcheck.capture.dump.DumpWriter`` keywords less rank/tp/engine; each rank writes its own points there

@@ -51,7 +51,7 @@ import torch
 
 from impl.config import ConfigError, ModelConfig
 from tpcheck.reference.reductions import Reductions
-from tpcheck.engines.adapter import by_point
+from tpcheck.engines.adapter import EngineAdapter, by_point
 from tpcheck.capture.rounding import cpu_has_bf16_rounding, declared_rounding
 from tpcheck.engines.impl.adapter import stage_points
 from tpcheck.engines.vllm.pp import check_pp_faults, check_stages
@@ -153,7 +153,7 @@ def one_batch_at_a_time(engine) -> None:
     core.batch_queue, core.batch_queue_size, core.step_fn = None, 1, core.step
 
 
-class VLLMAdapter:
+class VLLMAdapter(EngineAdapter):
     """A real ``vllm.LLM`` on the checkpoint ``model_dir`` at tensor parallelism ``tp`` (eager, no prefix
     caching, no tokenizer), driven one engine step per harness step. ``faults``: ``(name, layer, rank)``
     triples of ``FAULTS``, applied at ``begin`` and removed at ``close``. ``llm_kwargs`` go to ``LLM``.
