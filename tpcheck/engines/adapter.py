@@ -8,7 +8,7 @@ None). Points an engine does not report are not compared, and listed (``tpcheck.
 
 Three methods are required (``begin``, ``step``, ``close``); every other member is an optional capability,
 declared here with the default an adapter that lacks it gets, so the pipeline reads each one directly (the
-adapter reference in ``docs/adapters.md`` is generated from this class: ``python -m tpcheck.engines.reference``).
+adapter reference, ``docs/reference/adapter.md``, is generated from this class: ``python -m tpcheck.cli.adapter_reference``).
 An object that follows the protocol without deriving from the class is wrapped by ``as_adapter``, which gives it
 the same defaults."""
 from __future__ import annotations
@@ -115,7 +115,7 @@ class EngineAdapter(ABC):
         """Release what ``begin`` took; leave the engine reusable."""
 
 
-#: the optional members, in the order the reference lists them (``tpcheck.engines.reference``)
+#: the optional members, in the order the reference lists them (``tpcheck.cli.adapter_reference``)
 CAPABILITIES: tuple[str, ...] = ("reductions", "teacher_forcing", "takes_prefix", "rounding", "cpu_bf16_rounding",
                                  "stages", "point_rows", "point_notes", "point_stage", "schedule", "lacking",
                                  "take_prefix")
