@@ -116,7 +116,7 @@ def test_format_1_dumps_are_refused_naming_the_file(ckpt, tmp_path):
 
 
 def test_impl_serving_dump_compares_clean(ckpt, tmp_path):
-    """impl's own scheduler, dumped as it ran (``tpcheck.engines.impl.generate_dumped``): 4 requests of different
+    """impl's own scheduler, dumped as it ran (``tpcheck.engines.impl.adapter.generate_dumped``): 4 requests of different
     lengths and max_tokens, at most 3 running (the others join at later steps), a KV cache small enough to preempt
     and recompute; ``tpcheck compare`` judges it clean, and a fault seeded in the ranks is found."""
     from impl import LLM, CacheConfig, SamplingParams

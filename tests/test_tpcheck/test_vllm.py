@@ -20,7 +20,7 @@ from tpcheck.engines.vllm.worker import VLLM_FAULTS as FAULTS
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [9, 250, 31, 64, 12]]
 # a small CPU box: 1 GiB of KV cache, no thread binding (else "Not enough allowed NUMA nodes"), and the engine
-# core in-process (tpcheck.engines.vllm.vllm_env sets the same where unset)
+# core in-process (tpcheck.engines.vllm.adapter.vllm_env sets the same where unset)
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -101,7 +101,7 @@ def test_vllm_env_gives_vllm_a_socket_directory_of_its_own_and_refuses_an_empty_
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory):
     pytest.importorskip("vllm")
-    # the plain scripts' vLLM (no tpcheck.engines.vllm.vllm_env there) leaves its ZeroMQ sockets in this directory
+    # the plain scripts' vLLM (no tpcheck.engines.vllm.adapter.vllm_env there) leaves its ZeroMQ sockets in this directory
     env = {**VLLM_ENV, "VLLM_RPC_BASE_PATH": str(tmp_path_factory.mktemp("vllm-rpc"))}
     old = {k: os.environ.get(k) for k in env}
     for k, v in env.items():

@@ -96,7 +96,7 @@ PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200, 61, 13, 140, 77], [9, 250, 31, 64, 12, 
 
 @pytest.fixture(scope="module")
 def pool():
-    """The engines of this module: vLLM sets what its CPU build needs where unset (``tpcheck.engines.vllm.vllm_env``)."""
+    """The engines of this module: vLLM sets what its CPU build needs where unset (``tpcheck.engines.vllm.adapter.vllm_env``)."""
     pytest.importorskip("vllm")
     from tpcheck.engines.pool import EnginePool
     p = EnginePool()

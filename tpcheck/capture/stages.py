@@ -22,7 +22,7 @@ class HandoffHooks:
     called with (its ``kwarg``, or its third argument), before any of its layers touches them; after layer ``sent``
     (its own last), the ones it returns to send. None: no such boundary; nor one the ``points`` regex (``--points``)
     does not keep. Which of the two a point is, the harness tells by the stage that reported it
-    (``tpcheck.engines.impl.stage_points``)."""
+    (``tpcheck.engines.impl.adapter.stage_points``)."""
 
     def __init__(self, module, received: int | None, sent: int | None, kwarg: str, points: str | None = None):
         self._got: dict[str, torch.Tensor] = {}

@@ -144,7 +144,7 @@ def run_devices(opts: DiffOptions, pool_device: str | None = None) -> tuple[str,
 
 def _check_pipeline(opts: DiffOptions, cfg) -> None:
     """``--pp`` / ``--pp-partition`` on impl or vLLM, a partition of this model's layers (``impl.pipeline``; vLLM's
-    own split is checked against it once its ranks have loaded: ``tpcheck.engines.vllm.start``)."""
+    own split is checked against it once its ranks have loaded: ``tpcheck.engines.vllm.adapter.start``)."""
     if opts.pp == 1 and opts.pp_partition is None:
         return
     if opts.engine not in ("impl", "vllm"):

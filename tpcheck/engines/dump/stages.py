@@ -9,7 +9,7 @@ Layout: one ``tpcheck.capture.dump`` directory per stage, its ranks numbered by 
 Each stage records its own layers' points (and, where it sends or receives across a boundary, the hand-off
 ``layers.{i}.handoff``); every stage must record the same steps, requests, tokens and positions, the same tp and
 dtype, and the stages' layers must follow one another from layer 0. ``PipelineDumpAdapter`` takes each point from
-the stage that computed it (``tpcheck.engines.impl.stage_points``, vLLM's owner rule
+the stage that computed it (``tpcheck.engines.impl.adapter.stage_points``, vLLM's owner rule
 ``tpcheck.capture.points.fused_out_stage``), the hand-off held bit for bit to what the stage before sent."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Inside each vLLM worker of ``tpcheck.engines.vllm.VLLMAdapter``: the ``TPCheckWorker`` methods (mixed in
+"""Inside each vLLM worker of ``tpcheck.engines.vllm.adapter.VLLMAdapter``: the ``TPCheckWorker`` methods (mixed in
 through ``worker_extension_cls``, called by name with ``collective_rpc``: no pickled functions), the faults they
 apply inside one rank (``VLLM_FAULTS``, defined in ``tpcheck.engines.vllm.faults``), and the paged KV cache read
 back (``paged_kv_rows``, pure)."""
