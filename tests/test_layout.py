@@ -376,3 +376,27 @@ def test_the_pipeline_reads_adapters_without_probing():
     caught = _capability_probes("m.py", "getattr(c.engine, 'x', None)\nhasattr(cap, 'lacking')\n"
                                         "getattr(cfg, 'moe', None)\n", members)
     assert [c.split(":")[1] for c in caught] == ["1", "2"], caught
+
+
+def test_entry_points_name_modules_that_exist():
+    """Every entry point and script of pyproject.toml (vLLM's ``general_plugins`` among them, loaded by vLLM by
+    name in every process) names a module of this tree that defines the attribute: a module moved without its
+    entry point fails here, not in vLLM's log."""
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    targets = list(project.get("scripts", {}).values())
+    targets += [v for group in project.get("entry-points", {}).values() for v in group.values()]
+    bad = []
+    for target in targets:
+        mod, _, attr = target.partition(":")
+        path = ROOT / Path(*mod.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        if not path.is_file():
+            bad.append(f"{target}: no module {mod}")
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | \
+            {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        if attr and attr not in defined:
+            bad.append(f"{target}: {mod} defines no {attr}")
+    assert len(targets) >= 4 and not bad, "\n".join(bad)
