@@ -39,7 +39,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from impl import SamplingParams
-    from tpcheck.engines.impl import generate_dumped, get_llm
+    from tpcheck.engines.impl.adapter import generate_dumped, get_llm
     from tpcheck.engines.pool import EnginePool
     from tpcheck.inputs.checkpoints import cached_checkpoint
     from tpcheck.pipeline.check import random_prompts
@@ -102,8 +102,8 @@ def main() -> int:
 def compare_rate(llm, model_dir: str, prompt: list[int], a, root: Path) -> dict:
     """A dump of every point, compared ``a.repeats`` times as ``tpcheck compare`` does: rows/s and MiB/s."""
     from impl import SamplingParams
-    from tpcheck.capture.dump import DumpAdapter, read_dump
-    from tpcheck.engines.impl import generate_dumped
+    from tpcheck.engines.dump.replay import DumpAdapter, read_dump
+    from tpcheck.engines.impl.adapter import generate_dumped
     from tpcheck.pipeline.diff import compare_engine
     from tpcheck.reference.reductions import Reductions
     generate_dumped(llm, [prompt], SamplingParams(max_tokens=1), root)

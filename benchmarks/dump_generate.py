@@ -1,6 +1,6 @@
 """What a dump costs impl's own ``generate``, on the device it serves on.
 
-impl's serving path (``tpcheck.engines.impl.generate_dumped``: every rank's hooks capture each scheduler step, a
+impl's serving path (``tpcheck.engines.impl.adapter.generate_dumped``: every rank's hooks capture each scheduler step, a
 thread of each rank's writer writes it) against the same ``generate`` with no dump, for a batch of prompts and
 ``--new-tokens`` greedy tokens each: the dump of every point and of a selection (``--points``, default the logits
 and each layer's ``out``: what a dump's local pass needs; the selection of ``vllm_overhead.py``), each written by the
@@ -50,7 +50,7 @@ def main() -> int:
     log = make_log("dump_generate")
 
     from impl import SamplingParams
-    from tpcheck.engines.impl import generate_dumped, get_llm
+    from tpcheck.engines.impl.adapter import generate_dumped, get_llm
     from tpcheck.capture.core import QUEUE_MB
     import inspect
     queued = "queue_mb" in inspect.signature(generate_dumped).parameters

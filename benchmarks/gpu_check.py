@@ -55,7 +55,7 @@ class Parts:
     capture is the golden), the engine points' moves to the golden's device; ``rest`` = the diff less these."""
 
     def __init__(self):
-        from tpcheck.engines.impl import ImplAdapter
+        from tpcheck.engines.impl.adapter import ImplAdapter
         from tpcheck.pipeline import steps
         from tpcheck.reference.hf import HFCapture
         self.t = {"engine": 0.0, "golden": 0.0, "references": 0.0, "transfers": 0.0}

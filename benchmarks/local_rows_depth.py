@@ -34,7 +34,7 @@ def main() -> int:
     from tpcheck.cli import fault_matrix as fm
     from tpcheck.cli.fault_depth import depth_configs, depth_layers, depth_row
     from tpcheck.engines.pool import EnginePool
-    from tpcheck.inputs.faults import FAULTS, get_fault
+    from tpcheck.engines.impl.faults import FAULTS, get_fault
     lens = tuple(int(x) for x in a.prompt_lens.split(","))
     names = [n for n in (a.faults.split(",") if a.faults else list(FAULTS))
              if get_fault(n).per_layer and get_fault(n).check == "diff"]

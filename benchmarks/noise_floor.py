@@ -28,7 +28,7 @@ import pandas as pd
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
 from impl.config import load_config
-from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.engines.impl.faults import FAULTS, get_fault
 from tpcheck.pipeline.check import random_prompts
 from tpcheck.inputs.checkpoints import PRESETS, cached_checkpoint
 from tpcheck.cli.fault_matrix import expected_step, prompts_for, smallest_config

@@ -80,7 +80,7 @@ def judged_dump(args, pool, prompts, tp: int, dtype: str, inject: str | None):
     import tempfile
 
     import tpcheck
-    from tpcheck.engines.stage_dump import open_dump, stage_options
+    from tpcheck.engines.dump.stages import open_dump, stage_options
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.reference.reductions import Reductions
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
 def catalog(args, pool, cfg, runs, log) -> int:
     """Every per-layer fault that can show in each (tp, dtype) of the run, injected at ``--inject-layer``, on each of
     the runs' prompts: the expected origin, the one found and its excess."""
-    from tpcheck.inputs.faults import FAULTS
+    from tpcheck.engines.impl.faults import FAULTS
     print(f"\n{'fault':<34} {'tp':>3} {'dtype':>9} {'lens':>10} {'expected':<26} {'found':<26} {'excess':>9}")
     for tp in [int(x) for x in args.tp.split(",")]:
         for dtype in args.dtype.split(","):

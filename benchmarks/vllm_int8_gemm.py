@@ -1,5 +1,5 @@
 """vLLM's CPU INT8 GEMM (``_C.onednn_scaled_mm``, the oneDNN path ``CPUInt8ScaledMMLinearKernel`` takes on a CPU
-without AMX) against the exact int32 GEMM and against ``tpcheck.engines.vllm_int8.pair_saturating_gemm``, the
+without AMX) against the exact int32 GEMM and against ``tpcheck.engines.vllm.int8.pair_saturating_gemm``, the
 model of oneDNN's non-VNNI int8 path (int16 sums of adjacent u8 x s8 products, saturating).
 
 Unit scales and a float32 output, so the op's output is its int32 accumulator (below 2^24: exact in float32).
@@ -21,7 +21,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tpcheck.engines.vllm_int8 import exact_int8_gemm, pair_saturating_gemm, saturated_pairs  # noqa: E402
+from tpcheck.engines.vllm.int8 import exact_int8_gemm, pair_saturating_gemm, saturated_pairs  # noqa: E402
 
 
 def vllm_acc(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The live local pass of ``--engine vllm`` against its propagated pass alone, with depth: each vLLM fault
-(``tpcheck.engines.vllm_worker.VLLM_FAULTS``) seeded inside rank 1 at one decoder layer (the first, the middle, the
+(``tpcheck.engines.vllm.worker.VLLM_FAULTS``) seeded inside rank 1 at one decoder layer (the first, the middle, the
 last), one diff with both passes (the local pass is on by default), one vLLM started for all of them, after a
 clean run (its origin, how many rows failed and of which kinds). Per faulty run: the
 origin found, and the excess at the fault's own point in the local pass and in the propagated pass (what the
@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, how
 from common import make_log, print_table  # noqa: E402
 from dump_local_pass import compare_dump, excess_at, origin  # noqa: E402
 
-from tpcheck.capture.dump import DumpingAdapter  # noqa: E402
+from tpcheck.engines.dump.dumping import DumpingAdapter  # noqa: E402
 
 from tpcheck.engines.pool import EnginePool  # noqa: E402
-from tpcheck.engines.vllm import start  # noqa: E402
+from tpcheck.engines.vllm.adapter import start  # noqa: E402
 from tpcheck.inputs.checkpoints import cached_checkpoint  # noqa: E402
 from tpcheck.options import DiffOptions  # noqa: E402
 from tpcheck.pipeline.diff import compare  # noqa: E402

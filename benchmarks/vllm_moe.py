@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--no-fault", action="store_true", help="the clean runs only")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
-    from tpcheck.engines.vllm import VLLMAdapter
+    from tpcheck.engines.vllm.adapter import VLLMAdapter
     rows = []
     for preset in a.presets.split(","):
         ckpt = str(cached_checkpoint(preset))

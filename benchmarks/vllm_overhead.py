@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             "per layer, time per hook)")
     ap.add_argument("--json", help="--per-kind: also write the figures here")
     a = ap.parse_args(argv)
-    from tpcheck.engines.vllm import vllm_env
+    from tpcheck.engines.vllm.adapter import vllm_env
     from tpcheck.inputs.checkpoints import cached_checkpoint
     vllm_env(a.tp)  # what --engine vllm sets (OMP thread binding per rank, ...), for the generate runs too
     ckpt = cached_checkpoint(a.preset)

@@ -4,8 +4,8 @@
 length, so the same engine). One row per run: the verdict, the point closest to its threshold (or the origin of a
 failure) and its excess, and the seconds.
 
-``--faults NAME:LAYER:RANK,...`` (``tpcheck.engines.vllm_worker.VLLM_FAULTS``, the quantization ones of
-``tpcheck.engines.vllm_quant_faults``): each configuration's engine runs a clean diff, then one diff per fault
+``--faults NAME:LAYER:RANK,...`` (``tpcheck.engines.vllm.worker.VLLM_FAULTS``, the quantization ones of
+``tpcheck.engines.vllm.quant_faults``): each configuration's engine runs a clean diff, then one diff per fault
 seeded in that rank (``VLLMAdapter.faults``, the Python API's); a fault a layer refuses (a per-tensor scale where
 it needs channels) is shown with its error and ends that configuration. Run it in vLLM's virtual environment:
 

@@ -15,6 +15,7 @@ The test fails listing every violation, one per line, so a change that breaks a 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ MAX_PARAMS = 10
 #: ``tpcheck.diff`` and friends, a front end). One level may hold several stages that do not import each other
 #: in a cycle.
 STAGES: tuple[tuple[str, ...], ...] = (
-    ("", "cli", "properties", "pytest_plugin", "__main__", "hf_tp"),  # front ends
+    ("", "cli", "properties", "pytest_plugin", "__main__"),  # front ends
     ("pipeline",),
     ("options",),
     ("engines", "reference", "judge"),
@@ -45,12 +46,12 @@ LAZY_IMPORTS = {
     "tpcheck/pytest_plugin.py": "pytest loads the plugin in every session of a project that installs tpcheck: its "
                                 "fixtures import torch and the pipeline when used",
     "tpcheck/__init__.py": "import tpcheck stays cheap: tpcheck.diff and friends import the pipeline on first use",
-    "tpcheck/capture/vllm_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: vLLM and the capture "
+    "tpcheck/engines/vllm/plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: vLLM and the capture "
                                       "are imported only once TPCHECK_DUMP asks for a dump",
-    "tpcheck/engines/vllm_fault_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: nothing is "
+    "tpcheck/engines/vllm/fault_plugin.py": "vLLM's plugin entry point, loaded in every vLLM process: nothing is "
                                             "imported unless TPCHECK_DUMP_FAULT asks for a fault",
-    "tpcheck/engines/vllm.py": "vLLM is optional (its own virtual environment): imported when --engine vllm runs",
-    "tpcheck/engines/vllm_worker.py": "runs in vLLM's worker processes: vLLM's modules, and the capture once "
+    "tpcheck/engines/vllm/adapter.py": "vLLM is optional (its own virtual environment): imported when --engine vllm runs",
+    "tpcheck/engines/vllm/worker.py": "runs in vLLM's worker processes: vLLM's modules, and the capture once "
                                       "tpcheck sets a rank up",
 }
 #: imports that go up, each with why it stays for now (a new one fails the test)
@@ -299,3 +300,103 @@ def test_an_import_inside_a_function_says_why():
                         and not lines[node.lineno - 2].strip().startswith("#"):
                     bad.append(f"{rel}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     assert not bad, "imports inside functions without a reason (move them up, or say why):\n" + "\n".join(bad)
+
+
+#: the engines that each live in one package ``tpcheck/engines/<name>/``: its adapter, what runs in its ranks, its
+#: plugins and its faults. A module elsewhere in ``tpcheck/`` whose path names the engine (a path component equal
+#: to it or joined to it by ``_``: ``capture/vllm_plugin.py``, ``engines/impl.py``, ``stage_dump.py``) fails
+ENGINE_PACKAGES = ("impl", "vllm", "hf_tp", "dump")
+#: modules outside their engine's package that carry its name, each with why
+ENGINE_NAME_ALLOWED = {
+    "tpcheck/capture/dump.py": "the dump format's writer, which every engine's ranks (and a user's, through "
+                               "tpcheck.capture.from_env) write through: engine-independent",
+    "tpcheck/capture/dump_format.py": "the dump format's placements and checks, shared by the writer, the replay "
+                                      "and SGLang's reader: engine-independent",
+    "tpcheck/engines/sglang_dump/": "SGLang's dumper files, an engine of their own (read into the dump model)",
+}
+
+
+def _names_engine(rel: str, engine: str) -> bool:
+    """Whether a path component of ``rel`` (``.py`` dropped) is ``engine`` or joins it with ``_``."""
+    return any(re.search(rf"(^|_){engine}(_|$)", part) for part in rel.removesuffix(".py").split("/")[1:])
+
+
+def test_one_package_per_engine():
+    """Each engine of ``ENGINE_PACKAGES`` is a package under ``tpcheck/engines/``, and no module of ``tpcheck/``
+    outside it has the engine's name (``ENGINE_NAME_ALLOWED`` lists the exceptions, with why)."""
+    sources = [rel for rel in _sources() if rel.startswith("tpcheck/")]
+    bad = [f"tpcheck/engines/{e}/__init__.py is missing" for e in ENGINE_PACKAGES
+           if not (ROOT / "tpcheck" / "engines" / e / "__init__.py").is_file()]
+    for e in ENGINE_PACKAGES:
+        home = f"tpcheck/engines/{e}/"
+        bad += [f"{rel}: names engine {e!r} outside {home}" for rel in sources
+                if not rel.startswith(home) and not rel.startswith(tuple(ENGINE_NAME_ALLOWED))
+                and _names_engine(rel, e)]
+    assert not bad, "\n".join(bad)
+    assert _names_engine("tpcheck/capture/vllm_plugin.py", "vllm") and _names_engine("tpcheck/engines/impl.py", "impl")
+    assert _names_engine("tpcheck/engines/stage_dump.py", "dump") and not _names_engine("tpcheck/inputs/x.py", "impl")
+
+
+def _adapter_members() -> set[str]:
+    """The members of ``tpcheck.engines.adapter.EngineAdapter`` (its capabilities and required methods), read from
+    the source, plus the hooks the registry reads of an engine's module."""
+    tree = ast.parse((ROOT / "tpcheck" / "engines" / "adapter.py").read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineAdapter")
+    names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    names |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    return names | {"start", "check_layout", "FAULTS"}
+
+
+def _capability_probes(rel: str, src: str, members: set[str]) -> list[str]:
+    """``getattr(obj, "name", ...)`` / ``hasattr(obj, "name")`` calls that probe an engine: ``name`` a member of
+    ``EngineAdapter`` (or an engine module's hook), or ``obj`` an engine (its source names ``engine``, ``adapter``
+    or ``module``)."""
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and len(node.args) >= 2:
+            obj, attr = ast.unparse(node.args[0]), node.args[1]
+            named = isinstance(attr, ast.Constant) and attr.value in members
+            if named or re.search(r"\b(engine|adapter|module)\b", obj):
+                out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_the_pipeline_reads_adapters_without_probing():
+    """``pipeline/`` reads an adapter's capabilities directly: each is declared, with its default, on
+    ``tpcheck.engines.adapter.EngineAdapter`` (an object that does not derive from it is wrapped once by
+    ``as_adapter``), and an engine module's hooks are read by ``tpcheck.engines.registry.EngineEntry``. So no
+    ``getattr`` / ``hasattr`` in ``tpcheck/pipeline/`` names a member of ``EngineAdapter`` or an engine module's
+    hook (``start``, ``check_layout``, ``FAULTS``), nor takes an engine, an adapter or a module as its object."""
+    members = _adapter_members()
+    assert {"reductions", "teacher_forcing", "lacking", "point_rows", "point_stage", "rounding", "step"} <= members
+    bad = [p for rel, src in _sources().items() if rel.startswith("tpcheck/pipeline/")
+           for p in _capability_probes(rel, src, members)]
+    assert not bad, "capability probes in pipeline/ (declare the capability on EngineAdapter):\n" + "\n".join(bad)
+    caught = _capability_probes("m.py", "getattr(c.engine, 'x', None)\nhasattr(cap, 'lacking')\n"
+                                        "getattr(cfg, 'moe', None)\n", members)
+    assert [c.split(":")[1] for c in caught] == ["1", "2"], caught
+
+
+def test_entry_points_name_modules_that_exist():
+    """Every entry point and script of pyproject.toml (vLLM's ``general_plugins`` among them, loaded by vLLM by
+    name in every process) names a module of this tree that defines the attribute: a module moved without its
+    entry point fails here, not in vLLM's log."""
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    targets = list(project.get("scripts", {}).values())
+    targets += [v for group in project.get("entry-points", {}).values() for v in group.values()]
+    bad = []
+    for target in targets:
+        mod, _, attr = target.partition(":")
+        path = ROOT / Path(*mod.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        if not path.is_file():
+            bad.append(f"{target}: no module {mod}")
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | \
+            {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        if attr and attr not in defined:
+            bad.append(f"{target}: {mod} defines no {attr}")
+    assert len(targets) >= 4 and not bad, "\n".join(bad)

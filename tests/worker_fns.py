@@ -46,7 +46,7 @@ def runtime_error_on_rank(runner, rank: int):
 
 
 def hf_tp_swap_q_halves(rank, layer: int, on_rank: int = 1):
-    """A broken Hugging Face TP rank (``tpcheck.engines.hf_tp.HFTPRank``): on ``on_rank``, layer ``layer``'s local
+    """A broken Hugging Face TP rank (``tpcheck.engines.hf_tp.ranks.HFTPRank``): on ``on_rank``, layer ``layer``'s local
     q_proj shard has its two halves (rows and bias) swapped, as a loader that slices the wrong way would."""
     if rank.rank != on_rank:
         return False
@@ -90,13 +90,13 @@ def moe_route_second_best(runner, layer: int):
 
 
 def pending_points(runner) -> list[str]:
-    """The points impl's installed capture holds for a step not yet closed (``tpcheck.capture.impl``)."""
+    """The points impl's installed capture holds for a step not yet closed (``tpcheck.engines.impl.ranks``)."""
     st = getattr(runner.model, "_tpcheck", None)
     return [] if st is None else sorted(st["capture"]._pending)
 
 
 def capture_names(runner) -> list[str]:
-    """The points impl's installed capture hooks can give (``tpcheck.capture.impl``)."""
+    """The points impl's installed capture hooks can give (``tpcheck.engines.impl.ranks``)."""
     st = getattr(runner.model, "_tpcheck", None)
     return [] if st is None else sorted(st["capture"].names)
 

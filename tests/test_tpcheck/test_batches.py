@@ -11,7 +11,8 @@ import pytest
 
 from impl.placements import Replicate
 from tpcheck.capture.batches import RequestLog, StepBatch
-from tpcheck.capture.dump import DumpError, DumpWriter, read_dump
+from tpcheck.capture.dump import DumpError, DumpWriter
+from tpcheck.engines.dump.replay import read_dump
 from tpcheck.cli.app import main
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 
@@ -115,12 +116,12 @@ def test_format_1_dumps_are_refused_naming_the_file(ckpt, tmp_path):
 
 
 def test_impl_serving_dump_compares_clean(ckpt, tmp_path):
-    """impl's own scheduler, dumped as it ran (``tpcheck.engines.impl.generate_dumped``): 4 requests of different
+    """impl's own scheduler, dumped as it ran (``tpcheck.engines.impl.adapter.generate_dumped``): 4 requests of different
     lengths and max_tokens, at most 3 running (the others join at later steps), a KV cache small enough to preempt
     and recompute; ``tpcheck compare`` judges it clean, and a fault seeded in the ranks is found."""
     from impl import LLM, CacheConfig, SamplingParams
-    from tpcheck.engines.impl import generate_dumped
-    from tpcheck.inputs import faults
+    from tpcheck.engines.impl.adapter import generate_dumped
+    from tpcheck.engines.impl import faults
     d = ckpt("tiny")
     prompts = [[3 + i for i in range(n)] for n in (5, 11, 3, 8)]
     prompts = [[(7 * k + t) % 200 + 3 for t in p] for k, p in enumerate(prompts)]  # no shared prefixes
@@ -202,7 +203,7 @@ def test_impl_serving_dump_with_prefix_cache_hits_compares_clean(ckpt, tmp_path)
     start their prefill at position 8 on the first one's blocks; the dump records their prompts and ``compare``
     rebuilds the cached prefix in the golden and passes."""
     from impl import LLM, CacheConfig, SamplingParams
-    from tpcheck.engines.impl import generate_dumped
+    from tpcheck.engines.impl.adapter import generate_dumped
     d = ckpt("tiny")
     shared = [(5 * t + 3) % 200 + 3 for t in range(9)]
     prompts = [shared + [40 + k, 90 + k] for k in range(3)]

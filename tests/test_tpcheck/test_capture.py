@@ -16,11 +16,11 @@ from torch import nn
 
 from fake_tp import fake_rank
 from impl.placements import Fused, Partial, Replicate, Shard
-from tpcheck.capture import impl as capture_impl
+from tpcheck.engines.impl import ranks as capture_impl
 from tpcheck.capture import (HF_MAP, IMPL_MAP, VLLM_MAP, VLLM_NORMS_ONLY_MAP, Rule, from_env, install)
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 from tpcheck.capture.maps import vllm_gate_up_placement, vllm_qkv_placement
-from tpcheck.capture.dump import DumpAdapter, read_dump
+from tpcheck.engines.dump.replay import DumpAdapter, read_dump
 from tpcheck.measure.unshard import unshard
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 7]]

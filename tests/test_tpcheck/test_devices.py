@@ -17,7 +17,7 @@ import torch
 from impl.distributed import rank_device, shares_device
 from impl.executor import on_host
 from tpcheck.cli.app import main
-from tpcheck.engines.hf_tp import check_device
+from tpcheck.engines.hf_tp.adapter import check_device
 from tpcheck.inputs import devices
 from tpcheck.inputs.arg_types import device_name
 from tpcheck.inputs.devices import devices_of, resolve_device, to_device

@@ -12,7 +12,8 @@ import torch
 import tpcheck
 from diff_runs import verdict_rows
 from tpcheck.cli.app import main
-from tpcheck.capture.dump import DumpAdapter, DumpError, read_dump
+from tpcheck.capture.dump import DumpError
+from tpcheck.engines.dump.replay import DumpAdapter, read_dump
 from tpcheck.cli.fault_matrix import prompts_for, smallest_config
 from tpcheck.pipeline.diff import compare_engine
 from tpcheck.reference.reductions import Reductions
@@ -45,7 +46,7 @@ def test_live_and_dump_give_the_sameverdict_rows(ckpt, engines, tmp_path):
                                    "slot_mapping_off_by_one_at_block_boundary", "vocab_ids_not_masked"])
 def test_faults_through_dumps_keep_verdict_and_origin(ckpt, engines, tmp_path, fault):
     from impl.config import load_config
-    config = smallest_config(tpcheck.inputs.faults.get_fault(fault), ckpt)
+    config = smallest_config(tpcheck.engines.impl.faults.get_fault(fault), ckpt)
     prompts = prompts_for(config, load_config(ckpt(config["preset"])).vocab_size)
     live, offline = _live_and_offline(ckpt, engines, tmp_path, config["preset"], config["tp"], config["dtype"],
                                       config["decode_steps"], [fault], config["block_size"], prompts)
@@ -127,7 +128,7 @@ def test_a_dump_never_changes_the_engines_numbers(ckpt, engines, tmp_path):
     decode step (logits and the KV cache included), the logits of a plain forward after it, the tokens it
     generates; and the dump holds those same logits."""
     from impl import SamplingParams
-    from tpcheck.engines.impl import ImplAdapter, generate_dumped, get_llm
+    from tpcheck.engines.impl.adapter import ImplAdapter, generate_dumped, get_llm
     d = ckpt("tiny")
     llm = get_llm(engines, d, 2)
     prompts = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
@@ -157,7 +158,7 @@ def test_a_plain_generate_after_a_diff_or_a_dump_captures_nothing(ckpt, engines,
     the next diff: a rank's memory grew with every token), and a dump after a plain ``generate`` records its own
     forwards only (its first step's logits held the plain run's rows too)."""
     from impl import SamplingParams
-    from tpcheck.engines.impl import generate_dumped, get_llm
+    from tpcheck.engines.impl.adapter import generate_dumped, get_llm
     d = ckpt("tiny")
     llm = get_llm(engines, d, 2)
     prompts = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
@@ -179,7 +180,7 @@ def test_a_serving_dump_of_a_selection_hooks_only_the_selection(ckpt, engines, t
     its tensor: the writer's filter alone copied every point, then dropped it), the tokens unchanged; a diff after
     it hooks every point again."""
     from impl import SamplingParams
-    from tpcheck.engines.impl import generate_dumped, get_llm
+    from tpcheck.engines.impl.adapter import generate_dumped, get_llm
     d = ckpt("tiny")
     llm = get_llm(engines, d, 2)
     prompts = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]

@@ -10,9 +10,10 @@ import torch
 
 from impl.placements import Fused, Replicate, Shard
 from tpcheck.capture.background import BackgroundWriter
-from tpcheck.capture.dump import DumpError, DumpWriter, read_dump
+from tpcheck.capture.dump import DumpError, DumpWriter
 
 
+from tpcheck.engines.dump.replay import read_dump
 def _points(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {"layers.0.attn.": (Fused((("q", 8, Shard(-1)), ("k", 4, Shard(-1)), ("v", 4, Shard(-1)))),

@@ -11,7 +11,7 @@ import torch
 
 import tpcheck
 from tpcheck.capture.batches import StepBatch
-from tpcheck.capture.dump import DumpAdapter, read_dump
+from tpcheck.engines.dump.replay import DumpAdapter, read_dump
 from tpcheck.cli.app import main
 from tpcheck.pipeline.diff import compare_engine
 from tpcheck.pipeline.forced import RecordedInputs

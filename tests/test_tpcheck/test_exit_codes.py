@@ -14,7 +14,7 @@ from multiprocessing.connection import wait
 
 import pytest
 
-import tpcheck.engines.impl
+import tpcheck.engines.impl.adapter
 from impl.executor import RankError
 from tpcheck.cli.app import _exit_code, main
 from tpcheck.pipeline.diff import compare_engine
@@ -72,12 +72,12 @@ def test_unwritable_output_fails_before_engine_work(ckpt, tmp_path, capsys, wher
 
 
 def _patch_step(monkeypatch, before):
-    real = tpcheck.engines.impl.ImplAdapter.step
+    real = tpcheck.engines.impl.adapter.ImplAdapter.step
 
     def step(self, *args):
         before(self)
         return real(self, *args)
-    monkeypatch.setattr(tpcheck.engines.impl.ImplAdapter, "step", step)
+    monkeypatch.setattr(tpcheck.engines.impl.adapter.ImplAdapter, "step", step)
 
 
 def test_rank_killed_mid_diff_is_named(ckpt, monkeypatch, capsys):
@@ -180,13 +180,13 @@ def test_adapter_reporting_unknown_names_is_named(ckpt):
 
 
 def test_cli_coverage_failure_exits_3(ckpt, monkeypatch, capsys, tmp_path):
-    real = tpcheck.engines.impl.ImplAdapter.step
+    real = tpcheck.engines.impl.adapter.ImplAdapter.step
 
     def no_logits(self, *args):
         points = real(self, *args)
         points.pop("logits", None)
         return points
-    monkeypatch.setattr(tpcheck.engines.impl.ImplAdapter, "step", no_logits)
+    monkeypatch.setattr(tpcheck.engines.impl.adapter.ImplAdapter, "step", no_logits)
     out = tmp_path / "r.json"
     assert main(["diff", "--model", str(ckpt("tiny")), "--tp", "2", "--json", str(out)]) == 3
     _one_line_error(capsys.readouterr().err, "coverage", "logits")

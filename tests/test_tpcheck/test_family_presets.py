@@ -19,13 +19,13 @@ from tpcheck.properties import strategies as tst
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 from tpcheck.capture.maps import HF_TP_MAP, IMPL_MAP
 from tpcheck.judge.coverage import Coverage, check_known
-from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.engines.impl.faults import FAULTS, get_fault
 from tpcheck.capture.points import all_point_names, model_point_names, point_names
 from tpcheck.cli.sweep import TINY_PRESETS
 
 FAMILY_PRESETS = {"tiny-llama": "llama", "small-llama": "llama", "tiny-llama-bias": "llama",
                   "tiny-mistral": "mistral", "tiny-qwen3": "qwen3", "small-qwen3": "qwen3"}
-FAMILY_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.families"]
+FAMILY_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.families"]
 
 
 def _prompts(vocab: int, lens, seed: str) -> list[list[int]]:

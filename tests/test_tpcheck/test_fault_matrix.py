@@ -13,7 +13,7 @@ import pytest
 
 from tpcheck.cli import fault_matrix as M
 from tpcheck.cli import fault_matrix_command
-from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.engines.impl.faults import FAULTS, get_fault
 
 
 # the smallest configuration of each fault: (preset, tp, dtype, decode layout?)
@@ -43,16 +43,16 @@ SMALLEST = {
 # slot mapping: prompts of 6 and 14 tokens, block 8, cross a block boundary at decode step 3)
 STEP = {"gqa_cache_repeated_heads": 0, "decode_position_off_by_one": 1, "slot_mapping_off_by_one_at_block_boundary": 3}
 
-# the family faults (tpcheck.inputs.faults.families) run on the other families' presets: tests/test_tpcheck/test_families.py
+# the family faults (tpcheck.engines.impl.faults.families) run on the other families' presets: tests/test_tpcheck/test_families.py
 # (the MoE faults on the MoE presets: tests/test_tpcheck/test_routing.py; the quantization faults on the quantized
 # presets: tests/test_tpcheck/test_quantized.py, test_quantized_gptq.py, test_quantized_awq.py and
 # test_quantized_kv.py; the pipeline
 # faults at --pp 2: tests/test_tpcheck/test_pipeline_diff.py; Gemma 3's own on its presets: tests/test_tpcheck/test_gemma3.py;
 # the invariance faults by tpcheck invariance: tests/test_tpcheck/test_invariance.py)
 CATALOG = [n for n, f in FAULTS.items() if f.patch.__module__ not in (
-    "tpcheck.inputs.faults.families", "tpcheck.inputs.faults.moe", "tpcheck.inputs.faults.quant", "tpcheck.inputs.faults.gemma",
-    "tpcheck.inputs.faults.quant_gptq", "tpcheck.inputs.faults.quant_awq", "tpcheck.inputs.faults.quant_kv",
-    "tpcheck.inputs.faults.pipeline", "tpcheck.inputs.faults.invariance")]
+    "tpcheck.engines.impl.faults.families", "tpcheck.engines.impl.faults.moe", "tpcheck.engines.impl.faults.quant", "tpcheck.engines.impl.faults.gemma",
+    "tpcheck.engines.impl.faults.quant_gptq", "tpcheck.engines.impl.faults.quant_awq", "tpcheck.engines.impl.faults.quant_kv",
+    "tpcheck.engines.impl.faults.pipeline", "tpcheck.engines.impl.faults.invariance")]
 DIFF_FAULTS = [n for n in CATALOG if FAULTS[n].check == "diff"]
 # the check expected to flag each origin (the rest: the noise floor)
 BY = {"nan_causal_mask": "NaN", "rmsnorm_weight_before_cast": "exact ops", "gqa_cache_repeated_heads": "shape",
@@ -176,7 +176,7 @@ def test_a_moe_fault_goes_to_the_sparse_layers_only(ckpt, engines):
     from impl.config import load_config
     from tpcheck.cli.fault_depth import depth_layers, run_depth
     from tpcheck.inputs.checkpoints import preset_available
-    from tpcheck.inputs.faults import get_fault
+    from tpcheck.engines.impl.faults import get_fault
     if not preset_available("tiny-qwen2-moe"):
         pytest.skip("the MoE presets need transformers 5 (tpcheck.inputs.presets.preset_available)")
     cfg = load_config(ckpt("tiny-qwen2-moe"))

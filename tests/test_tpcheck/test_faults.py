@@ -1,4 +1,4 @@
-"""tpcheck.inputs.faults: the registry (one declaration per fault, beside its patch), when a fault is silent (the
+"""tpcheck.engines.impl.faults: the registry (one declaration per fault, beside its patch), when a fault is silent (the
 KV layout included), and each fault injected into a live (pooled) engine breaks it as described,
 only where aimed, and a reload restores it. Every test restores its engine in a ``finally``."""
 from __future__ import annotations
@@ -11,27 +11,27 @@ import torch
 
 from impl import SamplingParams
 from impl.config import load_config
-from tpcheck.inputs import faults
-from tpcheck.inputs.faults import FAULTS, Fault, fault_names, get_fault
-from tpcheck.inputs.faults.registry import register
+from tpcheck.engines.impl import faults
+from tpcheck.engines.impl.faults import FAULTS, Fault, fault_names, get_fault
+from tpcheck.engines.impl.faults.registry import register
 
-APPLY = "tpcheck.inputs.faults:apply"
-DESCRIBE = "tpcheck.inputs.faults:describe"
+APPLY = "tpcheck.engines.impl.faults:apply"
+DESCRIBE = "tpcheck.engines.impl.faults:describe"
 # prefill faults that show on tiny in float32 (rope_theta_default needs rope_theta != 10000, rmsnorm a half
 # dtype: tested below; full_state_dict_every_rank changes memory, not numerics; the family faults need another
 # family's preset: test_families.py)
-FAMILY = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.families"]
+FAMILY = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.families"]
 # mixture-of-experts faults need an MoE preset: tests/test_tpcheck/test_routing.py
-MOE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.moe"]
+MOE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.moe"]
 # quantization faults need a quantized preset: tests/test_tpcheck/test_quantized.py
-QUANT = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
-GPTQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_gptq"]
-AWQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_awq"]
-KV = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_kv"]  # FP8 KV cache
+QUANT = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant"]
+GPTQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_gptq"]
+AWQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_awq"]
+KV = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_kv"]  # FP8 KV cache
 # pipeline-stage faults need --pp 2: tests/test_tpcheck/test_pipeline_diff.py
-PIPELINE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.pipeline"]
+PIPELINE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.pipeline"]
 # Gemma 3's own faults need a Gemma 3 preset: tests/test_tpcheck/test_gemma3.py
-GEMMA = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.gemma"]
+GEMMA = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.gemma"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
            and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT, *GPTQ, *AWQ, *KV,
                          *PIPELINE, *GEMMA)]
@@ -146,7 +146,7 @@ def test_each_fault_declared_once_with_its_patch():
     assert numbers == list(range(1, 38)) + list(range(40, 61))  # the FP8 KV cache's 52-55, Gemma 3's 56-58,
     # invariance's 59-60
     for f in FAULTS.values():
-        assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.inputs.faults."), f.name
+        assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.engines.impl.faults."), f.name
         assert pickle.loads(pickle.dumps(f)) == f
     rope = get_fault("rope_skipped")
     with pytest.raises(ValueError, match="duplicate fault name"):

@@ -12,8 +12,8 @@ import pytest
 import tpcheck
 from diff_runs import propagated_rows
 from tpcheck.cli.app import main
-from tpcheck.capture.dump import DumpAdapter, read_dump
-from tpcheck.engines.hf_tp import get_adapter
+from tpcheck.engines.dump.replay import DumpAdapter, read_dump
+from tpcheck.engines.hf_tp.adapter import get_adapter
 from tpcheck.pipeline.diff import compare_engine
 from tpcheck.reference.reductions import Reductions
 

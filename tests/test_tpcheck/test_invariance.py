@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tpcheck.cli import fault_matrix
 from tpcheck.cli.app import main
-from tpcheck.inputs.faults import get_fault
+from tpcheck.engines.impl.faults import get_fault
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.invariance import InvarianceOptions, run
 from tpcheck.properties.profiles import examples, record_examples

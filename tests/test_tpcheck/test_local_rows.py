@@ -10,7 +10,7 @@ import torch
 
 from impl.config import load_config
 from tpcheck.capture.batches import StepBatch
-from tpcheck.engines.impl import ImplAdapter
+from tpcheck.engines.impl.adapter import ImplAdapter
 from tpcheck.measure.unshard import unshard
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run

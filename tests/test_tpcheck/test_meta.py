@@ -45,7 +45,7 @@ def test_a_diff_and_a_dump_compare_write_the_fields_of_the_record(tmp_path):
     """End to end: the saved meta of a live diff and of the compare of its dump hold the record's keys (and the
     run_meta stamp), nothing else."""
     import tpcheck
-    from tpcheck.capture.dump import DumpAdapter, read_dump
+    from tpcheck.engines.dump.replay import DumpAdapter, read_dump
     from tpcheck.inputs.checkpoints import cached_checkpoint
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare

@@ -12,10 +12,10 @@ from diff_runs import LAYERS, run_diff
 from impl.placements import Replicate
 from tpcheck.capture.points import point_names, stage_handoffs
 from tpcheck.cli import fault_matrix as M
-from tpcheck.inputs.faults import FAULTS
+from tpcheck.engines.impl.faults import FAULTS
 from tpcheck.cli.app import main
 from impl.pipeline import layer_partition
-from tpcheck.engines.impl import point_stage, stage_points
+from tpcheck.engines.impl.adapter import point_stage, stage_points
 from tpcheck.judge.coverage import CoverageError
 
 STAGES = ((0, 1), (1, 2))  # tiny (2 layers) at pp 2
@@ -33,7 +33,7 @@ def test_vllm_stage_of_a_point_and_its_pipeline_faults():
     add + RMSNorm, so it is taken from there, the rest as impl's; a pipeline fault away from every boundary is
     refused naming its layer and the boundaries."""
     from tpcheck.capture.points import fused_out_stage
-    from tpcheck.engines.vllm_pp import check_pp_faults
+    from tpcheck.engines.vllm.pp import check_pp_faults
     stages = ((0, 2), (2, 3), (3, 4))
     assert [fused_out_stage(n, stages) for n in ("embed", "layers.1.out", "layers.1.handoff", "layers.1.mlp.out",
                                                   "layers.0.out", "layers.2.out", "layers.3.out", "logits")] == \
@@ -55,7 +55,7 @@ def test_vllm_split_must_be_tpcheck_partition(monkeypatch):
     """vLLM's own split (what its ranks hold) is checked against tpcheck's partition: equal passes, another (a
     ``VLLM_PP_LAYER_PARTITION`` of the user's) is exit 2's ConfigError with both lists."""
     from impl.config import ConfigError
-    from tpcheck.engines.vllm_pp import check_stages
+    from tpcheck.engines.vllm.pp import check_stages
     check_stages(((0, 1), (1, 3), (3, 4)), 4, 3, None)  # vLLM's rule: 1,2,1
     check_stages(((0, 3), (3, 4)), 4, 2, "3,1")
     check_stages(None, 4, 1, None)

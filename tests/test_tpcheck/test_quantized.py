@@ -14,15 +14,15 @@ import pytest
 import tpcheck
 from tpcheck.cli import fault_matrix as M
 from tpcheck.cli.app import main
-from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.engines.impl.faults import FAULTS, get_fault
 
-QUANT_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant"]
+QUANT_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant"]
 #: GPTQ's and AWQ's (tests/test_tpcheck/test_quantized_gptq.py, test_quantized_awq.py check them); docs/measured/quantized.md's
 #: table lists them all
-GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ in ("tpcheck.inputs.faults.quant_gptq",
-                                                                      "tpcheck.inputs.faults.quant_awq")]
+GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ in ("tpcheck.engines.impl.faults.quant_gptq",
+                                                                      "tpcheck.engines.impl.faults.quant_awq")]
 #: the FP8 KV cache's (tests/test_tpcheck/test_quantized_kv.py)
-KV_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_kv"]
+KV_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_kv"]
 
 
 @pytest.mark.parametrize("preset,tp,dtype", [("small-w8a8", 2, "bfloat16"), ("small-w8a8-tensor", 4, "float16"),

@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 
 import tpcheck
 from tpcheck.cli.app import main
-from tpcheck.inputs.faults import FAULTS
+from tpcheck.engines.impl.faults import FAULTS
 from tpcheck.inputs.quantize_awq import quantize_any
 from test_quantized_gptq import found_at_its_origin
 
-AWQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_awq"]
+AWQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_awq"]
 P = "model.layers.0.mlp.down_proj."  # [out 128, in 256]
 
 

@@ -15,10 +15,10 @@ from safetensors import safe_open
 import tpcheck
 from tpcheck.cli import fault_matrix as M
 from tpcheck.cli.app import main
-from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.engines.impl.faults import FAULTS, get_fault
 from tpcheck.inputs.quantize_gptq import quantize_any
 
-GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.quant_gptq"]
+GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_gptq"]
 
 
 def readme_quant_excess() -> dict[str, float]:

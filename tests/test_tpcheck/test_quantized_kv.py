@@ -11,7 +11,7 @@ import tpcheck
 from test_quantized import KV_FAULTS, readme_quant_excess  # docs/measured/quantized.md's quantization fault table
 from tpcheck.cli import fault_matrix as M
 from tpcheck.cli.app import main
-from tpcheck.inputs.faults import get_fault
+from tpcheck.engines.impl.faults import get_fault
 
 
 @pytest.mark.parametrize("preset,tp,dtype", [("small-fp8-kv-head", 4, "float16")])  # per head, replicated, decode

@@ -17,7 +17,7 @@ import pytest
 from impl.placements import Shard
 from tpcheck.capture.maps import VLLM_MAP
 from tpcheck.cli.app import main
-from tpcheck.capture.dump import read_dump
+from tpcheck.engines.dump.replay import read_dump
 from tpcheck.result.table import load_result
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -154,7 +154,8 @@ def _dump(root, cpu_bf16: bool | None, engine: str = "vllm", dtype: str = "bfloa
     import torch
 
     from impl.placements import Replicate
-    from tpcheck.capture.dump import DumpWriter, read_dump
+    from tpcheck.capture.dump import DumpWriter
+    from tpcheck.engines.dump.replay import read_dump
     for r in range(tp):
         w = DumpWriter(root, r, tp, dtype, engine, cpu_bf16_rounding=cpu_bf16)
         w.write(0, [[1, 2, 3]], [0], {"embed": (Replicate(), torch.ones(3, 8, dtype=getattr(torch, dtype)))})
@@ -168,7 +169,7 @@ def _dump(root, cpu_bf16: bool | None, engine: str = "vllm", dtype: str = "bfloa
     (None, "vllm", "bfloat16", "unknown"), (None, "impl", "bfloat16", "nearest"), (False, "vllm", "float32", "nearest"),
 ])
 def test_a_dump_records_its_cpus_rounding_and_compare_declares_from_it(tmp_path, cpu_bf16, engine, dtype, mode):
-    from tpcheck.capture.dump import DumpAdapter
+    from tpcheck.engines.dump.replay import DumpAdapter
     dump = _dump(tmp_path, cpu_bf16, engine, dtype)
     assert dump.cpu_bf16_rounding is cpu_bf16 and dump.rounding.mode == mode
     adapter = DumpAdapter(dump)
@@ -180,7 +181,9 @@ def test_a_dump_records_its_cpus_rounding_and_compare_declares_from_it(tmp_path,
 def test_a_dump_whose_ranks_disagree_or_hold_a_bad_flag(tmp_path):
     import json
 
-    from tpcheck.capture.dump import DumpError, read_dump
+    from tpcheck.capture.dump import DumpError
+
+    from tpcheck.engines.dump.replay import read_dump
     _dump(tmp_path, True)
     path = tmp_path / "rank1" / "step0.json"
     meta = json.loads(path.read_text())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tpcheck
-from tpcheck.inputs.faults import FAULTS
+from tpcheck.engines.impl.faults import FAULTS
 from tpcheck.judge.routing import check_routes
 from tpcheck.reference.forced_route import forced_route
 from tpcheck.pipeline.routes import RouteBook, sort_routes
@@ -90,7 +90,7 @@ def test_moe_clean_under_tp_and_ep(preset, tp, ep, ckpt, engines):
     assert r.meta["ep"] == ep and (r.table["kind"] == "moe.experts").any()
 
 
-MOE_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.inputs.faults.moe"]
+MOE_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.moe"]
 
 
 @pytest.mark.parametrize("name", MOE_FAULTS)

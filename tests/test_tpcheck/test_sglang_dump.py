@@ -198,8 +198,8 @@ def test_a_continuous_batch_of_staggered_requests_compares_clean(ckpt, tmp_path,
     would with or without request ids (then followed by their request-pool slots), compared clean; a fault seeded in
     the ranks is found at its origin."""
     from impl import LLM, CacheConfig, SamplingParams
-    from tpcheck.engines.impl import generate_dumped
-    from tpcheck.inputs import faults
+    from tpcheck.engines.impl.adapter import generate_dumped
+    from tpcheck.engines.impl import faults
     d = ckpt("tiny")
     prompts = [[(7 * k + t) % 200 + 3 for t in range(n)] for k, n in enumerate((5, 11, 3, 8))]
     params = [SamplingParams(max_tokens=m) for m in (6, 3, 8, 5)]

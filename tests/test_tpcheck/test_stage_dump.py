@@ -1,4 +1,4 @@
-"""A pipelined engine's dump (``DIR/stage{s}/``, ``tpcheck.engines.stage_dump``) read back as one engine: each point
+"""A pipelined engine's dump (``DIR/stage{s}/``, ``tpcheck.engines.dump.stages``) read back as one engine: each point
 from the stage that computed it, the hand-off held to what was sent, and a dump whose stages do not make one run
 refused naming the stage and the file. No engine runs: the stages are written with ``DumpWriter``."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from impl.placements import Replicate
 from tpcheck.capture.dump import DumpError, DumpWriter
 from tpcheck.capture.stages import write_stage
-from tpcheck.engines.stage_dump import PipelineDumpAdapter, is_pipeline_dump, open_dump
+from tpcheck.engines.dump.stages import PipelineDumpAdapter, is_pipeline_dump, open_dump
 
 TOKENS = [[3, 4, 5], [6, 7]]
 

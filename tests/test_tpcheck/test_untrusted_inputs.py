@@ -37,7 +37,7 @@ def _run(capsys, *argv) -> tuple[int, str]:
     (["--dump", "{tmp}/d", "--dump-budget-mb", "0"], "--dump-budget-mb must be a finite number"),
 ])
 def test_flags_beyond_the_model_are_refused_before_any_engine(capsys, tmp_path, monkeypatch, flags, needle):
-    import tpcheck.engines.impl as impl_engine
+    import tpcheck.engines.impl.adapter as impl_engine
     monkeypatch.setattr(impl_engine, "start", lambda *a, **k: pytest.fail("an engine started"))
     code, err = _run(capsys, "diff", "--preset", "tiny", "--tp", "1", *[f.format(tmp=tmp_path) for f in flags])
     assert code == 2 and needle in err, err

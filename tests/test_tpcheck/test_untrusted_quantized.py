@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from impl.config import load_config
 from tpcheck.cli.app import main
-from tpcheck.inputs.faults import FAULTS
+from tpcheck.engines.impl.faults import FAULTS
 from tpcheck.inputs.quant_check import QuantTensorError, check_quantized_checkpoint
 from tpcheck.inputs.presets import QUANTIZED
 
@@ -77,7 +77,7 @@ def test_a_broken_quantized_tensor_is_named(ckpt, tmp_path, preset, name, change
 
 
 def _no_engine(monkeypatch):
-    import tpcheck.engines.impl as impl_engine
+    import tpcheck.engines.impl.adapter as impl_engine
     monkeypatch.setattr(impl_engine, "start", lambda *a, **k: pytest.fail("an engine started"))
 
 
@@ -111,7 +111,7 @@ def test_a_quantization_fault_with_nothing_to_act_on_is_refused(ckpt, capsys, mo
 
 
 def test_every_quantization_fault_declares_what_it_needs():
-    quant = [n for n, f in FAULTS.items() if f.patch.__module__.startswith("tpcheck.inputs.faults.quant")]
+    quant = [n for n, f in FAULTS.items() if f.patch.__module__.startswith("tpcheck.engines.impl.faults.quant")]
     assert len(quant) >= 16 and all(FAULTS[n].needs is not None for n in quant)
 
 

@@ -16,11 +16,11 @@ import pytest
 
 from diff_runs import TRUNCATING, declared, truncated_only
 from tpcheck.capture.rounding import cpu_has_bf16_rounding
-from tpcheck.engines.vllm_worker import VLLM_FAULTS as FAULTS
+from tpcheck.engines.vllm.worker import VLLM_FAULTS as FAULTS
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [9, 250, 31, 64, 12]]
 # a small CPU box: 1 GiB of KV cache, no thread binding (else "Not enough allowed NUMA nodes"), and the engine
-# core in-process (tpcheck.engines.vllm.vllm_env sets the same where unset)
+# core in-process (tpcheck.engines.vllm.adapter.vllm_env sets the same where unset)
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -30,14 +30,14 @@ def test_plugin_records_new_requests_prompts_and_warns_once_of_an_unknown_prefix
     them is warned of at that step, once, naming the request, the step and the rank."""
     from types import SimpleNamespace as NS
 
-    from tpcheck.capture.vllm_plugin import StepDump, new_prompts
+    from tpcheck.engines.vllm.plugin import StepDump, new_prompts
     sched = NS(scheduled_new_reqs=[NS(req_id="a", prompt_token_ids=[1, 2, 3], prefill_token_ids=None),
                                    NS(req_id="b", prompt_token_ids=[1, 2], prefill_token_ids=[1, 2, 7]),
                                    NS(req_id="c", prompt_token_ids=None, prefill_token_ids=None)])
     assert new_prompts(sched) == {"a": [1, 2, 3], "b": [1, 2, 7]}
     dump = StepDump(None, None)
     dump.step = 3
-    with caplog.at_level("WARNING", logger="tpcheck.capture.vllm_plugin"):
+    with caplog.at_level("WARNING", logger="tpcheck.engines.vllm.plugin"):
         dump.check_prefixes(["a", "c"], [2, 0], {"a": [1, 2, 3]}, 1)  # a's cached prefix is known
         assert not caplog.records
         dump.check_prefixes(["a", "c"], [2, 128], {"a": [1, 2, 3]}, 1)
@@ -50,7 +50,7 @@ def test_plugin_binds_cpu_threads_where_vllm_auto_binding_fails(monkeypatch, cap
     """Pure (no vLLM): on a dumped run with ``VLLM_CPU_OMP_THREADS_BIND`` unset, vLLM's ``auto`` binding that
     asserts (fewer NUMA nodes than ranks) is retried with contiguous CPU ranges, as ``--engine vllm`` sets them,
     and said; where it works, or where the user set the variable, nothing changes."""
-    from tpcheck.capture.vllm_plugin import cpu_bind, patch_omp_bind
+    from tpcheck.engines.vllm.plugin import cpu_bind, patch_omp_bind
 
     def manager(fail_on_auto: bool):
         class Manager:  # vLLM's OMPProcessManager, reduced to what the patch touches
@@ -69,7 +69,7 @@ def test_plugin_binds_cpu_threads_where_vllm_auto_binding_fails(monkeypatch, cap
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert manager(fail_on_auto=False).mask == "auto" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
-    with caplog.at_level("WARNING", logger="tpcheck.capture.vllm_plugin"):
+    with caplog.at_level("WARNING", logger="tpcheck.engines.vllm.plugin"):
         assert manager(fail_on_auto=True).mask == cpu_bind(2) == os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     assert "'auto' failed here (Not enough allowed NUMA nodes" in caplog.text
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # the user's own choice stands, and fails as vLLM's
@@ -82,7 +82,7 @@ def test_vllm_env_gives_vllm_a_socket_directory_of_its_own_and_refuses_an_empty_
     its ZeroMQ sockets there, not in the system's temporary directory), keeps a path the user set, and refuses an
     empty ``VLLM_CPU_OMP_THREADS_BIND`` naming it (vLLM's own message is an assertion about a CPU id list)."""
     from impl.config import ConfigError
-    from tpcheck.engines.vllm import vllm_env
+    from tpcheck.engines.vllm.adapter import vllm_env
     for k in (*VLLM_ENV, "VLLM_RPC_BASE_PATH"):
         monkeypatch.setenv(k, "x")  # recorded, so that what vllm_env sets is undone after the test
         monkeypatch.delenv(k)
@@ -101,7 +101,7 @@ def test_vllm_env_gives_vllm_a_socket_directory_of_its_own_and_refuses_an_empty_
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory):
     pytest.importorskip("vllm")
-    # the plain scripts' vLLM (no tpcheck.engines.vllm.vllm_env there) leaves its ZeroMQ sockets in this directory
+    # the plain scripts' vLLM (no tpcheck.engines.vllm.adapter.vllm_env there) leaves its ZeroMQ sockets in this directory
     env = {**VLLM_ENV, "VLLM_RPC_BASE_PATH": str(tmp_path_factory.mktemp("vllm-rpc"))}
     old = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
@@ -154,7 +154,7 @@ PLAIN_SCRIPT = textwrap.dedent("""
 def test_plugin_is_off_without_tpcheck_dump(vllm_env, monkeypatch):
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from tpcheck.capture import vllm_plugin
+    from tpcheck.engines.vllm import plugin as vllm_plugin
     monkeypatch.delenv("TPCHECK_DUMP", raising=False)
     init = WorkerBase.__init__
     vllm_plugin.register()
@@ -166,7 +166,7 @@ def test_plugin_dump_of_a_serving_loop_compares_clean(vllm_env, ckpt, tmp_path, 
     """TPCHECK_DUMP=DIR on an unchanged vLLM serving loop (tp 2): requests join at different steps, prompts are
     prefilled in chunks, requests leave at different steps; `tpcheck compare` follows each request and passes; and
     the loop samples the same tokens with the same logprobs with the dump off."""
-    from tpcheck.capture.dump import read_dump
+    from tpcheck.engines.dump.replay import read_dump
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
     dump = tmp_path / "dump"
@@ -233,7 +233,7 @@ def test_plugin_dump_with_prefix_caching_compares_clean(vllm_env, ckpt, tmp_path
     """vLLM's prefix caching on (its default): the second prompt's first 128 tokens (a CPU block) are served from
     the first prompt's blocks, for both of its sampled completions; the dump records their prompts and
     `tpcheck compare` rebuilds the cached prefix in the golden and passes."""
-    from tpcheck.capture.dump import read_dump
+    from tpcheck.engines.dump.replay import read_dump
     script = tmp_path / "prefix.py"
     script.write_text(PREFIX_SCRIPT)
     dump = tmp_path / "dump"
@@ -270,7 +270,7 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     sampled; --dump written and `tpcheck compare` of it judged the same."""
     import tpcheck
     from diff_runs import propagated_rows
-    from tpcheck.capture.dump import DumpAdapter, read_dump
+    from tpcheck.engines.dump.replay import DumpAdapter, read_dump
     from tpcheck.pipeline.diff import compare_engine
     from tpcheck.reference.reductions import Reductions
     result = tpcheck.diff(str(ckpt), tp=2, dtype=dtype, prompts=PROMPTS, decode_steps=3, engine="vllm", pool=pool,
@@ -309,7 +309,7 @@ def test_engine_vllm_points_are_selected_inside_the_ranks(pool, ckpt, monkeypatc
     """``--points`` reaches vLLM's ranks: they hook, copy and send the selected points and the selected layer's
     KV cache only, not every point for the harness to filter; the same rows are judged as with every point."""
     import tpcheck
-    from tpcheck.engines.vllm import VLLMAdapter
+    from tpcheck.engines.vllm.adapter import VLLMAdapter
     sent: list[set[str]] = []
     step = VLLMAdapter.step
 
@@ -341,7 +341,7 @@ def test_engine_vllm_refuses_small_heads(pool):
 @pytest.fixture
 def adapter(pool, ckpt):
     """The pool's float32 engine (the one the diff above left running)."""
-    from tpcheck.engines.vllm import start
+    from tpcheck.engines.vllm.adapter import start
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.plan import RunPlan
     eng = start(pool, RunPlan.of(DiffOptions.of(model=str(ckpt), tp=2, prompts=PROMPTS, decode_steps=3)))

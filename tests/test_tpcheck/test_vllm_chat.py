@@ -54,7 +54,7 @@ def _run(tmp_path, ckpt, name: str, fault: str | None = None):  # noqa: F811 - c
 
 def test_chat_script_with_prefix_caching_n2_and_preemption_compares_clean_and_finds_a_seeded_fault(
         vllm_env, ckpt, tmp_path):  # noqa: F811 - the imported fixtures
-    from tpcheck.capture.dump import read_dump
+    from tpcheck.engines.dump.replay import read_dump
     dump, cmp, doc = _run(tmp_path, ckpt, "clean")
     end, cached, recomputed = {}, 0, 0
     for b in read_dump(dump).batches:

@@ -1,11 +1,11 @@
-"""vLLM's paged KV cache read back (``tpcheck.engines.vllm_worker.paged_kv_rows``, ``probe_cpu_index``): pure, no
+"""vLLM's paged KV cache read back (``tpcheck.engines.vllm.worker.paged_kv_rows``, ``probe_cpu_index``): pure, no
 vLLM needed, on synthetic caches in the CPU backend's layout (plain and tiled) and flash-attention's."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tpcheck.engines.vllm_worker import paged_kv_rows, probe_cpu_index
+from tpcheck.engines.vllm.worker import paged_kv_rows, probe_cpu_index
 
 
 def _seq(n: int, heads: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

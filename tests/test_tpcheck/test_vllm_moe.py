@@ -1,5 +1,5 @@
 """vLLM's mixture-of-experts routes: the experts its router chose, captured as ``moe.topk_ids`` /
-``moe.topk_weights`` (``tpcheck.capture.vllm_routes``) and followed by the golden, so a clean bfloat16 MoE run
+``moe.topk_weights`` (``tpcheck.engines.vllm.routes``) and followed by the golden, so a clean bfloat16 MoE run
 passes with its near-tie flips counted; a rank that picks another expert fails at ``moe.topk_ids``.
 
 The first two tests are pure (a stand-in of vLLM's sparse block, no vLLM); the others need vLLM and are skipped
@@ -12,7 +12,7 @@ from torch import nn
 
 from tpcheck.capture import install
 from tpcheck.capture.maps import VLLM_MAP
-from tpcheck.capture.vllm_routes import RouteProbe, attach_route_probes, raise_expert
+from tpcheck.engines.vllm.routes import RouteProbe, attach_route_probes, raise_expert
 
 
 class Router:
@@ -96,7 +96,7 @@ PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200, 61, 13, 140, 77], [9, 250, 31, 64, 12, 
 
 @pytest.fixture(scope="module")
 def pool():
-    """The engines of this module: vLLM sets what its CPU build needs where unset (``tpcheck.engines.vllm.vllm_env``)."""
+    """The engines of this module: vLLM sets what its CPU build needs where unset (``tpcheck.engines.vllm.adapter.vllm_env``)."""
     pytest.importorskip("vllm")
     from tpcheck.engines.pool import EnginePool
     p = EnginePool()
@@ -122,7 +122,7 @@ def test_vllm_moe_bfloat16_clean_follows_its_routes_and_a_wrong_route_fails_at_t
     vLLM took, its block's output); every flip against the float64 golden is a near tie. Then the same engine with
     rank 1's selection seeing expert 0 raised: the run fails, its origin layers.1.moe.topk_ids."""
     import tpcheck
-    from tpcheck.engines.vllm import start
+    from tpcheck.engines.vllm.adapter import start
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.pipeline.plan import RunPlan

@@ -1,12 +1,12 @@
-"""``TPCHECK_DUMP_FAULT`` (``tpcheck.engines.vllm_fault_plugin.parse_fault``), without vLLM: the variable names a fault
+"""``TPCHECK_DUMP_FAULT`` (``tpcheck.engines.vllm.fault_plugin.parse_fault``), without vLLM: the variable names a fault
 of ``--engine vllm``'s catalogue, a decoder layer and a TP rank; anything else is an error naming the variable. The
 seeded fault in a real vLLM script is in ``test_vllm_chat.py``."""
 from __future__ import annotations
 
 import pytest
 
-from tpcheck.engines.vllm_fault_plugin import ENV_FAULT, parse_fault, register
-from tpcheck.engines.vllm_faults import VLLM_FAULTS
+from tpcheck.engines.vllm.fault_plugin import ENV_FAULT, parse_fault, register
+from tpcheck.engines.vllm.faults import VLLM_FAULTS
 
 
 def test_parse_fault_reads_name_layer_and_rank():
@@ -25,10 +25,10 @@ def test_parse_fault_refuses_what_it_cannot_apply(spec, says):
 
 
 def test_register_needs_both_variables(monkeypatch):
-    from tpcheck.capture.vllm_plugin import AFTER_LOAD
-    from tpcheck.engines.vllm_fault_plugin import seed
-    monkeypatch.setattr("tpcheck.capture.vllm_plugin.AFTER_LOAD", AFTER_LOAD[:0])
-    from tpcheck.capture import vllm_plugin
+    from tpcheck.engines.vllm.plugin import AFTER_LOAD
+    from tpcheck.engines.vllm.fault_plugin import seed
+    monkeypatch.setattr("tpcheck.engines.vllm.plugin.AFTER_LOAD", AFTER_LOAD[:0])
+    from tpcheck.engines.vllm import plugin as vllm_plugin
     monkeypatch.delenv(ENV_FAULT, raising=False)
     register()
     assert vllm_plugin.AFTER_LOAD == []  # unset: nothing

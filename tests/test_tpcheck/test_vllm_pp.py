@@ -45,7 +45,7 @@ def test_engine_vllm_pp2_clean_each_point_from_its_stage(pool, ckpt):  # noqa: F
 def test_engine_vllm_pp2_finds_a_pipeline_fault_at_its_origin(pool, ckpt, fault, origin):  # noqa: F811
     """A pipeline fault seeded in vLLM's ranks at the boundary after layer 0 (the Python API's faults, as
     ``VLLM_FAULTS``): found at its origin, by the noise floor, far over its threshold; stage 0's own points pass."""
-    from tpcheck.engines.vllm import start
+    from tpcheck.engines.vllm.adapter import start
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.pipeline.plan import RunPlan
@@ -100,7 +100,7 @@ def test_plugin_dump_of_a_pp2_script_compares_clean(vllm_env, ckpt, tmp_path):  
     import subprocess
     import sys
 
-    from tpcheck.capture.dump import read_dump
+    from tpcheck.engines.dump.replay import read_dump
     script = tmp_path / "pp.py"
     script.write_text(PP_SCRIPT)
     dump = tmp_path / "dump"

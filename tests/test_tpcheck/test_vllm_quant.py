@@ -1,7 +1,7 @@
 """Real vLLM (the CPU build) on quantized checkpoints: quantization faults seeded inside one rank
-(``tpcheck.engines.vllm_quant_faults``, live scales changed after vLLM's ``process_weights_after_loading``) found at
+(``tpcheck.engines.vllm.quant_faults``, live scales changed after vLLM's ``process_weights_after_loading``) found at
 their origin on FP8 W8A8 per channel (``small-fp8``), and vLLM's INT8 GEMM held to the model of its int16-saturating
-non-VNNI path (``tpcheck.engines.vllm_int8``) on crafted operands.
+non-VNNI path (``tpcheck.engines.vllm.int8``) on crafted operands.
 
 vLLM tests, skipped without vLLM (the main venv); ``.ci/vllm`` runs this file. The fault functions' slot arithmetic
 and the GEMM model without vLLM are in ``test_vllm_quant_faults.py``."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpcheck.engines.vllm_int8 import exact_int8_gemm, pair_saturating_gemm
+from tpcheck.engines.vllm.int8 import exact_int8_gemm, pair_saturating_gemm
 
 from test_vllm import PROMPTS, vllm_env  # noqa: F401 - the vLLM environment fixture (test_vllm.py's)
 
@@ -49,7 +49,7 @@ def test_vllm_int8_gemm_is_the_pair_saturating_model(vllm_env):  # noqa: F811 - 
 def fp8(vllm_env, tmp_path_factory):  # noqa: F811 - the imported fixture
     """``small-fp8`` (FP8 W8A8, per-channel weight scales) on vLLM at tp 2, bfloat16: one engine for every fault."""
     from tpcheck.engines.pool import EnginePool
-    from tpcheck.engines.vllm import start
+    from tpcheck.engines.vllm.adapter import start
     from tpcheck.inputs.checkpoints import cached_checkpoint
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.plan import RunPlan

@@ -1,7 +1,7 @@
-"""The quantization faults seeded inside a vLLM rank (``tpcheck.engines.vllm_quant_faults``) on stand-ins of vLLM's
+"""The quantization faults seeded inside a vLLM rank (``tpcheck.engines.vllm.quant_faults``) on stand-ins of vLLM's
 quantized linear layers (``weight_scale`` ``[N, 1]``, ``logical_widths``, ``tp_rank`` / ``tp_size``, ``prefix``):
 which rows each changes, in place, and that the undo restores them; refusals name the layer. And the model of vLLM's
-non-VNNI int8 GEMM (``tpcheck.engines.vllm_int8``) on hand-computed pairs. No vLLM needed (the runs on real vLLM
+non-VNNI int8 GEMM (``tpcheck.engines.vllm.int8``) on hand-computed pairs. No vLLM needed (the runs on real vLLM
 are in ``test_vllm_quant.py``)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tpcheck.engines import vllm_quant_faults as qf
-from tpcheck.engines.vllm_int8 import exact_int8_gemm, pair_saturating_gemm, saturated_pairs
+from tpcheck.engines.vllm import quant_faults as qf
+from tpcheck.engines.vllm.int8 import exact_int8_gemm, pair_saturating_gemm, saturated_pairs
 
 
 def _layer(widths, rank=1, tp=2, prefix="model.layers.0.self_attn.qkv_proj", scale=None):

@@ -1,4 +1,4 @@
-"""``tpcheck.engines.vllm_worker.NormTeacher`` on a stand-in of vLLM's decoder (no vLLM needed): each layer's fused
+"""``tpcheck.engines.vllm.worker.NormTeacher`` on a stand-in of vLLM's decoder (no vLLM needed): each layer's fused
 add + RMSNorm is called on ``(0, teacher)``, the layer runs on the teacher's input exactly, and a capture hook
 registered before it still sees the engine's own output of the layer before."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from tpcheck.engines.vllm_worker import NormTeacher
+from tpcheck.engines.vllm.worker import NormTeacher
 
 
 class FusedNorm(nn.Module):

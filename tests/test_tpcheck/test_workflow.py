@@ -88,7 +88,7 @@ def test_selection_and_layer_lists():
 
 
 def test_impl_ranks_capture_only_the_selection(ckpt, engines):
-    from tpcheck.engines.impl import ImplAdapter
+    from tpcheck.engines.impl.adapter import ImplAdapter
     llm = engines.get(ckpt("tiny"), 2, "float32")
     for sel, want in ((r"layers\.0\..*", lambda n: n.startswith("layers.0.")), (None, lambda n: True)):
         adapter = ImplAdapter(llm, points=sel)

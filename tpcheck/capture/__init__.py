@@ -1,7 +1,8 @@
-"""Capture: the canonical point names (``points``), name-map rules and placement specs (``rules``), name maps from
-an engine's modules to them (``maps``), in-rank hooks that take them (``core``: ``install``, ``from_env``,
-``Capture``), teacher forcing (``teacher``), impl's ranks (``impl``) and the per-rank, per-step dump files
-(``dump``).
+"""Capture, the engine-independent machinery an engine's ranks run: the canonical point names (``points``), name-map
+rules and placement specs (``rules``), name maps from an engine's modules to them (``maps``), in-rank hooks that take
+them (``core``: ``install``, ``from_env``, ``Capture``), teacher forcing (``teacher``), a pipeline stage's hand-offs
+(``stages``) and the per-rank, per-step dump files (``dump``: ``DumpWriter``). What is one engine's own lives in its
+package under ``tpcheck.engines``.
 
 ``import tpcheck.capture`` is the in-rank API a user's engine calls: ``tpcheck.capture.from_env(model, VLLM_MAP,
 rank, tp, dtype, engine)``; the ready maps, and the placements a rule declares (``impl.placements``), are

@@ -352,7 +352,7 @@ def from_env(model: nn.Module, name_map: NameMap, rank: int | None = None, tp: i
     writer's own, off the step, with at most that many MiB queued (default 256; ``0``: written inside the step). ``rank`` / ``tp`` default to torch.distributed's. ``checkpoint``:
     the checkpoint directory the engine loaded, whose fingerprint the dump records (``tpcheck compare`` then
     refuses a ``--model`` of another checkpoint). ``stage``: the pipeline stage of this rank (``rank`` / ``tp`` then
-    within the stage), whose ranks write a dump of their own under ``DIR/stage{stage}`` (``tpcheck.engines.stage_dump``).
+    within the stage), whose ranks write a dump of their own under ``DIR/stage{stage}`` (``tpcheck.engines.dump.stages``).
     ``cpu_bf16_rounding``: recorded in every step (``DumpWriter``; None: not recorded)."""
     root = os.environ.get(ENV_DIR, "")
     if not root:

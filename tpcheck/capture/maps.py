@@ -6,7 +6,7 @@ Module names are as ``model.named_modules()`` gives them on the object you pass 
 ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen3ForCausalLM`` (the same names; Qwen3 adds
 ``self_attn.q_norm`` / ``k_norm``, whose rules match nothing in the other families). None of the maps reports
 the KV-cache points (``layers.{i}.kv.k|v``): a cache is read back after the step, in each engine's own layout
-(impl: ``tpcheck.capture.impl.read_kv``)."""
+(impl: ``tpcheck.engines.impl.ranks.read_kv``)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -66,7 +66,7 @@ IMPL_MAP = NameMap("impl", (
     Rule(r"model\.norm", "final_norm", declared()),
     # the LM head returns the gathered logits (padding stripped) on rank 0, None elsewhere
     Rule(r"lm_head", "logits", Replicate()),
-), doc="""impl (``runner.model``): the points and placements of ``tpcheck.capture.impl``'s hooks, from the
+), doc="""impl (``runner.model``): the points and placements of ``tpcheck.engines.impl.ranks``'s hooks, from the
 modules' declared ``output_placement``; ``qkv_proj`` / ``gate_up_proj`` whole with their ``Fused`` placement
 (``layers.{i}.attn.`` → q, k, v; ``layers.{i}.mlp.`` → gate, up); Qwen3's per-head q/k norms from
 ``q_norm`` / ``k_norm`` (``HeadRMSNorm``, placed like the heads they normalise); q/k after RoPE from
@@ -150,7 +150,7 @@ Placements are read from each linear layer's weight (``weight_placement``: a col
 gives a ``Shard(-1)`` output, a row-parallel one ``Shard(1)`` takes a ``Shard(-1)`` input and gives the
 all-reduced output); a module that returns a DTensor is read from the DTensor itself. Qwen3's ``q_norm`` /
 ``k_norm`` (a replicated ``[head_dim]`` weight) normalise each rank's own heads: ``Shard(-1)`` (tp never exceeds
-the KV heads here: ``tpcheck.engines.hf_tp.check_layout``). q/k after RoPE come from a ``rope_probe`` module that
+the KV heads here: ``tpcheck.engines.hf_tp.adapter.check_layout``). q/k after RoPE come from a ``rope_probe`` module that
 ``tpcheck.engines.hf_tp`` attaches to each attention and calls from its attention function (HF applies RoPE in a function,
 not a module). The embedding (vocab-parallel, all-reduced) and ``lm_head`` (``colwise_gather_output``) give full
 tensors. The KV cache is read from each rank's ``DynamicCache`` (``tpcheck.engines.hf_tp``).""")
@@ -205,7 +205,7 @@ VLLM_MAP = NameMap("vllm", (
     Rule(_L + r"mlp\.down_proj", _P + "mlp.out", index=0),
     Rule(_L + "post_feedforward_layernorm", _P + "mlp.post_norm"),
     # mixture of experts: the router (a replicated linear: (logits, bias)); the experts its router object chose,
-    # through the module tpcheck.capture.vllm_routes attaches (attach_route_probes: call it before install); the
+    # through the module tpcheck.engines.vllm.routes attaches (attach_route_probes: call it before install); the
     # FusedMoE runner's output, all-reduced, is the sparse block's (no shared expert outside it)
     Rule(_L + r"mlp\.gate", _P + "moe.router", index=0),
     Rule(_L + r"mlp\.route_probe", _P + "moe.topk_weights", index=0),
@@ -243,7 +243,7 @@ the worker's ``model_runner.model``), with ``enforce_eager=True`` (SGLang: ``--d
 * ``step_done(step, tokens, starts)``: ``tokens`` per sequence in the order of the batch's rows, each
   sequence at the same index every step (vLLM may reorder requests between steps: map them back).
 * Mixture of experts: ``mlp.gate`` is the router (``moe.router``); ``mlp.route_probe`` is the module
-  ``tpcheck.capture.vllm_routes.attach_route_probes`` puts between the FusedMoE runner and its router's
+  ``tpcheck.engines.vllm.routes.attach_route_probes`` puts between the FusedMoE runner and its router's
   ``select_experts`` (call it before ``install``): ``moe.topk_weights`` / ``moe.topk_ids``, what the experts
   kernel receives; ``mlp.experts`` (the runner) gives the block's all-reduced output, ``mlp.out``. Not reported:
   ``moe.experts`` (the kernel returns only the weighted sum).

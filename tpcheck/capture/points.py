@@ -81,8 +81,8 @@ KIND_TABLE = (
     Kind("mlp.post_norm", family="sandwich", routed=True, exact_ops="both"),
     # a pipeline stage boundary after this layer (impl.pipeline): the IntermediateTensors the next stage received,
     # [hidden_states | residual] along features (the layer's mlp.out, then its attn.residual); the engine also
-    # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.stage_points). Before ``out``, the sum
-    # of its two parts: vLLM's next stage computes that sum from what it received (tpcheck.engines.vllm_pp)
+    # holds it bit-equal to what the stage before sent (tpcheck.engines.impl.adapter.stage_points). Before ``out``, the sum
+    # of its two parts: vLLM's next stage computes that sum from what it received (tpcheck.engines.vllm.pp)
     Kind("handoff", family="pp", routed=True),
     Kind("out", routed=True, teacher=True, exact_ops="both"),
     Kind("final_norm", exact_ops="checked"),

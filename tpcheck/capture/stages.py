@@ -1,7 +1,6 @@
-"""A pipeline stage's side of vLLM's stage boundaries, inside a rank (``tpcheck.engines.vllm_pp`` for
-``tpcheck diff --engine vllm --pp``, ``tpcheck.capture.vllm_plugin`` for ``TPCHECK_DUMP``): the stage's layers, the
-hand-off points it sends or receives, and the stage file of a pipelined dump (``tpcheck.engines.stage_dump`` reads
-it)."""
+"""A pipeline stage's side of its stage boundaries, inside a rank: the hand-off points it sends or receives
+(``HandoffHooks``: impl's ranks, ``tpcheck.engines.impl.ranks``; vLLM's, ``tpcheck.engines.vllm.stages``) and the
+stage file of a pipelined dump (``write_stage``; ``tpcheck.engines.dump.stages`` reads it)."""
 from __future__ import annotations
 
 import re
@@ -16,13 +15,6 @@ from tpcheck.inputs.step_store import write_json_atomic
 STAGE_FILE = "stage.json"
 
 
-def stage_range(model) -> tuple[int, int]:
-    """The decoder layers ``[start, end)`` that this rank's pipeline stage holds (vLLM's ``get_pp_indices``, as
-    its model recorded them); every layer without pipeline parallelism."""
-    inner = model.model
-    return int(getattr(inner, "start_layer", 0)), int(getattr(inner, "end_layer", len(inner.layers)))
-
-
 class HandoffHooks:
     """A pipeline stage's side of its boundaries as ``layers.{i}.handoff`` points (``tpcheck.capture.core.handoff``,
     ``[hidden_states | residual]``, ``Replicate()``: every TP rank holds both whole), hooked on the stage's model
@@ -30,7 +22,7 @@ class HandoffHooks:
     called with (its ``kwarg``, or its third argument), before any of its layers touches them; after layer ``sent``
     (its own last), the ones it returns to send. None: no such boundary; nor one the ``points`` regex (``--points``)
     does not keep. Which of the two a point is, the harness tells by the stage that reported it
-    (``tpcheck.engines.impl.stage_points``)."""
+    (``tpcheck.engines.impl.adapter.stage_points``)."""
 
     def __init__(self, module, received: int | None, sent: int | None, kwarg: str, points: str | None = None):
         self._got: dict[str, torch.Tensor] = {}
@@ -66,18 +58,6 @@ class HandoffHooks:
         for h in self._handles:
             h.remove()
         self._handles, self._got = [], {}
-
-
-class StageHandoffs(HandoffHooks):
-    """A vLLM stage's hand-offs (``HandoffHooks``) on its model (``Qwen2ForCausalLM`` and the like: called with
-    ``intermediate_tensors``, a stage before the last returning them), for the stage's own boundaries
-    (``stage_range``); none on a one-stage model, nor for a hand-off the ``points`` regex (``--points``) does not
-    keep."""
-
-    def __init__(self, model, points: str | None = None):
-        start, end = stage_range(model)
-        super().__init__(model, start - 1 if start > 0 else None, end - 1 if end < len(model.model.layers) else None,
-                         "intermediate_tensors", points)
 
 
 def write_stage(root: str | Path, stage: int, pp: int, layers: tuple[int, int]) -> None:

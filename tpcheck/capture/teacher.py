@@ -2,7 +2,7 @@
 one's hidden-states input with a given tensor, so every layer runs on the golden's input rather than on its
 predecessor's output. One implementation for every engine tpcheck drives itself: the Hugging Face reference
 (``tpcheck.reference.hf.HFCapture``), Hugging Face's tp_plan ranks (``tpcheck.engines.hf_tp``) and impl's ranks
-(``tpcheck.capture.impl``)."""
+(``tpcheck.engines.impl.ranks``)."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -153,7 +153,7 @@ def _cmd_compare(a, argv: list[str]) -> int:
     from tpcheck.result.meta import RunOrigin
     from tpcheck.reference.reductions import Reductions
     from tpcheck.judge.tolerances import load_tolerances
-    from tpcheck.engines.stage_dump import stage_options
+    from tpcheck.engines.dump.stages import stage_options
     from tpcheck.engines.sglang_dump.reader import open_any
     tol = load_tolerances(a.tolerances)
     dump, engine, stages = open_any(a.dump_dir, a.format, str(a.model), lambda tp: Reductions(tp, a.reduce_dtype),
@@ -344,7 +344,7 @@ def _run(a, argv: list[str]) -> int:
             from tpcheck.cli import fault_matrix_command
             check_output_paths(a.json)
             return fault_matrix_command.run(a)
-        from tpcheck.inputs.faults import FAULTS
+        from tpcheck.engines.impl.faults import FAULTS
         for f in FAULTS.values():
             print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
         return 0

@@ -17,7 +17,7 @@ import pandas as pd
 
 from impl.config import load_config
 from tpcheck.cli import fault_matrix as fm
-from tpcheck.inputs.faults import FAULTS, get_fault
+from tpcheck.engines.impl.faults import FAULTS, get_fault
 from tpcheck.progress import bar
 
 logger = logging.getLogger(__name__)

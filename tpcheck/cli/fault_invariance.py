@@ -5,7 +5,7 @@ a chunked prefill), where the probe must stay bitwise identical; the diff itself
 float noise)."""
 from __future__ import annotations
 
-from tpcheck.inputs.faults import Fault
+from tpcheck.engines.impl.faults import Fault
 
 BATCH = 8  # the batched schedule: the probe beside seven companions of other lengths
 

@@ -1,6 +1,6 @@
 """The sensitivity table: every fault on the smallest configuration where it shows, plus clean runs.
 
-``run_matrix`` injects each fault of ``tpcheck.inputs.faults`` into impl on ``smallest_config(fault)`` and runs
+``run_matrix`` injects each fault of ``tpcheck.engines.impl.faults`` into impl on ``smallest_config(fault)`` and runs
 ``tpcheck.diff`` with ``exact_ops`` (every decoder layer faulty, so the expected origin is in layer 0); a
 memory fault is checked by ``memory_check`` (tensor bytes each rank holds against its share of the
 checkpoint) instead. The ``by`` column says which check flagged the origin: the noise floor, exact ops
@@ -24,7 +24,7 @@ import pandas as pd
 
 from impl import CacheConfig
 from impl.config import load_config
-from tpcheck.inputs.faults import FAULTS, Fault, get_fault
+from tpcheck.engines.impl.faults import FAULTS, Fault, get_fault
 from tpcheck.progress import bar
 from tpcheck.result.origin import ranks_cause
 from tpcheck.inputs.checkpoints import QUANTIZED, preset_available

@@ -10,7 +10,7 @@ from tpcheck.cli.fault_depth import add_arguments, run_depth
 from tpcheck.cli import fault_matrix
 from tpcheck.cli.fault_matrix import format_table, run_matrix
 from tpcheck.inputs.arg_types import add_device_argument
-from tpcheck.inputs.faults import get_fault
+from tpcheck.engines.impl.faults import get_fault
 from tpcheck.result.documents import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
 
 

@@ -10,7 +10,7 @@ import torch
 
 from impl.config import load_config
 from impl.shard_plan import shard_plan
-from tpcheck.inputs.faults import injected
+from tpcheck.engines.impl.faults import injected
 
 # memory gate, after benchmarks/load_memory.py: a rank may hold its share of the checkpoint x 1.15, plus slack
 MEM_FACTOR = 1.15

@@ -35,7 +35,7 @@ def _engines() -> list[str]:
 
 
 def _faults() -> list[str]:
-    from tpcheck.inputs.faults import FAULTS
+    from tpcheck.engines.impl.faults import FAULTS
     return list(FAULTS)
 
 

@@ -119,7 +119,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def _validate(opts: SweepOptions) -> list[str]:
     from tpcheck.inputs.checkpoints import PRESETS
-    from tpcheck.inputs.faults import FAULTS
+    from tpcheck.engines.impl.faults import FAULTS
     errors = []
     if not opts.tp or any(t < 1 for t in opts.tp):
         errors.append(f"--tp needs TP sizes >= 1, got {opts.tp}")

@@ -11,7 +11,7 @@ import os
 from typing import Callable, TypeVar
 
 from impl.executor import start_fork_server
-from tpcheck.engines.impl import get_llm
+from tpcheck.engines.impl.adapter import get_llm
 from tpcheck.inputs.devices import resolve_device
 
 E = TypeVar("E")
@@ -67,7 +67,7 @@ class EnginePool:
             num_kv_blocks: int | None = None, ep: int = 1, pp: int = 1, pp_partition: str | None = None,
             device: str | None = None):
         """impl's ``LLM`` of ``tp`` ranks, experts in ``ep`` groups, in ``pp`` pipeline stages, on ``device``
-        (default ``engine_device()``; ``tpcheck.engines.impl.get_llm``)."""
+        (default ``engine_device()``; ``tpcheck.engines.impl.adapter.get_llm``)."""
         return get_llm(self, model_dir, tp, dtype, block_size, num_kv_blocks, ep, pp, pp_partition,
                        device or self.engine_device())
 

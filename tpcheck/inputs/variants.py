@@ -19,7 +19,7 @@ the noise floor to that on every configuration they run (a floor calibrated to H
   then pass. In other dtypes it changes nothing.
 
 ``apply(runner, names)`` patches one rank (run on every rank: ``llm.call(apply, names)``); ``llm.reload()`` undoes
-it, as for faults (``tpcheck.inputs.faults.engine``)."""
+it, as for faults (``tpcheck.engines.impl.faults.engine``)."""
 from __future__ import annotations
 
 import torch

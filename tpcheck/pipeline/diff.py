@@ -16,6 +16,7 @@ import logging
 from dataclasses import replace
 
 from impl.config import parse_dtype
+from tpcheck.engines.adapter import EngineAdapter, as_adapter
 from tpcheck.engines.pool import EnginePool
 from tpcheck.capture.rounding import NEAREST, Rounding, local_pass_default_off, overridden
 from tpcheck.judge import judge
@@ -65,8 +66,8 @@ def run(opts: DiffOptions, tolerances: Tolerances | None = None, pool=None, comm
     own = pool is None
     pool = pool or EnginePool()
     try:
-        adapter = plan.entry.start(pool, plan)
-        origin = RunOrigin(tp=opts.tp, ep=opts.ep, stages=getattr(adapter, "stages", None), engine=opts.engine,
+        adapter = as_adapter(plan.entry.start(pool, plan))
+        origin = RunOrigin(tp=opts.tp, ep=opts.ep, stages=adapter.stages, engine=opts.engine,
                            inject=opts.inject,
                            inject_layer=opts.inject_layer, inject_silent=plan.silent,
                            command=command or plan.command())
@@ -113,7 +114,9 @@ class _Notes(logging.Handler):
 
 
 def _compare(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOrigin | None) -> DiffResult:
-    """The passes of one diff over an engine adapter, judged (its notes saved with it)."""
+    """The passes of one diff over an engine adapter (``as_adapter``: one that does not derive from
+    ``EngineAdapter`` gets its defaults), judged (its notes saved with it)."""
+    engine = as_adapter(engine)
     notes = _Notes()
     logger.addHandler(notes)  # every module of the pipeline logs to this one logger
     try:
@@ -122,12 +125,12 @@ def _compare(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOr
         logger.removeHandler(notes)
 
 
-def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOrigin | None,
+def _passes(engine: EngineAdapter, plan: RunPlan, tolerances: Tolerances | None, origin: RunOrigin | None,
             notes: _Notes) -> DiffResult:
     opts, cfg, select, prompts = plan.opts, plan.cfg, plan.select, plan.prompts
     model_dir, dtype, steps = opts.model, opts.dtype, opts.decode_steps
     coverage = Coverage(list(plan.expected), require=opts.require_points)
-    reductions = getattr(engine, "reductions", None)
+    reductions = engine.reductions
     if reductions is None:
         reductions = Reductions()
         logger.warning("tpcheck diff: note: the engine adapter declares no `reductions` "
@@ -147,7 +150,7 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     modes = [False] + ([True] if isolate else [])
     stop_when = _step_fails(dtype, rounding, tolerances) if opts.fail_fast else None
     # a replayed dump: its local pass runs the golden again, forced onto the engine's recorded inputs
-    forced = isolate and not getattr(engine, "teacher_forcing", False)
+    forced = isolate and not engine.teacher_forcing
     sparse = getattr(cfg, "moe", None) is not None
     # the golden's points kept for the local pass (which may run each prompt's last rows: tpcheck.pipeline.local_rows)
     cache = GoldenCache(prefix=planned_prefix(engine, prompts, opts.local_rows, sparse, plan.handoffs),
@@ -173,15 +176,16 @@ def _passes(engine, plan: RunPlan, tolerances: Tolerances | None, origin: RunOri
     return judge(DiffResult(table, {**run_meta(), **meta.to_dict()}), tolerances)  # stamped: made here, now
 
 
-def local_pass(engine, isolate: bool | None, num_layers: int, rounding: Rounding = NEAREST) -> bool:
+def local_pass(engine: EngineAdapter, isolate: bool | None, num_layers: int, rounding: Rounding = NEAREST) -> bool:
     """Whether the run has the local (teacher-forced) pass: ``isolate`` when given (True on an engine that cannot be
     teacher-forced is refused), else whether the adapter says it can be (``teacher_forcing``). A replayed dump
     (``lacking``) has it where it recorded every layer's ``out`` at every row of every step: its local pass forces
     the golden and the references onto those (``tpcheck.pipeline.forced``)."""
-    can = bool(getattr(engine, "teacher_forcing", False))
+    engine = as_adapter(engine)
+    can = bool(engine.teacher_forcing)
     why = "this engine cannot be teacher-forced"
-    if not can and getattr(engine, "lacking", None) is not None:
-        gaps = engine.lacking(layer_outputs(num_layers))
+    gaps = None if can else engine.lacking(layer_outputs(num_layers))
+    if gaps is not None:
         can = not gaps
         why = "the dump lacks " + ", ".join(f"{n} (step {s})" for n, s in list(gaps.items())[:4]) + \
             (f" and {len(gaps) - 4} more" if len(gaps) > 4 else "") + ", which the local pass forces each layer " \
@@ -201,10 +205,10 @@ def local_pass(engine, isolate: bool | None, num_layers: int, rounding: Rounding
     return isolate
 
 
-def engine_rounding(engine, mode: str | None = None) -> Rounding:
+def engine_rounding(engine: EngineAdapter, mode: str | None = None) -> Rounding:
     """The adapter's declared rounding (its ``rounding`` attribute: ``tpcheck.capture.rounding``; none declared:
     to nearest), or ``mode`` where ``--rounding`` names one."""
-    declared = getattr(engine, "rounding", None)
+    declared = as_adapter(engine).rounding
     return overridden(declared if isinstance(declared, Rounding) else NEAREST, mode)
 
 

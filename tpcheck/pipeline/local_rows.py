@@ -26,6 +26,7 @@ import torch
 
 from tpcheck.capture.batches import StepBatch
 from tpcheck.capture.points import kind_of
+from tpcheck.engines.adapter import as_adapter
 from tpcheck.reference.hf import fill_caches
 
 PREFIX_KINDS = ("attn.k_rope", "attn.v")  # the golden's points a prefix is written from (kept for the local pass)
@@ -35,7 +36,7 @@ def planned_prefix(engine, prompts: list[list[int]], local_rows: int, sparse: bo
     """The prefix the local pass gives each prompt (``prefix_lens``) where the run allows one: an engine that takes
     a prefix (``takes_prefix``), a dense model, one pipeline stage (no ``handoffs``); else None. The golden's cache
     then holds the first step split for it (``tpcheck.pipeline.steps.GoldenCache``)."""
-    if sparse or handoffs or not getattr(engine, "takes_prefix", False):
+    if sparse or handoffs or not as_adapter(engine).takes_prefix:
         return None
     return prefix_lens(prompts, local_rows)
 

@@ -16,7 +16,7 @@ from tpcheck.engines.registry import EngineEntry
 from tpcheck.engines.registry import engine as engine_entry
 from tpcheck.inputs.checkpoints import cached_checkpoint
 from tpcheck.inputs.devices import resolve_device
-from tpcheck.inputs.faults import get_fault
+from tpcheck.engines.impl.faults import get_fault
 from tpcheck.inputs.prompts import random_prompts
 from tpcheck.inputs.quant_check import check_quantized_checkpoint
 from tpcheck.options import DiffOptions
@@ -73,8 +73,8 @@ class RunPlan:
         was made for, where given), the prompts, the selection; a ``ValueError`` naming the flag otherwise."""
         device, golden_device = run_devices(opts, pool_device)  # a GPU asked for and absent: refused first
         entry = engine_entry(opts.engine)
-        module = entry.load()
-        if opts.inject and not getattr(module, "FAULTS", False):
+        entry.load()  # the engine's module first: an engine that is not installed is refused before anything else
+        if opts.inject and not entry.faults:
             raise ValueError(f"--inject applies to impl only (faults patch impl's modules), not --engine {opts.engine}")
         if opts.block_size != DiffOptions.block_size and opts.engine != "impl":
             raise ValueError(f"--block-size {opts.block_size} applies to --engine impl only (impl's paged KV cache); "
@@ -94,8 +94,7 @@ class RunPlan:
             why = get_fault(name).refused_because(cfg)
             if why:
                 raise ValueError(f"--inject {name} {why}")
-        if hasattr(module, "check_layout"):
-            module.check_layout(cfg, opts.tp)
+        entry.check_layout(cfg, opts.tp)
         prompts = _prompts(opts, cfg)
         opts = opts.replace(model=model_dir, prompts=prompts, seq_len=32, batch=2, seed=0)
         plan = cls.of(opts, cfg, entry, (device, golden_device))  # a selection that keeps no point: refused here
@@ -145,7 +144,7 @@ def run_devices(opts: DiffOptions, pool_device: str | None = None) -> tuple[str,
 
 def _check_pipeline(opts: DiffOptions, cfg) -> None:
     """``--pp`` / ``--pp-partition`` on impl or vLLM, a partition of this model's layers (``impl.pipeline``; vLLM's
-    own split is checked against it once its ranks have loaded: ``tpcheck.engines.vllm.start``)."""
+    own split is checked against it once its ranks have loaded: ``tpcheck.engines.vllm.adapter.start``)."""
     if opts.pp == 1 and opts.pp_partition is None:
         return
     if opts.engine not in ("impl", "vllm"):

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from tpcheck.capture.batches import StepBatch
-from tpcheck.capture.points import all_point_names, kind_of, point_order, point_stage, split_point
+from tpcheck.capture.points import all_point_names, kind_of, point_order, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.tolerances import Tolerances
 from tpcheck.measure import exact_ops, own_attention, own_input
@@ -47,9 +47,9 @@ class RowMaker:
         come first in its row's note (a note fails the row); under ``--pp`` each row names the stage that reported
         its point (the adapter's ``stages``, and its ``point_stage`` where it reports a point elsewhere)."""
         rows = self._rows(step, points, gold, batch, order, eng_teacher, subsets)
-        notes = getattr(self.ctx.engine, "point_notes", None)
-        stages = getattr(self.ctx.engine, "stages", None)  # --pp: each stage's [start, end) layers
-        owner = getattr(self.ctx.engine, "point_stage", point_stage)  # vLLM: a stage's last output on the next
+        notes = self.ctx.engine.point_notes
+        stages = self.ctx.engine.stages  # --pp: each stage's [start, end) layers
+        owner = self.ctx.engine.point_stage  # vLLM: a stage's last output on the next
         for row in rows:
             if stages:
                 row.stage = owner(row.point, stages)

@@ -138,8 +138,8 @@ class DiffPass:
         self.g_caches: dict[str, object] = {}  # request id -> its golden cache (a saved golden has none)
         self.r_caches: dict[str, dict[str, object]] = {name: {} for name, _ in self.floor.references}
         c.engine.begin(c.prompts, c.decode_steps)
-        schedule = getattr(c.engine, "schedule", None)
-        batch = self.last.first(schedule(0) if schedule is not None else StepBatch.of_prompts(c.prompts))
+        recorded = c.engine.schedule(0)  # a replayed dump's requests and tokens; None: a live engine's greedy run
+        batch = self.last.first(recorded if recorded is not None else StepBatch.of_prompts(c.prompts))
         rows: list[Row] = []
         for step in range(c.decode_steps + 1):
             t0 = time.monotonic()
@@ -147,8 +147,8 @@ class DiffPass:
             rows += step_rows
             # the next inputs: golden greedy tokens, or what a recorded run ran (tpcheck.capture.dump)
             if step < c.decode_steps:
-                batch = schedule(step + 1) if schedule is not None else batch.then([[t] for t in nxt])
-            what = f"step {step}" if schedule is not None else "prefill" if step == 0 else \
+                batch = c.engine.schedule(step + 1) if recorded is not None else batch.then([[t] for t in nxt])
+            what = f"step {step}" if recorded is not None else "prefill" if step == 0 else \
                 f"decode {step}/{c.decode_steps}"
             logger.info(f"  [{self.mode}] {what}: {time.monotonic() - t0:.1f}s")
             if c.progress is not None:
@@ -206,7 +206,7 @@ class DiffPass:
             eng_teacher = {i: t.to(c.dtype) for i, t in teacher.items()}
         if points is None:  # on the golden's device, where every statistic is computed (the adapter places eng_teacher)
             points = to_device(c.engine.step(batch.tokens, eng_teacher, self.with_kv), c.golden_device)
-        subsets = dict(getattr(c.engine, "point_rows", None) or {})  # points that hold only some rows
+        subsets = dict(c.engine.point_rows or {})  # points that hold only some rows
         self._measure_references(step, batch, r_caches, gold, teacher, subsets)
         order = [self.log.order[rid] for rid in batch.ids]
         rows = self.maker.rows(step, points, gold, batch, order, eng_teacher, subsets)

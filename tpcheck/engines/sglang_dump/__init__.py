@@ -6,7 +6,7 @@ judged by ``tpcheck compare --format sglang DUMP_DIR --model CKPT`` exactly as t
     assemble.py  one point of one step from every rank's file: non-tp axes unsharded, tp as a placement
     rules.py     dumped names -> canonical points (``rules.toml`` shipped; ``--name-rules FILE`` extends it)
     batches.py   each step's requests from the auxiliary ``input_ids`` / ``positions`` / ``seq_lens`` dumps
-    reader.py    ``read_sglang_dump``: all of it as a ``tpcheck.capture.dump.Dump``
+    reader.py    ``read_sglang_dump``: all of it as a ``tpcheck.engines.dump.replay.Dump``
     writer.py    the format written from a tpcheck dump (tests, demos)
 
 User guide: docs/sglang.md."""

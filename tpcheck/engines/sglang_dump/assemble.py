@@ -1,6 +1,6 @@
 """One point of one step, from every rank's file, into tpcheck's dump model: ``(placement, [TP rank 0's tensor,
 ...])`` with each tensor ``[rows, features]`` (``tpcheck.capture.points``), exactly what
-``tpcheck.capture.dump.Dump.points`` gives for tpcheck's own dumps, so the same unsharding
+``tpcheck.engines.dump.replay.Dump.points`` gives for tpcheck's own dumps, so the same unsharding
 (``tpcheck.measure.unshard``), replica rule and verdict judge it.
 
 The parallel axes come from each file's meta: ``{axis}_rank`` / ``{axis}_size`` in its plugin's parallel info

@@ -1,4 +1,4 @@
-"""An SGLang dumper directory read into tpcheck's dump model: ``SglangDump`` is a ``tpcheck.capture.dump.Dump``
+"""An SGLang dumper directory read into tpcheck's dump model: ``SglangDump`` is a ``tpcheck.engines.dump.replay.Dump``
 whose ``points(step)`` reads SGLang's files, so ``DumpAdapter`` replays it and ``tpcheck compare`` judges it
 exactly as it judges tpcheck's own dumps (no second pipeline).
 
@@ -15,13 +15,13 @@ import torch
 from impl.config import load_config
 from impl.placements import Fused, Shard
 from impl.shard_plan import kv_split
-from tpcheck.capture.dump import Dump, DumpAdapter
+from tpcheck.engines.dump.replay import Dump, DumpAdapter
 from tpcheck.capture.dump_format import DumpError
 from tpcheck.engines.sglang_dump import batches, passes, rules as name_rules, sniff_format
 from tpcheck.engines.sglang_dump.assemble import PARALLEL_INFO_KEYS, assemble, axis_coords
 from tpcheck.engines.sglang_dump.dims import parse_dims
 from tpcheck.engines.sglang_dump.files import DumpFile, load_file, scan
-from tpcheck.engines.stage_dump import open_dump
+from tpcheck.engines.dump.stages import open_dump
 
 _HIDDEN_KINDS = {"embed", "input_norm", "attn.out", "attn.residual", "post_attn_norm", "mlp.out", "out", "final_norm",
                  "moe.experts", "moe.shared"}
@@ -274,7 +274,7 @@ def _dtype(index: list[dict[str, list[DumpFile]]]) -> str:
 
 def open_any(root: str | Path, fmt: str, model: str, reductions, rule_files=(), allow_unmapped: bool = False):
     """``tpcheck compare``'s dump in format ``fmt`` (``"auto"``: ``sniff_format``): (its ``Dump``, the adapter that
-    replays it, a pipelined dump's stages or None); tpcheck's own by ``tpcheck.engines.stage_dump.open_dump``."""
+    replays it, a pipelined dump's stages or None); tpcheck's own by ``tpcheck.engines.dump.stages.open_dump``."""
     fmt = sniff_format(root) if fmt == "auto" else fmt
     if fmt.startswith("sglang"):
         return open_sglang(root, fmt, model, reductions, rule_files, allow_unmapped)

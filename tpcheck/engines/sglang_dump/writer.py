@@ -24,7 +24,7 @@ import torch
 
 from impl.config import load_config
 from impl.placements import Fused, Partial, Replicate, Shard
-from tpcheck.capture.dump import read_dump
+from tpcheck.engines.dump.replay import read_dump
 from tpcheck.capture.dump_format import DumpError
 from tpcheck.engines.sglang_dump import batches, passes, rules as name_rules
 from tpcheck.engines.sglang_dump.dims import Dim, Dims, Split, format_dims
