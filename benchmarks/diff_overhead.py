@@ -33,7 +33,7 @@ from common import PeakRSS, tree_cpu_s  # noqa: E402
 # (file suffix, function) -> part of a diff; cumulative times from one profiled run
 PARTS = {
     "HF references: golden, dtype, TP (forward + hooks)": [("reference/hf.py", "step")],
-    "engine step (ranks' forward + hooks + transfer)": [("engines/impl.py", "step")],
+    "engine step (ranks' forward + hooks + transfer)": [("engines/impl/adapter.py", "step")],
     "unsharding": [("unshard.py", "unshard")],
     # the engine's points (compare) and the noise floor's references (row_rel_errs), which pipeline.steps calls
     "statistics (float64 errors, worst rows)": [("metrics.py", "compare"), ("metrics.py", "row_errors")],

@@ -47,9 +47,9 @@ def main() -> int:
     check_json_arg(ap, a)
     log = make_log("sglang_dump_faults")
     from impl import LLM, CacheConfig, SamplingParams
-    from tpcheck.engines.impl import generate_dumped
+    from tpcheck.engines.impl.adapter import generate_dumped
     from tpcheck.engines.sglang_dump.writer import FileSink, PassSink, passes_rules, write_from_dump
-    from tpcheck.inputs import faults
+    from tpcheck.engines.impl import faults
     from tpcheck.inputs.checkpoints import cached_checkpoint
     prompts = [[(7 * k + t) % 200 + 3 for t in range(n)] for k, n in enumerate(PROMPT_LENS)]
     params = [SamplingParams(max_tokens=m) for m in NEW_TOKENS]

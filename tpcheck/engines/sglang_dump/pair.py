@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from impl.placements import Shard
-from tpcheck.capture.dump import read_dump
+from tpcheck.engines.dump.replay import read_dump
 from tpcheck.capture.dump_format import DumpError
 from tpcheck.engines.sglang_dump import passes, rules as name_rules, sniff_format
 from tpcheck.engines.sglang_dump.batches import AUX_NAMES
