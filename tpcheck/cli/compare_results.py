@@ -18,12 +18,15 @@ import argparse
 import math
 from pathlib import Path
 
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from tpcheck.cli.exit_codes import verdict
-from tpcheck.judge.verdict import judge
-from tpcheck.result.table import DiffResult, load_result
-from tpcheck.judge.tolerances import Tolerances, load_tolerances
+
+if TYPE_CHECKING:  # pandas and the judge load with the subcommand, not with the parser: `tpcheck --help` stays fast
+    import pandas as pd
+
+    from tpcheck.judge.tolerances import Tolerances
+    from tpcheck.result.table import DiffResult
 
 KEY = ["point", "step", "mode"]
 COLUMNS = ["point", "step", "mode", "change", "excess_a", "excess_b", "ratio", "rel_err_a", "rel_err_b",
@@ -58,6 +61,7 @@ def compare_results(a: DiffResult, b: DiffResult, tolerances: Tolerances | None 
     (newly failing, then worse by the largest ratio)."""
     if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):  # nan compares false
         raise ValueError(f"--factor must be a finite number >= 1, got {factor}")
+    from tpcheck.judge.verdict import judge
     ta, tb = judge(a, tolerances).table, judge(b, tolerances).table
     cols = KEY + ["excess", "rel_err", "passed"]
     j = ta[cols].merge(tb[cols], on=KEY, how="outer", suffixes=("_a", "_b"))
@@ -102,6 +106,9 @@ def run(args) -> int:
     """``tpcheck compare-results``: prints the verdict first, B's origin, then the newly failing points in B's
     execution order (``--changed``: every changed point, ``--all``: every point); returns the exit code.
     Unreadable inputs raise (``ResultFormatError``: exit 2 through ``tpcheck.cli``)."""
+    from tpcheck.judge.tolerances import load_tolerances
+    from tpcheck.judge.verdict import judge
+    from tpcheck.result.table import load_result
     tol = load_tolerances(args.tolerances, None) if args.tolerances else None
     a, b = load_result(args.a), load_result(args.b)
     bad = _mismatch(a, b)
