@@ -14,6 +14,7 @@ from pathlib import Path
 from tpcheck.cli import compare_two, exit_codes
 from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
+from tpcheck.inputs.presets import describe_preset, preset_names
 from tpcheck.cli.lazy import Lazy, version as _version
 from tpcheck.cli.suggest import PlainParser, check_argv, refuse, unknown_flag
 from tpcheck.result.columns import help_epilog
@@ -70,7 +71,7 @@ def _add_check(sub) -> None:
     ck = sub.add_parser("check", help="impl logits vs an fp64 HF golden run, gated by HF's own noise at the dtype")
     src = ck.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (Qwen2 / Qwen2.5, Llama 2 / 3, Mistral, Qwen3 or Gemma 3)")
-    src.add_argument("--preset", default="tiny", choices=checkpoints.preset_names(),
+    src.add_argument("--preset", default="tiny", choices=preset_names(),
                      help="synthetic checkpoint used when --model is not given (default: tiny)")
     ck.add_argument("--tp", type=int_list, default=None, help="TP sizes, e.g. 1,2,4 (default: all the model allows of 1,2,4)")
     ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -90,7 +91,7 @@ def _add_diff(sub) -> None:
     from tpcheck.engines.registry import ENGINES
     df = sub.add_parser("diff", help="layer-by-layer differential run: where the engine leaves the noise floor")
     df.add_argument("--layer-by-layer", action="store_true", help="(the only mode; accepted for clarity)")
-    prompt = options.add_arguments(df, choices={"preset": checkpoints.preset_names(), "engine": list(ENGINES)},
+    prompt = options.add_arguments(df, choices={"preset": preset_names(), "engine": list(ENGINES)},
                                    defaults={"tp": 2})
     prompt.add_argument("--prompt", action="append", help="prompt text (needs a tokenizer in --model; repeatable)")
     _add_outputs(df)
@@ -336,8 +337,8 @@ def _run(a, argv: list[str]) -> int:
         from tpcheck.cli import make_checkpoint
         return make_checkpoint.run(a)
     if a.cmd == "presets":
-        for name in checkpoints.preset_names():
-            print(checkpoints.describe_preset(name))
+        for name in preset_names():
+            print(describe_preset(name))
         return 0
     if a.cmd == "faults":
         if a.action == "matrix":

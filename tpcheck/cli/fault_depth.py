@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
-import pandas as pd
-
-from impl.config import load_config
-from tpcheck.cli import fault_matrix as fm
-from tpcheck.engines.impl.faults import FAULTS, get_fault
 from tpcheck.progress import bar
+
+if TYPE_CHECKING:  # the matrix, impl and pandas load with the run, not with the parser (add_arguments)
+    import pandas as pd
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +44,9 @@ def depth_layers(num_layers: int, eligible=None) -> list[int]:
 def depth_configs(name: str, ckpt, presets=None, tps=None, dtypes=None) -> list[dict]:
     """The configurations fault ``name`` runs on: its smallest (no ``presets``), or every (preset, tp, dtype)
     of those given where it shows."""
+    from impl.config import load_config
+    from tpcheck.cli import fault_matrix as fm
+    from tpcheck.engines.impl.faults import get_fault
     fault = get_fault(name)
     if not presets:
         return [fm.smallest_config(fault, ckpt)]
@@ -61,6 +63,8 @@ def depth_configs(name: str, ckpt, presets=None, tps=None, dtypes=None) -> list[
 
 def depth_row(name: str, config: dict, layer: int, pool, ckpt) -> dict:
     """``name`` injected into decoder ``layer`` only, on ``config``: found, where, and by how much."""
+    from tpcheck.cli import fault_matrix as fm
+    from tpcheck.engines.impl.faults import get_fault
     fault = get_fault(name)
     t0 = time.monotonic()
     r = fm._diff(pool, ckpt, config, [name], inject_layer=layer)
@@ -91,7 +95,11 @@ def depth_row(name: str, config: dict, layer: int, pool, ckpt) -> dict:
 def run_depth(faults: list[str] | None = None, pool=None, ckpt=None, presets=None, tps=None,
               dtypes=None) -> pd.DataFrame:
     """One row per (per-layer fault, configuration, layer in ``depth_layers``). Columns: ``fault_matrix.COLUMNS``."""
+    import pandas as pd
     from impl import CacheConfig
+    from impl.config import load_config
+    from tpcheck.cli import fault_matrix as fm
+    from tpcheck.engines.impl.faults import FAULTS, get_fault
     from tpcheck.engines.pool import EnginePool
     names = [n for n in (list(FAULTS) if faults is None else [get_fault(n).name for n in faults])
              if get_fault(n).per_layer and get_fault(n).check == "diff"]

@@ -6,12 +6,11 @@ import argparse
 from pathlib import Path
 
 from tpcheck.cli.exit_codes import verdict
-from tpcheck.cli.fault_depth import add_arguments, run_depth
-from tpcheck.cli import fault_matrix
-from tpcheck.cli.fault_matrix import format_table, run_matrix
+from tpcheck.cli.fault_depth import add_arguments
 from tpcheck.inputs.arg_types import add_device_argument
-from tpcheck.engines.impl.faults import get_fault
-from tpcheck.result.documents import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
+
+# the first line of tpcheck.cli.fault_matrix's docstring: that module (impl, torch, pandas) loads with the run
+DESCRIPTION = "The sensitivity table: every fault on the smallest configuration where it shows, plus clean runs."
 
 
 # ---- command line: tpcheck faults matrix -----------------------------------------------------------------
@@ -19,7 +18,7 @@ from tpcheck.result.documents import write_json  # strict JSON, schema_version, 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``matrix`` to the ``tpcheck faults`` sub-commands."""
     p = subparsers.add_parser("matrix", help="each fault on the smallest configuration where it shows, plus clean runs",
-                              description=fault_matrix.__doc__.split("\n\n")[0])
+                              description=DESCRIPTION)
     p.add_argument("--faults", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="comma-separated fault names (default: all; tpcheck faults list)")
     p.add_argument("--no-clean", action="store_true", help="skip the clean runs")
@@ -32,6 +31,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 def run(args, pool=None, ckpt=None) -> int:
     """``tpcheck faults matrix``: print the table; 0 when every fault is detected at its expected origin and
     no clean run alarms, 1 otherwise. (``pool`` / ``ckpt``: engines and checkpoints to reuse, for tests.)"""
+    from tpcheck.cli.fault_depth import run_depth
+    from tpcheck.cli.fault_matrix import format_table, run_matrix
+    from tpcheck.engines.impl.faults import get_fault
+    from tpcheck.result.documents import write_json  # strict JSON, schema_version, kind "fault_matrix", run meta
     for n in args.faults or []:
         get_fault(n)  # ValueError (exit 2) before any engine starts
     if (args.preset or args.tp or args.dtype) and not args.depth:

@@ -16,20 +16,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tpcheck.result.origin import ranks_cause
-from tpcheck.result.report import ResultFormatError, load_result
-from tpcheck.result.table import DiffResult
-from tpcheck.judge.verdict import judge
 from tpcheck.cli.exit_codes import Exit
 from tpcheck.inputs.validate import read_json
-from tpcheck.judge.tolerances import ToleranceError, Tolerances, load_tolerances
+
+if TYPE_CHECKING:  # the judge (torch, pandas) loads with the subcommand, not the parser: `tpcheck --help` stays fast
+    from tpcheck.judge.tolerances import Tolerances
+    from tpcheck.result.table import DiffResult
 
 PASS, FAIL, BAD_INPUT, ENGINE_FAILED = Exit.PASS, Exit.DIVERGED, Exit.BAD_INPUT, Exit.FAILED
 
 
 def gate_result(result: DiffResult, tolerances: Tolerances | None = None, name: str = "result") -> tuple[int, str, DiffResult]:
     """Re-judge ``result`` under ``tolerances`` (``tpcheck.judge``): (exit code, message, re-judged result)."""
+    from tpcheck.judge.tolerances import Tolerances
+    from tpcheck.judge.verdict import judge
+    from tpcheck.result.origin import ranks_cause
     tol = tolerances or Tolerances()
     r = judge(result, tol)
     t = r.table
@@ -72,6 +75,8 @@ def regate(result_json_path: str | Path, tolerances: Tolerances | str | Path | N
     """Re-judge a saved result: ``(0, message)`` pass, ``(1, message)`` a point over tolerance, ``(2, message)``
     unreadable or malformed input, ``(3, message)`` the run's coverage failed (``tpcheck.judge.coverage``).
     ``tolerances``: a ``Tolerances``, a TOML file path, or None (defaults)."""
+    from tpcheck.judge.tolerances import ToleranceError, Tolerances, load_tolerances
+    from tpcheck.result.report import ResultFormatError, load_result
     try:
         if tolerances is not None and not isinstance(tolerances, Tolerances):
             tolerances = load_tolerances(tolerances)
@@ -103,6 +108,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     """Run ``gate`` or ``report`` from parsed ``args``; returns the exit code."""
+    from tpcheck.judge.tolerances import ToleranceError, load_tolerances
     try:
         if args.cmd == "gate":
             tol = load_tolerances(args.tolerances, args.pyproject)
@@ -139,6 +145,7 @@ def _config_row(r: DiffResult, name: str) -> dict:
 def _sweep_document(path: Path) -> list[dict] | None:
     """The rows of a ``tpcheck sweep --json`` document, or None for any other file (read as a diff result, whose
     reader names what is wrong with it)."""
+    from tpcheck.result.report import ResultFormatError
     try:
         data = read_json(path, ValueError, "sweep")  # strict and bounded, as every file tpcheck reads
     except ValueError:
@@ -165,7 +172,9 @@ def _report_sweep(path: Path, rows: list[dict], out: Path, title: str | None) ->
 
 
 def _report(paths: list[Path], out: Path, tol: Tolerances | None, title: str | None) -> int:
+    from tpcheck.judge.verdict import judge
     from tpcheck.result.documents import write_text_atomic
+    from tpcheck.result.report import ResultFormatError, load_result
     from tpcheck.result.report.html import render_sweep_html, write_html
     try:
         sweep_rows = _sweep_document(paths[0]) if len(paths) == 1 else None

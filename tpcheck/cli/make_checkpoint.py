@@ -14,10 +14,11 @@ from collections import Counter
 from pathlib import Path
 
 from tpcheck.cli.lazy import Lazy
+from tpcheck.inputs.presets import DTYPE_NAMES, preset_names
+from tpcheck.inputs.quant_schemes import AWQ_SCHEMES, GPTQ_SCHEMES, SCHEMES
 
 checkpoints = Lazy("tpcheck.inputs.checkpoints")  # these import torch: only the command's run needs them
 quantize = Lazy("tpcheck.inputs.quantize")
-quantize_gptq = Lazy("tpcheck.inputs.quantize_gptq")
 quantize_awq = Lazy("tpcheck.inputs.quantize_awq")
 gguf_checkpoint = Lazy("tpcheck.inputs.gguf_checkpoint")
 
@@ -25,7 +26,7 @@ gguf_checkpoint = Lazy("tpcheck.inputs.gguf_checkpoint")
 def _schemes() -> dict[str, str]:
     """Every ``--quantize`` scheme: INT8 / FP8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ (``quantize_gptq``)
     and AWQ (``quantize_awq``)."""
-    return {**quantize.SCHEMES, **quantize_gptq.GPTQ_SCHEMES, **quantize_awq.AWQ_SCHEMES}
+    return {**SCHEMES, **GPTQ_SCHEMES, **AWQ_SCHEMES}
 
 
 def register(subparsers) -> None:
@@ -33,7 +34,7 @@ def register(subparsers) -> None:
                                                        "family), or a quantized one (--quantize)",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = mk.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", choices=checkpoints.preset_names(), help="write this synthetic preset")
+    src.add_argument("--preset", choices=preset_names(), help="write this synthetic preset")
     src.add_argument("--model", type=Path, metavar="SRC_DIR",
                      help="a float Hugging Face checkpoint directory to quantize (needs --quantize)")
     src.add_argument("--from-gguf", type=Path, metavar="FILE.gguf",
@@ -44,7 +45,7 @@ def register(subparsers) -> None:
                     help="write the checkpoint quantized: " + "; ".join(f"{k}: {v}" for k, v in _schemes().items()))
     # None: not given (they describe a preset's float weights, so --model refuses them)
     mk.add_argument("--seed", type=int, default=None, help="the preset's random seed (default 0)")
-    mk.add_argument("--dtype", default=None, choices=sorted(checkpoints.DTYPES),
+    mk.add_argument("--dtype", default=None, choices=sorted(DTYPE_NAMES),
                     help="the preset's float dtype (default float32)")
     mk.add_argument("--shards", type=int, default=None,
                     help="number of safetensors files (>1 writes an index; not with --quantize)")

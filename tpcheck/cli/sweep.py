@@ -29,7 +29,6 @@ from pathlib import Path
 from tpcheck.inputs.arg_types import add_device_argument, int_list, name_list
 from tpcheck.cli.exit_codes import Exit
 from tpcheck.progress import bar
-from tpcheck.result.table import worst_key
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
@@ -186,6 +185,7 @@ def run_configuration(source: str, tp: int, dtype: str, steps: int, opts: SweepO
                       pp: int = 1) -> dict:
     """Run ``opts.examples`` drawn examples of one configuration; returns its row."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
+    from tpcheck.result.table import worst_key
 
     row = {"config": source, "tp": tp, "pp": pp, "dtype": dtype, "decode_steps": steps, "examples": 0,
            "passed": True, "worst_point": None, "worst_step": None, "excess": 0.0, "worst_example": None,

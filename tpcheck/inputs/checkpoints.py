@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 # re-exported: the presets and the value recipe live in their own modules; ``from tpcheck.inputs.checkpoints
 # import PRESETS`` (and ``ck._tensor_specs`` in the tests) keep working
 from tpcheck.inputs.presets import (  # noqa: F401
-    DTYPES, OUTLIERS, PRESETS, QUANTIZED, ROUTER_TIES, SINKS, _check_dtype, _check_preset, config_family, config_from_kwargs,
-    describe_preset, preset_available, preset_config, preset_family, preset_names,
+    DTYPE_NAMES, OUTLIERS, PRESETS, QUANTIZED, ROUTER_TIES, SINKS, _check_dtype, _check_preset, config_family,
+    config_from_kwargs, describe_preset, preset_available, preset_config, preset_family, preset_names,
 )
 from tpcheck.inputs.sink_recipe import _add_sink, check_sink_config, sink_channels  # noqa: F401
 from tpcheck.inputs.gemma_recipe import PRESETS as GEMMA_SINKS, _add_gemma_sink, check_gemma_sink_config
@@ -41,6 +41,8 @@ from tpcheck.inputs.weight_recipe import (  # noqa: F401
 from tpcheck.inputs.quantize_awq import quantize_any
 from tpcheck.inputs.kv_recipe import PRESETS as KV_PRESETS, spread_kv
 from impl.config import load_config
+
+DTYPES: dict[str, torch.dtype] = {name: _check_dtype(name) for name in DTYPE_NAMES}
 
 # Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
 # the massive-activation recipe (``_add_outliers``), the attention-sink recipes (``tpcheck.inputs.sink_recipe``;

@@ -82,17 +82,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-from impl.config import _TF_VERSION, FAMILIES, HF_DTYPE_KEY, TRANSFORMERS_5
-
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# the preset names and their descriptions load without torch or transformers (``tpcheck --help`` lists the names):
+# ``impl.config`` and torch are imported by the functions that build configs and dtypes
+DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 _TINY = dict(max_position_embeddings=1024, rms_norm_eps=1e-6, use_sliding_window=False,
              bos_token_id=1, eos_token_id=2)
@@ -243,6 +239,7 @@ def preset_available(name: str) -> bool:
     tpcheck can capture it: the MoE presets need transformers 5, whose router returns (logits, top-k weights, ids)
     and whose experts are one module (``tpcheck.capture.maps.HF_MAP``; 4.x routes inside the block); the FP8 KV
     cache presets need transformers >= 4.53."""
+    from impl.config import _TF_VERSION, FAMILIES, TRANSFORMERS_5  # imports transformers: see DTYPE_NAMES
     family = FAMILIES[preset_family(name)]
     # an FP8 KV cache's scales are calibrated, and its golden rounds, through transformers' pluggable attention and
     # masks (AttentionInterface >= 4.51, masking_utils >= 4.53)
@@ -293,9 +290,10 @@ def _describe_moe(name: str, c: dict) -> list[str]:
 
 
 def _check_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_NAMES)}")
+    import torch  # here, not at the top: see DTYPE_NAMES
+    return getattr(torch, dtype)
 
 
 def _check_preset(name: str) -> dict:
@@ -318,6 +316,7 @@ def config_from_kwargs(kwargs: dict, dtype: str = "float32") -> PretrainedConfig
     """An HF config from a preset's dict or one drawn by ``tpcheck.properties.strategies``: ``model_type`` (default
     ``qwen2``) picks the family's config class (``impl.config.FAMILIES``), the other keys are its keyword
     arguments; ``dtype`` and the family's architecture are recorded in it."""
+    from impl.config import FAMILIES, HF_DTYPE_KEY  # imports transformers: see DTYPE_NAMES
     _check_dtype(dtype)
     kwargs = dict(kwargs)
     model_type = kwargs.pop("model_type", "qwen2")

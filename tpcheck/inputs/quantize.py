@@ -77,25 +77,8 @@ import torch
 from safetensors import safe_open
 
 from impl.quant_fp8 import to_fp8
+from tpcheck.inputs.quant_schemes import SCHEMES
 
-#: scheme name -> what it writes
-SCHEMES: dict[str, str] = {
-    "w8a8-int8": "int8 weights with a per-output-channel float32 scale [out, 1]; activations int8, dynamic per token",
-    "w8a8-int8-tensor": "int8 weights with one float32 scale per tensor [1]; activations int8, dynamic per token",
-    "w8a8-fp8": "float8_e4m3fn weights with a per-output-channel float32 scale [out, 1]; activations float8_e4m3fn, "
-                "dynamic per token (compressed-tensors' FP8_DYNAMIC)",
-    "w8a8-fp8-tensor": "float8_e4m3fn weights with one float32 scale per tensor [1]; activations float8_e4m3fn, "
-                       "dynamic per token",
-    "w8a8-fp8-static": "float8_e4m3fn weights with one float32 scale per tensor [1]; activations float8_e4m3fn "
-                       "with one static input_scale [1] per linear, calibrated on the float model "
-                       "(tpcheck.inputs.calibrate; compressed-tensors' FP8 preset)",
-    "w8a8-fp8-kv": "w8a8-fp8 plus an FP8 (e4m3) KV cache: one static k_scale / v_scale [1] per layer, calibrated "
-                   "on the float model's keys (after RoPE) and values (kv_cache_scheme strategy tensor)",
-    "fp8-kv": "float linears (as in the source) and an FP8 (e4m3) KV cache: one static k_scale / v_scale [1] per "
-              "layer, calibrated as w8a8-fp8-kv's (config_groups {}, kv_cache_scheme strategy tensor)",
-    "fp8-kv-head": "float linears and an FP8 (e4m3) KV cache with one static k_scale / v_scale per KV head "
-                   "[kv_heads, 1, 1] (kv_cache_scheme strategy attn_head)",
-}
 #: schemes whose activations have a static ``input_scale`` (calibrated: ``tpcheck.inputs.calibrate``)
 STATIC = ("w8a8-fp8-static",)
 #: schemes with an FP8 KV cache -> the strategy of its scales (calibrated: ``tpcheck.inputs.calibrate.kv_scales``)

@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 
 from impl.quant_awq import pack_awq
+from tpcheck.inputs.quant_schemes import AWQ_SCHEMES
 from tpcheck.inputs.quantize_gptq import quantize_any as quantize_other
 from tpcheck.inputs.quantize_gptq import quantized_tensors, write_4bit
 
-#: scheme name -> what it writes
-AWQ_SCHEMES: dict[str, str] = {f"awq-w4g{g}": f"4-bit AWQ (GEMM) weights with zero points, group {g}; "
-                                              "activations float (W4A16)" for g in (32, 64, 128)}
 _SCHEME = re.compile(r"awq-w4g(32|64|128)")
 
 

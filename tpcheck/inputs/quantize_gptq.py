@@ -31,14 +31,10 @@ import torch
 from safetensors.torch import save_file
 
 from impl.quant_gptq import pack_cols, pack_rows
+from tpcheck.inputs.quant_schemes import GPTQ_SCHEMES
 from tpcheck.inputs.quantize import (LINEAR_WEIGHT, _FLOAT_DTYPES, _OTHER_PROJ, _Source, quantize_checkpoint,
                                      write_checkpoint)
 
-#: scheme name -> what it writes
-GPTQ_SCHEMES: dict[str, str] = {
-    f"gptq-w4g{g}{'-actorder' if act else ''}":
-        f"4-bit GPTQ (v1) weights, group {g}{', act-order g_idx' if act else ''}; activations float (W4A16)"
-    for g in (32, 64, 128) for act in (False, True)}
 _SCHEME = re.compile(r"gptq-w4g(32|64|128)(-actorder)?")
 
 

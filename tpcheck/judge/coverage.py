@@ -10,8 +10,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from tpcheck.capture.points import QK_NORM_POINTS, split_point
-
 DEFAULT_REQUIRE = r"logits|layers\.\d+\.out"
 
 
@@ -32,6 +30,8 @@ def check_known(names: set[str], canonical: set[str]) -> None:
 
 def _family_point(name: str, canonical: set[str]) -> bool:
     """Whether ``name`` is a per-family point (``tpcheck.capture.points.QK_NORM_POINTS``) of a layer ``canonical`` has."""
+    # here, not at the top: importing tpcheck.capture imports torch, and the parser reads DEFAULT_REQUIRE
+    from tpcheck.capture.points import QK_NORM_POINTS, split_point
     layer, kind = split_point(name)
     return kind in QK_NORM_POINTS and f"layers.{layer}.out" in canonical
 
