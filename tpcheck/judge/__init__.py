@@ -9,6 +9,6 @@ __all__ = ["judge"]
 
 def __getattr__(name: str):
     if name == "judge":
-        from tpcheck.judge.verdict import judge
+        from tpcheck.judge.verdict import judge  # on first use: see the module docstring
         return judge
     raise AttributeError(f"module 'tpcheck.judge' has no attribute {name!r}")
