@@ -17,7 +17,7 @@ def _row(point, rel, ref=1e-6, **kw):
 def test_each_allowance_counts_the_rows_it_alone_carried():
     rows = [
         _row("layers.0.input_norm", 1e-6),                                       # within the references' floor
-        _row("layers.0.attn.q", 3.5e-6, rel_floor=2e-6),  # over k * ref + floor (3e-6), under it and rel_floor in quadrature
+        _row("layers.0.attn.q", 3.5e-6, rel_floor=2e-6),  # over k * ref + floor (3e-6), under it (+) rel_floor
         _row("layers.0.attn.k", 1e-6, gain=1e-3, gain_se=1e-5, gain_n=100.0, gain_floor=2e-3),  # by the gain floor
         _row("layers.0.mlp.act", 1e-6),
         _row("layers.0.mlp.out", 1e-3, own_err=1e-7),                            # inherited
