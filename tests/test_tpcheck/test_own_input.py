@@ -130,5 +130,4 @@ def test_a_one_token_moe_run_whose_weights_inherit_their_router_error_passes(ckp
     t = r.table
     row = t[(t["point"] == "layers.1.moe.topk_weights") & (t["step"] == 0) & (t["mode"] == "propagated")].iloc[0]
     assert row["passed"] and row["own_err"] <= row["threshold"]
-    # over the references' floor alone (the threshold is it and rel_floor in quadrature: tpcheck.judge.verdict)
-    assert row["rel_err"] > math.sqrt(row["threshold"] ** 2 - row["rel_floor"] ** 2)
+    assert row["rel_err"] > row["threshold"] - row["rel_floor"]  # over the references' floor alone

@@ -5,13 +5,9 @@ A diff run (``tpcheck.pipeline.diff``) records measurements (``rel_err``, the re
 ``max_abs``, how far replicas differ between ranks: ``rank_spread``, the gain, ...) and structural findings (a
 shape that differs from the golden, ranks holding other shapes, an op whose bits differ from HF's under
 ``--exact-ops``), each written in the row's ``note``. A row passes when ``rel_err <= threshold``
-(``Tolerances.threshold``: ``k * ref_rel_err + floor``, or ``rel_max``, the bound on the bulk of the error; combined
-in quadrature with ``rel_floor``, one ulp of the element that holds the tensor's norm, which a reference that rounded
-that element luckily does not sample: ``tpcheck.measure.metrics.ulp_floor``. ``rel_err`` is an L2 norm, and that
-element's error and the other elements' are orthogonal parts of it, so the two bounds add as
-``sqrt(bulk^2 + rel_floor^2)``: where one element holds the norm, ``rel_floor`` is nearly all of it; where the bulk
-bound dominates, one ulp of an element that holds a few percent of the norm adds almost nothing to the L2 error,
-where a sum ``bulk + rel_floor`` counted it in full) for every replica of the point (the worst
+(``Tolerances.threshold``: ``k * ref_rel_err + floor``, or ``rel_max``; plus ``rel_floor``, one ulp of the element
+that holds the tensor's norm, which a reference that rounded that element luckily does not sample:
+``tpcheck.measure.metrics.ulp_floor``) for every replica of the point (the worst
 other one's is ``replica_rel_err``, below), ``max_abs <= abs_max`` where a bound is set, ``|gain| <=
 gain_threshold`` where a gain was measured, and it has no structural finding; or, failing only the ``rel_err``
 gate, as *inherited* (``inherited`` column) when its op recomputed on the engine's own inputs errs within the same
@@ -126,11 +122,9 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
     rel = np.where(measured, np.maximum(rel, rep), rel)
     spread = np.where(measured, np.nan, spread)
     structural = (t["note"].fillna("").astype(str) != "").to_numpy()
-    base = np.array([tol.threshold(k, dtype, r) for k, r in zip(t["kind"], ref)], dtype=float)
-    floor = np.nan_to_num(_col(t, "rel_floor")) if "rel_floor" in t else np.zeros(len(t))
-    # one ulp of the element that holds the norm, beyond the references' (metrics.ulp_floor): that element's error
-    # and the rest's are orthogonal parts of the error vector, so their bounds add in quadrature (module docstring)
-    thr = np.hypot(base, floor)
+    thr = np.array([tol.threshold(k, dtype, r) for k, r in zip(t["kind"], ref)], dtype=float)
+    if "rel_floor" in t:  # one ulp of the element that holds the norm, beyond the references' (metrics.ulp_floor)
+        thr = thr + np.nan_to_num(_col(t, "rel_floor"))
     bound = np.array([np.nan if (b := tol.abs_max(k, dtype)) is None else b for k in t["kind"]], dtype=float)
     gthr = gain_thresholds(t, dtype, tol)
     signed = _col(t, "gain")
@@ -169,10 +163,11 @@ def judge(result: DiffResult, tolerances: Tolerances | None = None) -> DiffResul
     t["passed"], t["inherited"] = ok.astype(bool), inherited
     t["by_rounding"] = (gain > gthr) & (gain <= glim)  # within the gain's threshold only by the declared rounding
     meta = {**result.meta, "tolerances": tol.source}
+    floor = np.nan_to_num(_col(t, "rel_floor")) if "rel_floor" in t else np.zeros(len(t))
     plain = ok & ~inherited & ~overflow
     meta["allowances"] = {  # the passing rows each allowance alone carried (module docstring; the summary says it)
         "inherited": int(inherited.sum()),
-        "rel_floor": int((plain & (floor > 0) & (rel > base)).sum()),
+        "rel_floor": int((plain & (floor > 0) & (rel > thr - floor)).sum()),
         "gain_floor": int((plain & (gain > gain_thresholds(t, dtype, tol, floor=False)) & (gain <= gthr)).sum()),
         "by_rounding": int((plain & t["by_rounding"].to_numpy()).sum())}
     meta.pop("overflow", None)

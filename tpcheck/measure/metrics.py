@@ -45,9 +45,7 @@ def ulp_floor(golden: torch.Tensor, dtype: torch.dtype) -> float:
     one-token prompt through a trained model's sink: a massive activation of ~1e5 against ~1e3 elsewhere)
     ``rel_err`` *is* that element's relative error, one sample between 0 and ``2u``, and so is a reference's: ``k``
     times a reference that rounded luckily cannot bound a correct engine an ulp away, and nothing finer than one
-    ulp of that element can be asked of it. The verdict adds it to the rest of the threshold in quadrature (that
-    element's error and the others' are orthogonal parts of the L2 error: ``tpcheck.judge.verdict``). NaN for a
-    tensor that is not floating or has no norm."""
+    ulp of that element can be asked of it. NaN for a tensor that is not floating or has no norm."""
     if not golden.is_floating_point() or not dtype.is_floating_point or golden.numel() == 0:
         return math.nan
     g = golden.detach().to(torch.float64).reshape(-1)
