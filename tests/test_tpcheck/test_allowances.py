@@ -49,3 +49,14 @@ def test_a_gain_the_op_did_not_add_is_its_inputs():
     assert t.loc["layers.0.mlp.post_norm", "excess"] < 0.1  # its own gain's figure
     t = judge(DiffResult.from_rows(rows(-5e-3), meta)).table.set_index("point")
     assert not t.loc["layers.0.mlp.post_norm", "passed"] and t.loc["layers.0.mlp.post_norm", "excess"] > 2
+
+
+def test_the_ulp_floor_adds_to_the_references_term():
+    """``rel_floor`` (one ulp of the element that holds the norm) is added to ``k * ref_rel_err + floor``, not joined
+    in quadrature: where a trained model's massive activation holds the norm, the references' own error sits at that
+    same element (in the propagated pass, what it inherited), so the two bounds are of one number and add. Measured:
+    Gemma 3 270M, impl tp 4 bfloat16, ``<bos>`` alone, ``layers.7.mlp.act`` (99.7% of the norm in one element):
+    rel_err 0.00966, ``3 * 0.00149 + 0.001`` and ``rel_floor`` 0.00779 give 0.73x by the sum, 1.015x in quadrature."""
+    row = _row("layers.7.mlp.act", 0.00966, ref=0.00149, rel_floor=0.00779)
+    t = judge(DiffResult.from_rows([row], {"dtype": "bfloat16", "tp": 4, "num_layers": 8})).table
+    assert t["passed"].iat[0] and math.isclose(t["threshold"].iat[0], 3 * 0.00149 + 0.001 + 0.00779)
