@@ -153,6 +153,20 @@ def one_batch_at_a_time(engine) -> None:
     core.batch_queue, core.batch_queue_size, core.step_fn = None, 1, core.step
 
 
+
+def config_refusal(e: BaseException, dtype: str) -> ConfigError | None:
+    """vLLM's refusal of the configuration it was given (its ``ModelConfig`` / ``EngineArgs`` validation, a pydantic
+    ``ValidationError``: e.g. "The model type 'gemma3_text' does not support float16") as the input error it is
+    (exit 2, vLLM's own reason quoted), or None for any other exception (a crash stays a crash)."""
+    try:
+        from pydantic import ValidationError
+    except ImportError:  # vLLM requires pydantic; without it nothing here came from its validation
+        return None
+    if not isinstance(e, ValidationError):
+        return None
+    reasons = "; ".join(str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors()) or str(e)
+    return ConfigError(f"--engine vllm refused the configuration (--dtype {dtype}, the model's config.json): {reasons}")
+
 class VLLMAdapter(EngineAdapter):
     """A real ``vllm.LLM`` on the checkpoint ``model_dir`` at tensor parallelism ``tp`` (eager, no prefix
     caching, no tokenizer), driven one engine step per harness step. ``faults``: ``(name, layer, rank)``
@@ -198,6 +212,11 @@ class VLLMAdapter(EngineAdapter):
                            dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, enable_prefix_caching=False,
                            max_model_len=max_model_len, seed=0,
                            worker_extension_cls="tpcheck.engines.vllm.worker.TPCheckWorker", **llm_kwargs)
+        except Exception as e:
+            refused = config_refusal(e, dtype)
+            if refused is None:
+                raise
+            raise refused from e
         finally:
             if pp_partition is not None and old is None:
                 del os.environ["VLLM_PP_LAYER_PARTITION"]
