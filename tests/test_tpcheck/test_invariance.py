@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from tpcheck.cli import fault_matrix
+from tpcheck.cli import fault_invariance, fault_matrix
 from tpcheck.cli.app import main
 from tpcheck.inputs.faults import get_fault
 from tpcheck.options import DiffOptions
@@ -55,16 +55,23 @@ def test_default_impl_is_not_batch_invariant_and_the_report_names_where(engines)
     assert first.max_ulps > 0 and first.differing > 0
 
 
-@pytest.mark.parametrize("name", ["gemm_split_by_batch_tokens", "rmsnorm_split_by_padded_batch"])
-def test_invariance_fault_found_at_its_origin_only_under_its_schedule(engines, ckpt, name):
-    """The fault matrix's row: batched, the first differing point is the fault's origin; on a prefix hit and a
-    chunked prefill (never more tokens a step than the probe alone) the probe stays bitwise; the diff passes."""
+@pytest.mark.parametrize("name, quiet", [
+    ("gemm_split_by_batch_tokens", "prefix hit, chunked prefill"),
+    ("rmsnorm_split_by_padded_batch", "prefix hit, chunked prefill"),
+    ("mlp_split_by_batch_size", "prefix hit, chunked prefill"),
+    ("attention_reads_neighbour_kv_at_slot", "slot 0 of batch 8, prefix hit, chunked prefill"),
+    ("attention_split_at_chunk_boundary", "batch 8"),
+])
+def test_invariance_fault_found_at_its_origin_only_under_its_schedule(engines, ckpt, name, quiet):
+    """The fault matrix's row: under the schedule that exercises the fault (batched, at a slot > 0, chunked), the
+    first differing point is the fault's origin; under the schedules that do not, the probe stays bitwise; the diff
+    passes."""
     fault = get_fault(name)
-    assert fault.check == "invariance" and fault.schedule == "batch"
+    assert fault.check == "invariance" and fault.schedule in fault_invariance.SCHEDULES
     row = fault_matrix.fault_row(name, engines, ckpt)
     assert row["check"] == "invariance" and row["detected"] and row["origin_ok"], row["note"]
     assert (row["origin_point"], row["origin_step"]) == (fault.origin(0), 0) and row["excess"] > 0
-    assert row["ok"] and "prefix hit, chunked prefill: bitwise identical" in row["note"], row["note"]
+    assert row["ok"] and f"{quiet}: bitwise identical" in row["note"], row["note"]
     assert "diff passes" in row["note"]
 
 
