@@ -45,6 +45,36 @@ def test_batch_invariant_mode_is_bitwise_over_batch_slot_length_chunks_and_prefi
     assert len(seen) >= examples(0.3)
 
 
+def test_batch_invariant_moe_is_bitwise_over_batch_slot_and_tp(engines):
+    """tiny-qwen2-moe in batch-invariant mode: expert routing, the experts' row blocks, the shared expert's gate
+    (``impl.batch_invariant.rowwise``) and the combine bitwise whatever the batch and the probe's slot, at tp 1, 2
+    and 4 (the all-reduce in rank order: ``impl.distributed``), decode included."""
+    seen = []
+
+    @settings(max_examples=examples(0.16))
+    @given(tp=st.sampled_from([1, 2, 4]), slot=st.integers(0, 3), prompt_len=st.integers(1, 24),
+           decode=st.integers(1, 2), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
+    def prop(tp, slot, prompt_len, decode, dtype, seed):
+        o = _opts("tiny-qwen2-moe", dtype, tps=(tp,), batches=(1, 4), slot=slot, prompt_len=prompt_len,
+                  decode_steps=decode, seed=seed, batch_invariant=True, ulps=0)
+        note(f"{o}")
+        r = run(o, pool=engines)
+        seen.append(tp)
+        assert r.passed, r.summary()
+        assert any(x.point.endswith("moe.experts") for x in r.rows)
+
+    prop()
+    record_examples("invariance[moe batch-invariant]", len(seen))
+    assert len(seen) >= examples(0.16)
+
+
+def test_batch_invariant_tp4_sums_ranks_in_one_order(engines):
+    """At tp 4 a ring all-reduce adds an element's four partials in an order set by where it falls in the step's
+    tensor; batch-invariant mode adds them in rank order, so the probe is bitwise beside 15 companions."""
+    r = run(_opts(tps=(4,), batches=(1, 16), decode_steps=2, batch_invariant=True, ulps=0), pool=engines)
+    assert r.passed, r.summary()
+
+
 def test_default_impl_is_not_batch_invariant_and_the_report_names_where(engines):
     """Default impl's decode GEMMs run one row alone (a GEMV) or the batch's rows (a GEMM), its decode attention over
     the batch padded to its longest sequence: the probe's bits part there."""
