@@ -84,6 +84,9 @@ def test_cli_dumps_exit_codes_json_and_bad_input(dumps, tmp_path, capsys):
     assert main(["invariance", "--dumps", str(alone), str(batched), "--json", str(doc)]) == 0
     d = json.loads(doc.read_text())
     assert d["kind"] == "invariance" and d["comparisons"][0]["first"] is not None and d["meta"]["dumps"]
+    jsonschema = pytest.importorskip("jsonschema")
+    from tpcheck.result.documents import load_schema
+    jsonschema.Draft202012Validator(load_schema()).validate(d)
     assert main(["invariance", "--dumps", str(alone), str(batched), "--require", "bitwise"]) == 1
     assert "FAIL: bitwise invariance required" in capsys.readouterr().out
     assert main(["invariance", "--dumps", str(alone), str(batched), "--points", r"layers\.0\.input_norm"]) == 0

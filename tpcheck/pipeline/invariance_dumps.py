@@ -139,8 +139,12 @@ def captures(a: RequestRows, b: RequestRows) -> tuple[dict, dict, Positions, int
             for last, t in after:  # a step's last write counts (a prefill in chunks: after its last chunk)
                 if last < same:
                     cap[(step_of(last), name)] = [t]
-    stack = (lambda d: {k: v[0] if len(v) == 1 and v[0].dim() == 2 else torch.stack(v) for k, v in d.items()})
-    return stack(ca), stack(cb), where, prompt
+    return _stacked(ca), _stacked(cb), where, prompt
+
+
+def _stacked(rows: dict) -> dict:
+    """Each ``(step, point)``'s rows as one tensor (a cache point's is one already)."""
+    return {k: v[0] if len(v) == 1 and v[0].dim() == 2 else torch.stack(v) for k, v in rows.items()}
 
 
 def _name(path: Path, paths: list[Path]) -> str:

@@ -166,9 +166,7 @@ def _neighbour_kv(attn):
                   "(float noise)",
        expected_origin="layers.{layer}.attn.context", check="invariance", schedule="slot")
 def attention_reads_neighbour_kv_at_slot(runner, i, layer):
-    attn = layer.self_attn.attn
-    if mark(attn, "attention_reads_neighbour_kv_at_slot"):
-        _neighbour_kv(attn)
+    _patch_attention(layer, "attention_reads_neighbour_kv_at_slot", _neighbour_kv)
 
 
 def _split_at_chunk(attn):
@@ -202,6 +200,10 @@ def _logsumexp(attn, q, ks) -> torch.Tensor:
                   "(float noise)",
        expected_origin="layers.{layer}.attn.context", check="invariance", schedule="chunk")
 def attention_split_at_chunk_boundary(runner, i, layer):
-    attn = layer.self_attn.attn
-    if mark(attn, "attention_split_at_chunk_boundary"):
-        _split_at_chunk(attn)
+    _patch_attention(layer, "attention_split_at_chunk_boundary", _split_at_chunk)
+
+
+def _patch_attention(layer, name: str, patch) -> None:
+    """``patch(attn)`` on ``layer``'s attention, once."""
+    if mark(layer.self_attn.attn, name):
+        patch(layer.self_attn.attn)
