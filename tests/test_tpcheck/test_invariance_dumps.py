@@ -104,3 +104,21 @@ def test_dumps_of_other_requests_are_refused(ckpt, engines, tmp_path, capsys):
     _dump(llm, [COMPANIONS[0]], tmp_path / "b", 1)
     assert main(["invariance", "--dumps", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "holds none of" in capsys.readouterr().err
+
+
+def test_a_prefix_cache_hit_compares_on_the_positions_it_computed(ckpt, tmp_path):
+    """impl's own prefix cache (blocks of 4, one request at a time): the probe after a donor sharing its first 8
+    tokens starts at position 8; against the probe alone, in batch-invariant mode, its prefill rows from position 8
+    on and every decode step are bitwise, the cached positions not compared."""
+    from impl import LLM, CacheConfig
+    with LLM(ckpt("tiny"), tp_size=1, block_size=4, num_kv_blocks=32, cache=CacheConfig(max_num_seqs=1)) as llm:
+        llm.set_batch_invariant(True)
+        _dump(llm, [PROBE], tmp_path / "alone")
+        _dump(llm, [PROBE[:8] + [60, 61, 62], PROBE], tmp_path / "hit")
+    from tpcheck.capture.dump import read_dump
+    assert [(s, b.starts) for s, b in enumerate(read_dump(tmp_path / "hit").batches) if 8 in b.starts] == [(3, [8])]
+    r = run_dumps([tmp_path / "alone", tmp_path / "hit"], ulps=0)
+    assert r.passed, r.summary()
+    q = next(x for x in r.of("hit") if (x.step, x.point) == (0, "layers.0.attn.q"))
+    assert q.numel == (len(PROBE) - 8) * 64  # positions 8..19 of tiny's 8 heads x 8
+    assert {x.step for x in r.of("hit")} == {0, 1, 2}
