@@ -14,6 +14,10 @@ What makes a request's bits depend on its batch in the default mode, measured on
   ``[B, max_len]`` batch under a mask; SDPA's blocking then depends on ``B`` and ``max_len``. Here each sequence
   attends alone over exactly its own keys, as a prefill of one query does.
 
+* **Element-wise ops on a narrow tensor.** A MoE block's shared-expert gate is ``sigmoid`` of a ``[T, 1]`` logit:
+  the CPU kernel computes full vectors one way and the tail past the last full vector another, so a row's bits
+  depend on ``T`` and its place in the step. Here it runs on blocks of ``ROWS`` rows (``rowwise``).
+
 What is row-wise already and stays as it is: RMSNorm (a mean over one row's hidden dim), RoPE, activations, the
 embedding gather, the residual adds, the sampler (each row on its own generator: ``impl.sampler``).
 
@@ -66,3 +70,11 @@ def linear(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch
     lead = x.shape[:-1]
     out = fixed_rows(fn, x.reshape(-1, x.shape[-1]))
     return out.reshape(*lead, out.shape[-1])
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an element-wise ``fn`` with a vector and a scalar path (``torch.sigmoid``: the CPU kernels
+    compute the vector's lanes and the scalar tail of a tensor by other formulas, so an element's bits depend on
+    where it falls in the whole tensor): in batch-invariant mode on blocks of exactly ``ROWS`` rows, each the same
+    size whatever the batch; in one call otherwise."""
+    return fixed_rows(fn, x) if _enabled else fn(x)

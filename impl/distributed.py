@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from impl import batch_invariant
+
 
 _STAGE: dict = {"group": None, "ranks": None, "pp_rank": 0, "pp_size": 1}  # group None: the world is the TP group
 _DEVICE: dict = {"device": "cpu", "staged": False}  # this rank's device; whether collectives stage through the host
@@ -136,15 +138,31 @@ def _global(tp_rank: int) -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the stage's TP ranks, in place, in x's own dtype."""
+    """Sum over the stage's TP ranks, in place, in x's own dtype (batch-invariant mode: ``_rank_order_sum``)."""
     if get_tp_size() > 1:
-        if _staged(x):
+        if batch_invariant.enabled():
+            x.copy_(_rank_order_sum(x))
+        elif _staged(x):
             host = x.to("cpu", copy=True)
             dist.all_reduce(host, group=_STAGE["group"])
             x.copy_(host)
         else:
             dist.all_reduce(x, group=_STAGE["group"])
     return x
+
+
+def _rank_order_sum(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` gathered and added in rank order, ``((x_0 + x_1) + x_2) + ...``: each element summed in
+    one order whatever the tensor's size. A ring or tree all-reduce cuts the buffer into chunks by its size and
+    starts each chunk's sum at another rank, so with more than two ranks an element's bits depend on where it falls
+    in the step's tensor, i.e. on the batch (found at tp 4 by ``tpcheck invariance``); two addends commute exactly."""
+    host = x.to("cpu", copy=True) if _staged(x) else x.contiguous()
+    parts = [torch.empty_like(host) for _ in range(get_tp_size())]
+    dist.all_gather(parts, host, group=_STAGE["group"])
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    return total
 
 
 def _neighbour(offset: int) -> int:

@@ -119,16 +119,21 @@ class Attention(nn.Module):
                                            attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(1, 2)
 
+    def seq_keys(self, q, k, v, ctx: Context, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``i``'s keys and values ``[seq_lens_k[i], kv_heads, d]`` (its new tokens start at row ``start``
+        of ``k``, ``v``): those new tokens when there is no cache, else every position read from its blocks."""
+        lq, lk = ctx.seq_lens_q[i], ctx.seq_lens_k[i]
+        if ctx.block_tables is None:  # no cached prefix: keys are this sequence's new tokens
+            return k[start:start + lq], v[start:start + lq]
+        slots = block_slots(ctx.block_tables[i:i + 1], self.k_cache.shape[1], lk)[0]
+        return self.cached("k", slots, q.dtype), self.cached("v", slots, q.dtype)
+
     def _prefill(self, q, k, v, ctx: Context) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         for i, (lq, lk) in enumerate(zip(ctx.seq_lens_q, ctx.seq_lens_k)):
             qs = q[start:start + lq]
-            if ctx.block_tables is None:  # no cached prefix: keys are this sequence's new tokens
-                ks, vs = k[start:start + lq], v[start:start + lq]
-            else:
-                slots = block_slots(ctx.block_tables[i:i + 1], self.k_cache.shape[1], lk)[0]
-                ks, vs = self.cached("k", slots, q.dtype), self.cached("v", slots, q.dtype)
+            ks, vs = self.seq_keys(q, k, v, ctx, i, start)
             # one query over all its keys needs no mask, unless a window hides the oldest of them
             w = self.sliding_window
             mask = causal_mask(lq, lk, q.device, w) if lq > 1 or (w is not None and lk > w) else None
@@ -143,11 +148,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         start, w = 0, self.sliding_window
         for i, (lq, lk) in enumerate(zip(ctx.seq_lens_q, ctx.seq_lens_k)):
-            if ctx.block_tables is None:  # no cached prefix: keys are this sequence's new tokens
-                ks, vs = k[start:start + lq], v[start:start + lq]
-            else:
-                slots = block_slots(ctx.block_tables[i:i + 1], self.k_cache.shape[1], lk)[0]
-                ks, vs = self.cached("k", slots, q.dtype), self.cached("v", slots, q.dtype)
+            ks, vs = self.seq_keys(q, k, v, ctx, i, start)
             for j in range(lq):
                 p = lk - lq + j
                 lo = 0 if w is None else max(0, p - w + 1)

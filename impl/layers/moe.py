@@ -154,7 +154,8 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = self.topk(self.gate(x))
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = batch_invariant.rowwise(torch.sigmoid, self.shared_expert_gate(x))  # [T, 1]: see rowwise
+            out = out + gate * self.shared_expert(x)
         return all_reduce(out)
 
     def checkpoint_tensors(self, prefix: str) -> tuple[dict[str, tuple[str, object]], set[str]]:

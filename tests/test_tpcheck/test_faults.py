@@ -63,7 +63,7 @@ def hf_greedy(hf, prompt, n):
 
 def test_registry():
     names = fault_names()
-    assert len(names) == len(set(names)) == len(FAULTS) == 58
+    assert len(names) == len(set(names)) == len(FAULTS) == 61
     assert PIPELINE == ["pp_residual_not_sent", "pp_final_norm_mid_stage", "pp_lm_head_untied",
                         "pp_stage_relative_positions", "pp_boundary_layer_twice", "pp_kv_global_layer_id"]
     assert all(FAULTS[n].pp == 2 and not FAULTS[n].per_layer for n in PIPELINE)
@@ -91,8 +91,11 @@ def test_registry():
     assert get_fault("pp_final_norm_mid_stage").origin(stage1=2) == "layers.1.handoff"  # the last layer of stage 0
     assert [n for n, f in FAULTS.items() if f.check != "diff"] == ["full_state_dict_every_rank",
                                                                   "gemm_split_by_batch_tokens",
-                                                                  "rmsnorm_split_by_padded_batch"]
-    assert {f.schedule for f in FAULTS.values() if f.check == "invariance"} == {"batch"}
+                                                                  "rmsnorm_split_by_padded_batch",
+                                                                  "mlp_split_by_batch_size",
+                                                                  "attention_reads_neighbour_kv_at_slot",
+                                                                  "attention_split_at_chunk_boundary"]
+    assert {f.schedule for f in FAULTS.values() if f.check == "invariance"} == {"batch", "slot", "chunk"}
     mem = get_fault("full_state_dict_every_rank")
     assert mem.check == "memory" and mem.origin(1) == "memory" and not mem.per_layer
     assert get_fault("vocab_ids_not_masked").origin(1) == "embed"
@@ -143,8 +146,8 @@ def test_each_fault_declared_once_with_its_patch():
     """One registry: every fault carries its patch and predicate (module-level: a Fault pickles), catalogue
     numbers give the listing order, and a second declaration of a name or number is refused."""
     numbers = [f.number for f in FAULTS.values()]  # 1-35, FP8's 36-37, GPTQ's 40-42, AWQ's 43-45, the pipeline's 46-51,
-    assert numbers == list(range(1, 38)) + list(range(40, 61))  # the FP8 KV cache's 52-55, Gemma 3's 56-58,
-    # invariance's 59-60
+    assert numbers == list(range(1, 38)) + list(range(40, 64))  # the FP8 KV cache's 52-55, Gemma 3's 56-58,
+    # invariance's 59-63
     for f in FAULTS.values():
         assert callable(f.patch) and f.patch.__module__.startswith("tpcheck.engines.impl.faults."), f.name
         assert pickle.loads(pickle.dumps(f)) == f
@@ -153,7 +156,7 @@ def test_each_fault_declared_once_with_its_patch():
         register(rope)
     with pytest.raises(ValueError, match="share the number 3"):
         register(Fault("other", "d", "always", "embed", number=3, patch=rope.patch))
-    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 58  # the refused ones left no trace
+    assert list(FAULTS)[2] == "rope_skipped" and len(FAULTS) == 61  # the refused ones left no trace
 
 
 def test_block_boundary_fault_silent_where_no_decode_step_writes_a_boundary(ckpt):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from tpcheck.cli import fault_matrix
+from tpcheck.cli import fault_invariance, fault_matrix
 from tpcheck.cli.app import main
 from tpcheck.engines.impl.faults import get_fault
 from tpcheck.options import DiffOptions
@@ -45,6 +45,36 @@ def test_batch_invariant_mode_is_bitwise_over_batch_slot_length_chunks_and_prefi
     assert len(seen) >= examples(0.3)
 
 
+def test_batch_invariant_moe_is_bitwise_over_batch_slot_and_tp(engines):
+    """tiny-qwen2-moe in batch-invariant mode: expert routing, the experts' row blocks, the shared expert's gate
+    (``impl.batch_invariant.rowwise``) and the combine bitwise whatever the batch and the probe's slot, at tp 1, 2
+    and 4 (the all-reduce in rank order: ``impl.distributed``), decode included."""
+    seen = []
+
+    @settings(max_examples=examples(0.16))
+    @given(tp=st.sampled_from([1, 2, 4]), slot=st.integers(0, 3), prompt_len=st.integers(1, 24),
+           decode=st.integers(1, 2), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
+    def prop(tp, slot, prompt_len, decode, dtype, seed):
+        o = _opts("tiny-qwen2-moe", dtype, tps=(tp,), batches=(1, 4), slot=slot, prompt_len=prompt_len,
+                  decode_steps=decode, seed=seed, batch_invariant=True, ulps=0)
+        note(f"{o}")
+        r = run(o, pool=engines)
+        seen.append(tp)
+        assert r.passed, r.summary()
+        assert any(x.point.endswith("moe.experts") for x in r.rows)
+
+    prop()
+    record_examples("invariance[moe batch-invariant]", len(seen))
+    assert len(seen) >= examples(0.16)
+
+
+def test_batch_invariant_tp4_sums_ranks_in_one_order(engines):
+    """At tp 4 a ring all-reduce adds an element's four partials in an order set by where it falls in the step's
+    tensor; batch-invariant mode adds them in rank order, so the probe is bitwise beside 15 companions."""
+    r = run(_opts(tps=(4,), batches=(1, 16), decode_steps=2, batch_invariant=True, ulps=0), pool=engines)
+    assert r.passed, r.summary()
+
+
 def test_default_impl_is_not_batch_invariant_and_the_report_names_where(engines):
     """Default impl's decode GEMMs run one row alone (a GEMV) or the batch's rows (a GEMM), its decode attention over
     the batch padded to its longest sequence: the probe's bits part there."""
@@ -55,16 +85,23 @@ def test_default_impl_is_not_batch_invariant_and_the_report_names_where(engines)
     assert first.max_ulps > 0 and first.differing > 0
 
 
-@pytest.mark.parametrize("name", ["gemm_split_by_batch_tokens", "rmsnorm_split_by_padded_batch"])
-def test_invariance_fault_found_at_its_origin_only_under_its_schedule(engines, ckpt, name):
-    """The fault matrix's row: batched, the first differing point is the fault's origin; on a prefix hit and a
-    chunked prefill (never more tokens a step than the probe alone) the probe stays bitwise; the diff passes."""
+@pytest.mark.parametrize("name, quiet", [
+    ("gemm_split_by_batch_tokens", "prefix hit, chunked prefill"),
+    ("rmsnorm_split_by_padded_batch", "prefix hit, chunked prefill"),
+    ("mlp_split_by_batch_size", "prefix hit, chunked prefill"),
+    ("attention_reads_neighbour_kv_at_slot", "slot 0 of batch 8, prefix hit, chunked prefill"),
+    ("attention_split_at_chunk_boundary", "batch 8"),
+])
+def test_invariance_fault_found_at_its_origin_only_under_its_schedule(engines, ckpt, name, quiet):
+    """The fault matrix's row: under the schedule that exercises the fault (batched, at a slot > 0, chunked), the
+    first differing point is the fault's origin; under the schedules that do not, the probe stays bitwise; the diff
+    passes."""
     fault = get_fault(name)
-    assert fault.check == "invariance" and fault.schedule == "batch"
+    assert fault.check == "invariance" and fault.schedule in fault_invariance.SCHEDULES
     row = fault_matrix.fault_row(name, engines, ckpt)
     assert row["check"] == "invariance" and row["detected"] and row["origin_ok"], row["note"]
     assert (row["origin_point"], row["origin_step"]) == (fault.origin(0), 0) and row["excess"] > 0
-    assert row["ok"] and "prefix hit, chunked prefill: bitwise identical" in row["note"], row["note"]
+    assert row["ok"] and f"{quiet}: bitwise identical" in row["note"], row["note"]
     assert "diff passes" in row["note"]
 
 

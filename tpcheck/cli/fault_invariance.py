@@ -1,13 +1,23 @@
 """The fault matrix's check of an invariance fault (``Fault.check == "invariance"``): ``tpcheck invariance`` in
-impl's batch-invariant mode under the schedule that exercises the fault (the probe alone vs batched beside seven
-companions), where it must break first at its expected origin, and under schedules that do not (a prefix-cache hit,
-a chunked prefill), where the probe must stay bitwise identical; the diff itself must pass (the fault is within
-float noise)."""
+impl's batch-invariant mode under the schedule that exercises the fault (``SCHEDULES``: "batch", the probe alone
+vs batched beside seven companions; "slot", the probe at slot 3 of them; "chunk", its prompt fed 5 tokens a step),
+where it must break first at its expected origin, and under schedules that do not, where the probe must stay
+bitwise identical; the diff itself must pass (the fault is within float noise)."""
 from __future__ import annotations
 
 from tpcheck.engines.impl.faults import Fault
 
 BATCH = 8  # the batched schedule: the probe beside seven companions of other lengths
+# per schedule: (the run that exercises it, what it is called, the runs that do not, what they are called)
+SCHEDULES = {
+    "batch": (dict(batches=(1, BATCH)), f"batch {BATCH}",
+              dict(batches=(1,), prefix_cache=True, chunks=(5,)), "prefix hit, chunked prefill"),
+    "slot": (dict(batches=(1, BATCH), slot=3), f"slot 3 of batch {BATCH}",
+             dict(batches=(1, BATCH), slot=0, prefix_cache=True, chunks=(5,)),
+             f"slot 0 of batch {BATCH}, prefix hit, chunked prefill"),
+    "chunk": (dict(batches=(1,), chunks=(5,)), "chunked prefill (5 tokens a step)", dict(batches=(1, BATCH)),
+              f"batch {BATCH}"),
+}
 
 
 def invariance_fields(fault: Fault, config: dict, model_dir: str, pool, diff_passed: bool) -> dict:
@@ -17,17 +27,18 @@ def invariance_fields(fault: Fault, config: dict, model_dir: str, pool, diff_pas
     from tpcheck.pipeline.invariance import InvarianceOptions, run
     engine = DiffOptions(model=model_dir, dtype=config["dtype"], inject=(fault.name,))
     common = dict(tps=(config["tp"],), batch_invariant=True, ulps=0)
-    if fault.schedule != "batch":
-        raise ValueError(f"{fault.name}: the fault matrix runs invariance faults of the 'batch' schedule, not "
-                         f"{fault.schedule!r}")
-    hit = run(InvarianceOptions(engine, batches=(1, BATCH), **common), pool=pool)
-    quiet = run(InvarianceOptions(engine, batches=(1,), prefix_cache=True, chunks=(5,), **common), pool=pool)
+    if fault.schedule not in SCHEDULES:
+        raise ValueError(f"{fault.name}: the fault matrix runs invariance faults of the schedules {list(SCHEDULES)}, "
+                         f"not {fault.schedule!r}")
+    exercise, exercised, rest, others = SCHEDULES[fault.schedule]
+    hit = run(InvarianceOptions(engine, **exercise, **common), pool=pool)
+    quiet = run(InvarianceOptions(engine, **rest, **common), pool=pool)
     first = hit.first_break(hit.schedules[1])
     expected, exp_step = fault.origin(None), 0
     origin_ok = first is not None and (first.point, first.step) == (expected, exp_step)
     stray = [f"{s} at {r.where()}" for s in quiet.schedules[1:] if (r := quiet.first_break(s))]
-    notes = [f"batch {BATCH}: {'first differs at ' + first.where() if first else 'bitwise identical'}",
-             "prefix hit, chunked prefill: " + ("; ".join(stray) if stray else "bitwise identical"),
+    notes = [f"{exercised}: {'first differs at ' + first.where() if first else 'bitwise identical'}",
+             f"{others}: " + ("; ".join(stray) if stray else "bitwise identical"),
              "diff passes (float noise)" if diff_passed else "diff FAILS: the fault is more than float noise"]
     return dict(detected=first is not None, origin="-" if first is None else f"{first.point} @ step {first.step}",
                 expected_origin=f"{expected} @ step {exp_step}", origin_ok=origin_ok,

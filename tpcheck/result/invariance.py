@@ -19,6 +19,7 @@ from tpcheck.measure.bitwise import TensorDiff, compare_tensors
 from tpcheck.result.documents import write_json
 
 Capture = dict[tuple[int, str], torch.Tensor]
+Positions = dict[tuple[int, str], list[int]]  # the probe position of each row of a capture's point, where known
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,12 @@ def _aligned(point: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor
     return a[a.shape[0] - n:], b[b.shape[0] - n:]
 
 
-def compare_captures(ref: Capture, other: Capture, schedule: str, prompt_len: int) -> list[PointRow]:
+def compare_captures(ref: Capture, other: Capture, schedule: str, prompt_len: int,
+                     positions: Positions | None = None) -> list[PointRow]:
     """Every ``(step, point)`` of either capture, in execution order, ``other`` against ``ref`` on the positions both
-    computed (``_aligned``); a point one of them lacks is a row with a note (and infinite ulps)."""
+    computed (``_aligned``); a point one of them lacks is a row with a note (and infinite ulps). ``positions``:
+    the position of each row where the rows are not the step's last ones (two dumps' common positions); else
+    ``first_position``."""
     rows = []
     for step, point in sorted(set(ref) | set(other), key=lambda k: (k[0], point_order(k[1]), k[1])):
         a, b = ref.get((step, point)), other.get((step, point))
@@ -88,7 +92,9 @@ def compare_captures(ref: Capture, other: Capture, schedule: str, prompt_len: in
             continue
         a, b = _aligned(point, a, b)
         d: TensorDiff = compare_tensors(a, b)
-        token = None if d.first is None else first_position(step, point, prompt_len, a.shape[0]) + d.first[0]
+        at = (positions or {}).get((step, point))
+        token = None if d.first is None else at[d.first[0]] if at is not None else \
+            first_position(step, point, prompt_len, a.shape[0]) + d.first[0]
         rows.append(PointRow(schedule, step, point, layer, d.max_ulps, d.differing, d.numel, token,
                              None if d.first is None else d.first[1], d.max_abs, d.structural))
     return rows
