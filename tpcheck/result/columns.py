@@ -111,7 +111,7 @@ def markdown() -> str:
     return "\n".join([
         "# The summary and the table", "",
         "<!-- generated: python -m tpcheck.result.columns > docs/reference/summary.md -->", "",
-        "A failing run's summary names its origin in three lines of at most 120 characters:", "",
+        "A failing run's summary names its origin in three parts (`origin:`, `why:`, `next:`; lines wrap at 120 characters):", "",
         "```text", *origin_lines(EXAMPLE, "float32"), "```", "",
         "**Where** (the point, the step, the pass, and the prompt and token of the largest difference), **how far** "
         "(one ratio: the row's `excess`), **why** (the kind of evidence, then its numbers) and **what to check "
