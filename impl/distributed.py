@@ -156,13 +156,16 @@ def _rank_order_sum(x: torch.Tensor) -> torch.Tensor:
     one order whatever the tensor's size. A ring or tree all-reduce cuts the buffer into chunks by its size and
     starts each chunk's sum at another rank, so with more than two ranks an element's bits depend on where it falls
     in the step's tensor, i.e. on the batch (found at tp 4 by ``tpcheck invariance``); two addends commute exactly."""
-    host = x.to("cpu", copy=True) if _staged(x) else x.contiguous()
-    parts = [torch.empty_like(host) for _ in range(get_tp_size())]
-    dist.all_gather(parts, host, group=_STAGE["group"])
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total += p
-    return total
+    return rank_order_sum(all_gather(x.unsqueeze(0), dim=0), 0)
+
+
+def rank_order_sum(partials: torch.Tensor, start: int) -> torch.Tensor:
+    """``partials[start] + partials[start + 1] + ...`` (cyclically over dim 0), each add rounded to their dtype."""
+    n = partials.shape[0]
+    acc = partials[start].clone()
+    for k in range(1, n):
+        acc = acc + partials[(start + k) % n]
+    return acc
 
 
 def _neighbour(offset: int) -> int:

@@ -24,20 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from impl.distributed import all_gather, get_tp_rank, get_tp_size
+from impl.distributed import all_gather, get_tp_rank, get_tp_size, rank_order_sum
 
 VARIANTS = ("rank_order_allreduce", "sequential_k", "truncate_bf16")
 ROUND_TO_NEAREST = ("rank_order_allreduce", "sequential_k")  # right under the default declaration (nearest)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def rank_order_sum(partials: torch.Tensor, rank: int) -> torch.Tensor:
-    """``partials[rank] + partials[rank + 1] + ...`` (cyclically), each add rounded to their dtype."""
-    n = partials.shape[0]
-    acc = partials[rank].clone()
-    for k in range(1, n):
-        acc = acc + partials[(rank + k) % n]
-    return acc
+__all__ = ["VARIANTS", "ROUND_TO_NEAREST", "apply", "rank_order_sum"]  # rank_order_sum: impl's, a rank's own order
 
 
 def _rank_order_allreduce(m) -> None:
