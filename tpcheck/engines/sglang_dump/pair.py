@@ -31,10 +31,17 @@ from tpcheck.engines.sglang_dump import passes, rules as name_rules, sniff_forma
 from tpcheck.engines.sglang_dump.batches import AUX_NAMES
 from tpcheck.engines.sglang_dump.files import scan
 from tpcheck.engines.sglang_dump.reader import NameReport, _dtype, assemble_files, dump_root, read_batches
+from tpcheck.inputs.checkpoints import DTYPES
+from tpcheck.measure.metrics import unit_roundoff
 from tpcheck.measure.unshard import unshard
+from tpcheck.measure.wording import shape_text
 
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 _NO_LAYERS = 10 ** 9  # no checkpoint: any layer index is accepted (the rules give dims here, not points)
+
+
+def _u(dtype: str) -> float:
+    """A dump's unit roundoff by its dtype's name (``tpcheck.measure.metrics.unit_roundoff``)."""
+    return unit_roundoff(DTYPES[dtype])
 
 
 @dataclass
@@ -126,7 +133,7 @@ def compare_sides(a: Side, b: Side) -> list[PairRow]:
         if x != y:
             raise DumpError(f"{b.root}: step {s} ran other requests or tokens than {a.root}'s (two runs of one "
                             "schedule are compared; for other schedules judge each against the golden: --model)")
-    floor = UNIT_ROUNDOFF[a.dtype] + UNIT_ROUNDOFF[b.dtype]
+    floor = _u(a.dtype) + _u(b.dtype)
     rows = []
     for s, (pa, pb) in enumerate(zip(a.steps, b.steps)):
         for name in [n for n in pa if n not in pb] + [n for n in pb if n not in pa]:
@@ -137,7 +144,7 @@ def compare_sides(a: Side, b: Side) -> list[PairRow]:
                 continue
             x, y = (_whole(name, *p[name]()) for p in (pa, pb))
             if x.shape != y.shape:
-                rows.append(PairRow(s, name, math.inf, math.nan, floor, f"shapes {list(x.shape)} vs {list(y.shape)}"))
+                rows.append(PairRow(s, name, math.inf, math.nan, floor, f"shapes {shape_text(x.shape)} vs {shape_text(y.shape)}"))
                 continue
             rows.append(PairRow(s, name, *_measures(y, x), floor))
     if all(r.note for r in rows):
@@ -164,10 +171,10 @@ def _measures(t: torch.Tensor, base: torch.Tensor) -> tuple[float, float]:
 def report(rows: list[PairRow], a: Side, b: Side) -> tuple[str, int]:
     """(the report, the exit code: 1 when the dumps part anywhere, else 0)."""
     dtype_a, dtype_b = a.dtype, b.dtype
-    floor = UNIT_ROUNDOFF[dtype_a] + UNIT_ROUNDOFF[dtype_b]
+    floor = _u(dtype_a) + _u(dtype_b)
     lines = [f"baseline:   {a.root} (tp={a.tp} {dtype_a})", f"target:     {b.root} (tp={b.tp} {dtype_b})",
              f"no golden:  each point against the baseline; floor {floor:.3g} = both sides' unit roundoff "
-             f"({dtype_a} {UNIT_ROUNDOFF[dtype_a]:.3g} + {dtype_b} {UNIT_ROUNDOFF[dtype_b]:.3g}): below it the "
+             f"({dtype_a} {_u(dtype_a):.3g} + {dtype_b} {_u(dtype_b):.3g}): below it the "
              "same values up to rounding; above it computed differently (right or wrong: --model judges each "
              "against the golden)", "",
              f"{'step':>4}  {'name':<64} {'rel_diff':>9} {'sglang':>9} {'excess':>9}"]
