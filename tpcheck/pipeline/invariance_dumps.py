@@ -31,6 +31,7 @@ from tpcheck.capture.dump_format import DumpError
 from tpcheck.engines.dump.replay import Dump, read_dump
 from tpcheck.capture.points import kind_of
 from tpcheck.measure.unshard import unshard
+from tpcheck.pipeline.rows import subset_rows
 from tpcheck.result.invariance import InvarianceResult, Positions, compare_captures
 
 
@@ -45,14 +46,6 @@ class RequestRows:
     prompt_len: int
     rows: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     cache: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
-
-
-def _subset(name: str, rows: dict[str, list[int]]) -> list[int] | None:
-    """The step's flat row indices point ``name`` holds (None: every row): its own entry, or a prefix entry
-    (``layers.0.``) that covers it."""
-    if name in rows:
-        return rows[name]
-    return next((r for p, r in rows.items() if p.endswith(".") and name.startswith(p)), None)
 
 
 def requests_of(dump: Dump, points: str | None = None) -> dict[str, RequestRows]:
@@ -87,7 +80,7 @@ def _read_step(dump: Dump, s: int, out: dict[str, RequestRows], keep) -> None:
                     n = b.kv_lens[i]
                     out[rid].cache.setdefault(u.name, []).append((n - 1, u.tensor[kv_offsets[i]:kv_offsets[i] + n]))
                 continue
-            subset = _subset(name, b.rows)
+            subset = subset_rows(name, b.rows)
             flat = range(u.tensor.shape[0]) if subset is None else subset
             for j, f in enumerate(flat):
                 i = owner[f]
