@@ -89,6 +89,18 @@ def scan(root: Path) -> list[DumpFile]:
     return sorted(files, key=lambda f: (f.rank, f.step, f.dump_index, f.name))
 
 
+def safe_load(path: Path, holds: str = "tensors and plain metadata") -> object:
+    """``torch.load(path, weights_only=True)`` (no code runs: a dump is untrusted input); a file that is not a
+    torch.save file, or pickles anything but what ``weights_only`` allows, is a DumpError naming it (``holds``: what
+    such a file should hold, for the message)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DumpError(f"{path}: refused: it holds something other than {holds}, or is not a torch.save file "
+                        f"(loaded with weights_only=True: nothing in a dump is executed): {first[:300]}") from None
+
+
 def load_file(f: DumpFile) -> tuple[object, dict]:
     """(value, meta) of a file, unpickled safely: ``torch.load(weights_only=True)`` (no code runs), the value a
     tensor (or a flat list of strings / numbers: ``rids``), the meta plain data (strings, numbers, lists, dicts).
@@ -96,13 +108,7 @@ def load_file(f: DumpFile) -> tuple[object, dict]:
     DumpError naming the file."""
     if f.loader is not None:
         return f.loader(f)
-    try:
-        obj = torch.load(f.path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DumpError(f"{f.path}: refused: it holds something other than tensors and plain metadata, or is not "
-                        f"a torch.save file (loaded with weights_only=True: nothing in a dump is executed): "
-                        f"{first[:300]}") from None
+    obj = safe_load(f.path)
     if isinstance(obj, dict) and set(obj) == {"value", "meta"}:
         value, meta = obj["value"], obj["meta"]
     elif isinstance(obj, dict) and "value" in obj:

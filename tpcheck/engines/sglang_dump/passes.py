@@ -21,7 +21,6 @@ a dump is untrusted input: loaded with ``torch.load(weights_only=True)``, a file
 tensors (or lists of tensors) refused, naming it."""
 from __future__ import annotations
 
-import pickle
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from tpcheck.capture.dump_format import DumpError
-from tpcheck.engines.sglang_dump.files import DumpFile
+from tpcheck.engines.sglang_dump.files import DumpFile, safe_load
 
 RULES = Path(__file__).with_name("rules_passes.toml")
 RANK_DIR = re.compile(r"TP(?P<tp>\d+)_PP(?P<pp>\d+)_Rank(?P<rank>\d+)_pid(?P<pid>\d+)")
@@ -90,12 +89,7 @@ def load_pass(path: Path) -> dict[str, torch.Tensor | list[torch.Tensor]]:
     if path in _CACHE:
         _CACHE.move_to_end(path)
         return _CACHE[path]
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DumpError(f"{path}: refused: it holds something other than tensors, or is not a torch.save file "
-                        f"(loaded with weights_only=True: nothing in a dump is executed): {first[:300]}") from None
+    obj = safe_load(path, "tensors")
     if not isinstance(obj, dict):
         raise DumpError(f"{path}: holds a {type(obj).__name__}; SGLang's forward-hook dumper writes a dict "
                         "{module name: output}")
