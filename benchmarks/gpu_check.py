@@ -22,7 +22,7 @@ Sections, in order of what matters most (each skipped, and said so, when ``--bud
 CUDA graphs (``--cuda-graphs``) are not built yet: nothing here measures them.
 
 ``--device cpu --quick``: the same code on small presets, one run per configuration (float32 alone in section 1),
-as the test suite's smoke test (``tests/test_tpcheck/test_devices.py``); its figures say nothing about a GPU.
+as the test suite's smoke test (``tests/test_tpcheck/inputs/test_devices.py``); its figures say nothing about a GPU.
 
     python benchmarks/gpu_check.py [--device cuda] [--budget-s 450] [--layers-8b 4] [--out gpu_check.json]
 """

@@ -18,7 +18,7 @@ Sharding over tp ranks, rank r (H heads, K KV heads, head dim d, intermediate I,
   gathers the logits shards of the sampled rows to rank 0 and strips the padding.
 * norms, RoPE and attention (over the rank's own heads and KV cache): local.
 
-``--bug`` is a test-only fault switch (tests/test_tpcheck/test_recipe_vllm_style.py): ``swap-q-shards``: rank
+``--bug`` is a test-only fault switch (tests/test_tpcheck/engines/dump/test_recipe_vllm_style.py): ``swap-q-shards``: rank
 r loads the q rows of rank (r+1) % tp; ``skip-o-proj-allreduce``: o_proj returns its partial sums."""
 from __future__ import annotations
 

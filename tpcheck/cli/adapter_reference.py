@@ -1,7 +1,7 @@
 """The engine adapter reference page (``docs/reference/adapter.md``), rendered from
 ``tpcheck.engines.adapter.EngineAdapter``, so the page cannot fall behind the class the pipeline reads:
 ``python -m tpcheck.cli.adapter_reference > docs/reference/adapter.md`` writes it, and
-``tests/test_tpcheck/test_adapter_reference.py`` fails when the committed page differs from what this renders.
+``tests/test_tpcheck/cli/test_adapter_reference.py`` fails when the committed page differs from what this renders.
 
 One table row per member: the required methods (abstract), then every optional capability in the class's order,
 each with its type or signature, its default (what an adapter that does not override it gets) and its docstring

@@ -49,7 +49,7 @@ residual, so a channel grows only as fast as that norm's weight lets it; the rec
 
 Measured (HF float64, random prompts of 3-64 tokens, seed 0): ``S`` at token 0 after each of the 12 layers 1.7e3,
 2.8e3, 6.7e3, 1.8e4, 2.8e4, 3.8e4, 4.3e4, 4.6e4, 4.8e4, 5.0e4, 4.6e4, 3.4e4, the same for every prompt to 0.4%.
-What it reproduces of the trained model, next to it, is in ``tests/test_tpcheck/test_gemma_trained_preset.py``.
+What it reproduces of the trained model, next to it, is in ``tests/test_tpcheck/inputs/test_gemma_trained_preset.py``.
 """
 
 from __future__ import annotations

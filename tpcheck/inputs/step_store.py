@@ -36,7 +36,7 @@ def save_step(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
     on top of the hashing: a decode step of qwen2.5-0.5b's every point (313 tensors, 7.4 MiB) took 10.9 ms with
     ``save_file`` and the records, 8.7 ms here (medians of 15, this machine), of which ~6 ms is the sha256 itself.
     The library reads these files (``load_step``), so a malformed one is refused, never misread
-    (``tests/test_tpcheck/test_step_store.py``)."""
+    (``tests/test_tpcheck/inputs/test_step_store.py``)."""
     if any(t.dtype not in _DTYPES for t in tensors.values()):
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(path))
         return {n: tensor_record(t) for n, t in tensors.items()}

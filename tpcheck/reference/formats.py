@@ -1,6 +1,6 @@
 """The quantized formats read from their specifications, for the golden and the references, independently of impl's
 reading (``impl.quant*``; nothing here imports them): a bug in impl's format code then moves the engine and not the
-golden, and the diff sees it. ``tests/test_tpcheck/test_formats.py`` holds the two readers to each other on every
+golden, and the diff sees it. ``tests/test_tpcheck/reference/test_formats.py`` holds the two readers to each other on every
 scheme, so a bug in either shows.
 
 * **INT8 activations** (compressed-tensors ``int-quantized``): per token ``s = max|x_t| / 127`` (a zero row: 1),

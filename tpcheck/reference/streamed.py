@@ -39,7 +39,7 @@ vocab 250-151936. A BLAS that blocks columns differently (another CPU or library
 CPU with AMX and AVX512-FP16, MKL picks the kernel of a GEMM of a few rows by the matrix's width, so a chunk's
 logits differ from the whole matmul's in the last bits (measured with random data, 5-8 rows: ~90% of them, up to
 4.6e-7 of the largest in float32 and 1.2e-15 in float64; 1 row: 3-4 of 12,500). The logits are then equal within
-a few ulps, not bit for bit; every other point still is. ``tests/test_tpcheck/test_golden_streamed.py`` (a 4-chunk
+a few ulps, not bit for bit; every other point still is. ``tests/test_tpcheck/reference/test_golden_streamed.py`` (a 4-chunk
 head: bit for bit, or within 8 ulps where it measures this BLAS to differ) and ``benchmarks/golden_memory.py``
 (qwen2.5-0.5b, a 50-chunk head) check it where they run, and ``head_chunk_rows >= vocab`` reads the head whole
 (the full matmul, exactly HF's, at the cost of holding the whole head).

@@ -21,16 +21,16 @@ DESCRIBE = "tpcheck.engines.impl.faults:describe"
 # dtype: tested below; full_state_dict_every_rank changes memory, not numerics; the family faults need another
 # family's preset: test_families.py)
 FAMILY = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.families"]
-# mixture-of-experts faults need an MoE preset: tests/test_tpcheck/test_routing.py
+# mixture-of-experts faults need an MoE preset: tests/test_tpcheck/judge/test_routing.py
 MOE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.moe"]
-# quantization faults need a quantized preset: tests/test_tpcheck/test_quantized.py
+# quantization faults need a quantized preset: tests/test_tpcheck/reference/test_quantized.py
 QUANT = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant"]
 GPTQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_gptq"]
 AWQ = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_awq"]
 KV = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_kv"]  # FP8 KV cache
-# pipeline-stage faults need --pp 2: tests/test_tpcheck/test_pipeline_diff.py
+# pipeline-stage faults need --pp 2: tests/test_tpcheck/pipeline/test_pipeline_diff.py
 PIPELINE = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.pipeline"]
-# Gemma 3's own faults need a Gemma 3 preset: tests/test_tpcheck/test_gemma3.py
+# Gemma 3's own faults need a Gemma 3 preset: tests/test_tpcheck/engines/impl/test_gemma3.py
 GEMMA = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.gemma"]
 PREFILL = [n for n, f in FAULTS.items() if not f.decode_only and f.check == "diff"
            and n not in ("rope_theta_default", "rmsnorm_weight_before_cast", *FAMILY, *MOE, *QUANT, *GPTQ, *AWQ, *KV,

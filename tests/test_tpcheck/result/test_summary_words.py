@@ -21,7 +21,7 @@ from tpcheck.result.origin import cause_of, isolate_line
 from tpcheck.result.report.page import render_html
 from tpcheck.result.report.sample import sample_result
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # a Python list, tuple or dict as repr writes it: [1, 0, 9], ['a', 'b'], (2, 8), {'k': ...}, torch.Size(...)
 REPR = re.compile(r"\[\s*(-?\d+|'[^']*')(\s*,\s*(-?\d+|'[^']*'))*\s*\]|\(\d+,( \d+,?)*\)|\{'|Size\(")
 RATIO = re.compile(r"\b[\d.]+(e[+-]\d+)?x\b")  # "5.11e+05x", "3x": a multiple of a threshold

@@ -43,12 +43,12 @@ SMALLEST = {
 # slot mapping: prompts of 6 and 14 tokens, block 8, cross a block boundary at decode step 3)
 STEP = {"gqa_cache_repeated_heads": 0, "decode_position_off_by_one": 1, "slot_mapping_off_by_one_at_block_boundary": 3}
 
-# the family faults (tpcheck.engines.impl.faults.families) run on the other families' presets: tests/test_tpcheck/test_families.py
-# (the MoE faults on the MoE presets: tests/test_tpcheck/test_routing.py; the quantization faults on the quantized
-# presets: tests/test_tpcheck/test_quantized.py, test_quantized_gptq.py, test_quantized_awq.py and
+# the family faults (tpcheck.engines.impl.faults.families) run on the other families' presets: tests/test_tpcheck/engines/impl/test_family_presets.py
+# (the MoE faults on the MoE presets: tests/test_tpcheck/judge/test_routing.py; the quantization faults on the quantized
+# presets: tests/test_tpcheck/reference/test_quantized.py, test_quantized_gptq.py, test_quantized_awq.py and
 # test_quantized_kv.py; the pipeline
-# faults at --pp 2: tests/test_tpcheck/test_pipeline_diff.py; Gemma 3's own on its presets: tests/test_tpcheck/test_gemma3.py;
-# the invariance faults by tpcheck invariance: tests/test_tpcheck/test_invariance.py)
+# faults at --pp 2: tests/test_tpcheck/pipeline/test_pipeline_diff.py; Gemma 3's own on its presets: tests/test_tpcheck/engines/impl/test_gemma3.py;
+# the invariance faults by tpcheck invariance: tests/test_tpcheck/pipeline/test_invariance.py)
 CATALOG = [n for n, f in FAULTS.items() if f.patch.__module__ not in (
     "tpcheck.engines.impl.faults.families", "tpcheck.engines.impl.faults.moe", "tpcheck.engines.impl.faults.quant", "tpcheck.engines.impl.faults.gemma",
     "tpcheck.engines.impl.faults.quant_gptq", "tpcheck.engines.impl.faults.quant_awq", "tpcheck.engines.impl.faults.quant_kv",
@@ -76,7 +76,7 @@ def readme_excess() -> dict[str, list[float]]:
     """The fault catalog table of docs/measured/faults.md: {fault: its excess over threshold} where the figure is a
     number; a cell of two (``8.40e5x / 8.71e5x``) holds the figures of two CPUs (that page: their kernels round
     differently)."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "measured" / "faults.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "measured" / "faults.md").read_text()
     table = text[text.index("| fault | config | detected | origin found | flagged by | excess over threshold |"):]
     out = {}
     for line in table.split("\n\n", 1)[0].splitlines()[2:]:

@@ -24,7 +24,7 @@ from tpcheck.inputs.devices import devices_of, resolve_device, to_device
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.plan import run_devices
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NO_CUDA = not torch.cuda.is_available()
 
 

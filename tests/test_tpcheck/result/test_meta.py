@@ -56,7 +56,7 @@ def test_a_diff_and_a_dump_compare_write_the_fields_of_the_record(tmp_path):
     # ``local_rows`` is written where the local pass ran the last rows of a longer prompt: test_local_rows.py
     fields = {f.name for f in dataclasses.fields(DiffMeta)} - {"origin", "notes", "local_rows"}
     origin = {f.name for f in dataclasses.fields(RunOrigin)}
-    # ``stages`` (with ``pp``) is written for a pipelined run only: tests/test_tpcheck/test_pipeline_diff.py
+    # ``stages`` (with ``pp``) is written for a pipelined run only: tests/test_tpcheck/pipeline/test_pipeline_diff.py
     assert set(live.meta) - {"tolerances", "notes", "allowances"} == fields | (origin - {"dump", "stages"}) | set(RUN_META_KEYS)
     dump = read_dump(tmp_path / "d")
     adapter = DumpAdapter(dump, Reductions(dump.tp))

@@ -12,7 +12,7 @@ from pathlib import Path
 from tpcheck.capture.points import point_stage
 from tpcheck.engines.adapter import CAPABILITIES, EngineAdapter, ProtocolAdapter, as_adapter
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_adapter_reference_matches_the_class():

@@ -70,7 +70,7 @@ def test_schema_ships_and_describes_every_kind_and_column(validator):
     assert fault_matrix.COLUMNS == list(schema["$defs"]["fault_matrix_row"]["properties"])
     assert set(schema["$defs"]["meta"]["required"]) == set(documents.RUN_META_KEYS)
     # the shipped file is package data, so an installed wheel has it
-    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    text = (Path(__file__).parents[3] / "pyproject.toml").read_text()
     import tomllib
     assert "result.schema.json" in tomllib.loads(text)["tool"]["setuptools"]["package-data"]["tpcheck.result"]
     # a document of an unknown kind, a newer version, or with NaN where a number goes does not validate

@@ -17,11 +17,11 @@ from tpcheck.cli.app import main
 from tpcheck.engines.impl.faults import FAULTS, get_fault
 
 QUANT_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant"]
-#: GPTQ's and AWQ's (tests/test_tpcheck/test_quantized_gptq.py, test_quantized_awq.py check them); docs/measured/quantized.md's
+#: GPTQ's and AWQ's (tests/test_tpcheck/reference/test_quantized_gptq.py, test_quantized_awq.py check them); docs/measured/quantized.md's
 #: table lists them all
 GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ in ("tpcheck.engines.impl.faults.quant_gptq",
                                                                       "tpcheck.engines.impl.faults.quant_awq")]
-#: the FP8 KV cache's (tests/test_tpcheck/test_quantized_kv.py)
+#: the FP8 KV cache's (tests/test_tpcheck/reference/test_quantized_kv.py)
 KV_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_kv"]
 
 
@@ -36,7 +36,7 @@ def test_clean_quantized_run_passes(preset, tp, dtype, ckpt, engines):
 
 def readme_quant_excess() -> dict[str, float]:
     """The quantization fault table of docs/measured/quantized.md: {fault: its excess over threshold}."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "measured" / "quantized.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "measured" / "quantized.md").read_text()
     table = text[text.index("| quantization fault | config | origin | flagged by | excess |"):]
     out = {}
     for line in table.split("\n\n", 1)[0].splitlines()[2:]:

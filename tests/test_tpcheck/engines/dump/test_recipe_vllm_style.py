@@ -20,7 +20,7 @@ from tpcheck.cli.app import main
 from tpcheck.engines.dump.replay import read_dump
 from tpcheck.result.table import load_result
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 EXAMPLE = ROOT / "examples" / "vllm_style_tp.py"
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]  # different lengths: per-sequence attention and KV cache

@@ -221,7 +221,7 @@ def test_the_docs_commands_run(ckpt, tmp_path, capsys):
     import shlex
     from pathlib import Path
     from tpcheck.engines.sglang_dump import writer
-    text = (Path(__file__).parents[2] / "docs" / "sglang.md").read_text()
+    text = (Path(__file__).parents[4] / "docs" / "sglang.md").read_text()
     block = re.search(r"## Try it without SGLang.*?```(?:bash)?\n(.*?)```", text, re.S).group(1)
     lines = [ln for ln in block.splitlines() if ln.strip()]
     assert len(lines) == 3

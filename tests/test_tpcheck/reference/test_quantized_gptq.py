@@ -23,7 +23,7 @@ GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.en
 
 def readme_quant_excess() -> dict[str, float]:
     """docs/measured/quantized.md's quantization fault table (INT8 and GPTQ rows): {fault: its excess over threshold}."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "measured" / "quantized.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "measured" / "quantized.md").read_text()
     table = text[text.index("| quantization fault | config | origin | flagged by | excess |"):]
     rows = ([c.strip() for c in line.strip("|").split("|")] for line in table.split("\n\n", 1)[0].splitlines()[2:])
     return {c[0]: float(re.fullmatch(r"([\d.]+)x", c[-1]).group(1)) for c in rows}
