@@ -115,7 +115,19 @@ def run_one(args, pool, prompts, tp: int, dtype: str, inject: str | None = None)
             "origin": None if fd is None else fd["point"], "origin_excess": None if fd is None else fd["excess"],
             "origin_step": None if fd is None else fd["step"], "gain": None if fd is None else fd["gain"],
             "gain_threshold": None if fd is None else fd["gain_threshold"],
+            "allowances": r.meta.get("allowances"), "carried": carried(r),
             "seconds": round(time.perf_counter() - t0, 1), "summary": "" if r.passed else r.summary()}
+
+
+def carried(r) -> dict:
+    """The passing rows over their threshold (``rel_err`` or the gain) that passed all the same, as inherited (their
+    op's own error within it) or by their op's own gain: how many, and the largest raw excess among them (what the
+    row would have been judged by without that allowance)."""
+    import numpy as np
+    t = r.table
+    raw = np.fmax(t["rel_err"] / t["threshold"], t["gain"].abs() / t["gain_threshold"])
+    over = t["passed"] & (raw > 1)
+    return {"rows": int(over.sum()), "raw_max": float(raw[over].max()) if over.any() else None}
 
 
 def main(argv=None) -> int:
@@ -170,7 +182,8 @@ def main(argv=None) -> int:
                         if row["overflow"] and row["origin"] is None else \
                         f"FAIL at {row['origin']} ({row['origin_excess']:.3g}x)"
                     log(f"{args.engine} tp {tp} {dtype} lens {row['lens']}: {verdict}; worst {row['worst_point']} "
-                        f"{row['worst_excess'] or float('nan'):.3g}x ({row['seconds']} s)")
+                        f"{row['worst_excess'] or float('nan'):.3g}x; over their threshold, carried: {row['carried']['rows']} "
+                        f"rows (raw {row['carried']['raw_max'] or 0:.3g}x) ({row['seconds']} s)")
                     if args.json:
                         Path(args.json).write_text(json.dumps(out, indent=1))
     finally:
