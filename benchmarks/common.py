@@ -26,7 +26,7 @@ def make_log(name: str):
 # ---- checkpoint options ----------------------------------------------------------------------------------
 def add_checkpoint_args(ap, seed_help: str = "checkpoint seed") -> None:
     """``--preset`` (default qwen2.5-0.5b), ``--ckpt-dir``, ``--cache-root``, ``--seed``."""
-    from tpcheck.inputs.checkpoints import preset_names
+    from tpcheck.inputs.models.checkpoints import preset_names
     ap.add_argument("--preset", default="qwen2.5-0.5b", choices=preset_names(), help="checkpoint preset")
     ap.add_argument("--ckpt-dir", help="checkpoint directory to reuse (written there once if missing/empty)")
     ap.add_argument("--cache-root", help="cache root for the preset checkpoint (default $TPCHECK_CACHE or "
@@ -45,9 +45,9 @@ def check_json_arg(ap, args) -> None:
 
 
 def resolve_checkpoint(ap, args, log, dtype: str = "float32") -> Path:
-    """The checkpoint of ``--ckpt-dir`` / ``--preset`` (``tpcheck.inputs.checkpoints.resolve_checkpoint``: written once
+    """The checkpoint of ``--ckpt-dir`` / ``--preset`` (``tpcheck.inputs.models.checkpoints.resolve_checkpoint``: written once
     on first use); a bad ``--ckpt-dir`` is ``ap.error``."""
-    from tpcheck.inputs.checkpoints import resolve_checkpoint as resolve
+    from tpcheck.inputs.models.checkpoints import resolve_checkpoint as resolve
     t0 = time.perf_counter()
     log(f"checkpoint {args.ckpt_dir or args.preset} (written once on first use, ~15 s for qwen2.5-0.5b) ...")
     try:

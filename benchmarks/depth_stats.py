@@ -6,7 +6,7 @@ at token 0, and the largest |value| of any point against float16's 65504.
 
     python benchmarks/depth_stats.py [--preset deep-sink] [--seeds 8] [--decode 4] [--json reports/depth.json]
 
-Each cell is ``min..max`` over the seeds. The sink channel is the recipe's (``tpcheck.inputs.sink_recipe``) for a
+Each cell is ``min..max`` over the seeds. The sink channel is the recipe's (``tpcheck.inputs.models.sink_recipe``) for a
 preset drawn with it, else the channel of token 0's largest |x| at the middle layer."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
 from common import add_checkpoint_args, check_json_arg, make_log, print_table, resolve_checkpoint  # noqa: E402
 
-from tpcheck.inputs.checkpoints import SINKS, sink_channels  # noqa: E402
+from tpcheck.inputs.models.checkpoints import SINKS, sink_channels  # noqa: E402
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache  # noqa: E402
 
 

@@ -59,7 +59,7 @@ def main() -> int:
         ap.error("--local-rows must be between 0 and --seq-len, exclusive")
 
     from tpcheck.engines.pool import EnginePool
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     from tpcheck.pipeline.check import random_prompts
     from tpcheck.reference.cache import hf_capture
     from tpcheck.reference.reductions import Reductions

@@ -73,7 +73,7 @@ def main() -> int:
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import run
     from tpcheck.pipeline.check import random_prompts
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     from tpcheck.reference.cache import hf_capture
     from tpcheck.engines.pool import EnginePool
     from tpcheck.reference.reductions import Reductions

@@ -41,7 +41,7 @@ def main() -> int:
     from impl import SamplingParams
     from tpcheck.engines.impl.adapter import generate_dumped, get_llm
     from tpcheck.engines.pool import EnginePool
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     from tpcheck.pipeline.check import random_prompts
     model_dir = str(cached_checkpoint(a.preset))
     params = SamplingParams(max_tokens=1)

@@ -55,7 +55,7 @@ def main() -> int:
     import inspect
     queued = "queue_mb" in inspect.signature(generate_dumped).parameters
     from tpcheck.engines.pool import EnginePool
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     from tpcheck.pipeline.check import random_prompts
     log(f"checkpoint {a.preset} (written once, cached) ...")
     model_dir = str(cached_checkpoint(a.preset))

@@ -25,7 +25,7 @@ from impl.config import load_config  # noqa: E402
 from tpcheck.engines.dump.replay import DumpAdapter, read_dump  # noqa: E402
 from tpcheck.cli.fault_depth import depth_layers  # noqa: E402
 from tpcheck.engines.pool import EnginePool  # noqa: E402
-from tpcheck.inputs.checkpoints import cached_checkpoint  # noqa: E402
+from tpcheck.inputs.models.checkpoints import cached_checkpoint  # noqa: E402
 from tpcheck.engines.impl.faults import get_fault  # noqa: E402
 from tpcheck.pipeline.diff import compare_engine  # noqa: E402
 from tpcheck.reference.reductions import Reductions  # noqa: E402

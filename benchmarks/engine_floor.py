@@ -26,8 +26,8 @@ from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
 from tpcheck.engines.pool import EnginePool
 from tpcheck.inputs.arg_types import add_device_argument, device_name
-from tpcheck.inputs import variants
-from tpcheck.inputs.checkpoints import cached_checkpoint
+from tpcheck.engines.impl import variants
+from tpcheck.inputs.models.checkpoints import cached_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
 from common import check_json_arg, make_log, print_table  # noqa: E402
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="impl")
     ap.add_argument("--variants", default="", help="impl only: correct variants patched into its ranks for every "
-                    "run (tpcheck.inputs.variants, comma-separated: rank_order_allreduce, sequential_k)")
+                    "run (tpcheck.engines.impl.variants, comma-separated: rank_order_allreduce, sequential_k)")
     add_device_argument(ap, "the engines (and the golden and references, unless --golden-device)")
     ap.add_argument("--golden-device", type=device_name, default=None, help="the golden's and references' device "
                     "(tpcheck diff --golden-device; cpu: the figures measured before they could run on a GPU)")

@@ -231,7 +231,7 @@ def _mib(x: float) -> str:
 
 def measure(ap, a) -> Figures:
     """Run ``--repeats`` children of each variant on the checkpoint and derive the figures."""
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     model_dir = resolve_checkpoint(ap, a, log)
     warm_dir = cached_checkpoint("tiny", root=a.cache_root)
     cfg = json.loads((model_dir / "config.json").read_text())

@@ -166,7 +166,7 @@ class Check:
 
     def diffs(self) -> None:
         """1. the default diff: tp 1 and 2 (two ranks on one GPU), float32 and bfloat16, both passes."""
-        from tpcheck.inputs.checkpoints import cached_checkpoint
+        from tpcheck.inputs.models.checkpoints import cached_checkpoint
         self.figures["diffs"] = []
         for dtype in ("float32",) if self.a.quick else ("float32", "bfloat16"):
             ckpt = str(cached_checkpoint(self.qwen, dtype=dtype))
@@ -184,7 +184,7 @@ class Check:
 
     def verdict_time(self) -> None:
         """2. time to verdict, loaded: the golden on the device vs on the host; the whole diff on the host."""
-        from tpcheck.inputs.checkpoints import cached_checkpoint
+        from tpcheck.inputs.models.checkpoints import cached_checkpoint
         ckpt, dev = str(cached_checkpoint(self.qwen, dtype="float32")), self.dev
         vt = self.figures["verdict_time"] = {}
         for label, kw in ((f"engine+golden on {dev}", {}), ("golden on cpu", {"golden_device": "cpu"}),
@@ -206,7 +206,7 @@ class Check:
     def llama_8b(self) -> None:
         """3. the Llama-3-8B-shaped checkpoint, tp 1, bfloat16, beside its work floor."""
         from impl.config import load_config
-        from tpcheck.inputs.config_checkpoints import config_checkpoint
+        from tpcheck.inputs.models.config_checkpoints import config_checkpoint
         a = self.a
         shape = dict(NARROW if a.quick else LLAMA3_8B, num_hidden_layers=2 if a.quick else a.layers_8b)
         if self.left() < 120 and not a.quick:

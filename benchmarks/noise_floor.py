@@ -30,7 +30,7 @@ from tpcheck.pipeline.diff import run
 from impl.config import load_config
 from tpcheck.engines.impl.faults import FAULTS, get_fault
 from tpcheck.pipeline.check import random_prompts
-from tpcheck.inputs.checkpoints import PRESETS, cached_checkpoint
+from tpcheck.inputs.models.checkpoints import PRESETS, cached_checkpoint
 from tpcheck.cli.fault_matrix import expected_step, prompts_for, smallest_config
 from tpcheck.measure.metrics import FLOOR, K_FACTOR
 from tpcheck.engines.pool import EnginePool

@@ -79,8 +79,8 @@ def main() -> int:
 
     import tpcheck
     from tpcheck.engines.pool import EnginePool
-    from tpcheck.inputs.checkpoints import cached_checkpoint
-    from tpcheck.inputs.quantize_awq import quantize_any
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.quantize_awq import quantize_any
 
     src = cached_checkpoint(a.base)
     tmp = tempfile.TemporaryDirectory(prefix="quant-cost-")

@@ -50,7 +50,7 @@ def main() -> int:
     from tpcheck.engines.impl.adapter import generate_dumped
     from tpcheck.engines.sglang_dump.writer import FileSink, PassSink, passes_rules, write_from_dump
     from tpcheck.engines.impl import faults
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     prompts = [[(7 * k + t) % 200 + 3 for t in range(n)] for k, n in enumerate(PROMPT_LENS)]
     params = [SamplingParams(max_tokens=m) for m in NEW_TOKENS]
     rows = []

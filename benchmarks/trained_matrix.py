@@ -1,4 +1,4 @@
-"""Clean runs and faults on a trained checkpoint (the public Gemma 3 270M, ``python -m tpcheck.inputs.public_checkpoint``):
+"""Clean runs and faults on a trained checkpoint (the public Gemma 3 270M, ``python -m tpcheck.inputs.models.public_checkpoint``):
 how often a correct engine fails (false alarms), how close its worst point comes to its threshold, and what each
 failure names. Real text prompts, tokenized by the checkpoint's own tokenizer (``<bos>`` first).
 

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     log = make_log("trained_stats")
     from impl.config import load_config
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     from tpcheck.reference.hf import load_hf_model
     model_dir = args.model or str(cached_checkpoint(args.preset))
     cfg = load_config(model_dir)

@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--model", nargs="*", default=[], help="INT8 W8A8 checkpoint directories")
     ap.add_argument("--preset", default="small-w8a8,small-w8a8-tensor", help="INT8 presets, comma-separated ('' none)")
     args = ap.parse_args()
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     g = torch.Generator().manual_seed(0)
     rows = crafted(g)
     with tempfile.TemporaryDirectory() as tmp:

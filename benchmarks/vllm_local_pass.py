@@ -35,7 +35,7 @@ from tpcheck.engines.dump.dumping import DumpingAdapter  # noqa: E402
 
 from tpcheck.engines.pool import EnginePool  # noqa: E402
 from tpcheck.engines.vllm.adapter import start  # noqa: E402
-from tpcheck.inputs.checkpoints import cached_checkpoint  # noqa: E402
+from tpcheck.inputs.models.checkpoints import cached_checkpoint  # noqa: E402
 from tpcheck.options import DiffOptions  # noqa: E402
 from tpcheck.pipeline.diff import compare  # noqa: E402
 from tpcheck.pipeline.plan import RunPlan  # noqa: E402

@@ -15,8 +15,8 @@ import argparse
 import json
 import time
 
-from tpcheck.inputs.checkpoints import cached_checkpoint
-from tpcheck.inputs.presets import PRESETS
+from tpcheck.inputs.models.checkpoints import cached_checkpoint
+from tpcheck.inputs.models.presets import PRESETS
 from tpcheck.inputs.prompts import random_prompts
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import compare

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="--per-kind: also write the figures here")
     a = ap.parse_args(argv)
     from tpcheck.engines.vllm.adapter import vllm_env
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     vllm_env(a.tp)  # what --engine vllm sets (OMP thread binding per rank, ...), for the generate runs too
     ckpt = cached_checkpoint(a.preset)
     if a.per_kind:

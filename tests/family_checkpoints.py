@@ -5,7 +5,7 @@ randomly initialised ``*ForCausalLM`` (so the tensor names, the tied head and th
 with every parameter redrawn so that each tensor is distinguishable: loading any tensor wrongly (transposed,
 swapped with a sibling, skipped, left at HF's init) changes the output.
 
-Value recipe (the one of ``tpcheck.inputs.checkpoints``; float32 ``torch.Generator`` seeded with ``seed``, parameters
+Value recipe (the one of ``tpcheck.inputs.models.checkpoints``; float32 ``torch.Generator`` seeded with ``seed``, parameters
 drawn in the model's registration order, then cast to ``dtype``): linear weights N(0, 1/fan_in), embeddings
 N(0, 1), biases N(0, 0.5**2) (never HF's zeros), norm weights ``1 + s*u`` with u ~ U(0.2, 0.6) and a random
 sign ``s`` (never HF's ones) -- Qwen3's per-head ``q_norm`` / ``k_norm`` included.

@@ -122,7 +122,7 @@ def _assert_layers_close_fixture(request):
 @pytest.fixture(scope="session")
 def tpcheck_checkpoint(tmp_path_factory):
     """``tpcheck_checkpoint(preset="tiny", seed=0, dtype="float32") -> Path`` of a synthetic checkpoint."""
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     root = tmp_path_factory.mktemp("tpcheck-checkpoints")
 
     def get(preset: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:

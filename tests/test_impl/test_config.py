@@ -9,7 +9,7 @@ import torch
 
 import impl.llm
 from impl.config import TRANSFORMERS_5, ConfigError, hf_rope_theta, load_config, parse_dtype
-from tpcheck.inputs.checkpoints import preset_config
+from tpcheck.inputs.models.checkpoints import preset_config
 
 
 def write_config(d, preset="tiny", edit=None):

@@ -1,4 +1,4 @@
-"""impl.loader against real synthetic checkpoints (tpcheck.inputs.checkpoints.make_checkpoint).
+"""impl.loader against real synthetic checkpoints (tpcheck.inputs.models.checkpoints.make_checkpoint).
 
 Models are built in-process: at tp 1 directly, at tp 2/4 as simulated ranks (``fake_tp.fake_rank``,
 construction and loading only)."""
@@ -19,7 +19,7 @@ from impl.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from impl.loader import LoadError, load_weights
 from impl.models.qwen2 import Qwen2ForCausalLM
 from impl.placements import Replicate
-from tpcheck.inputs.checkpoints import make_checkpoint
+from tpcheck.inputs.models.checkpoints import make_checkpoint
 
 PRESETS = ("tiny", "tiny-untied", "tiny-mqa")
 

@@ -249,7 +249,7 @@ def test_shard_plan_counts_what_each_rank_holds(preset, tp, ep, ckpt):
 def test_ties_preset_draws_near_ties(ckpt, hf_model):
     """``tiny-moe-ties``: router rows in pairs 1% apart, so in HF's own float32 router most tokens' 3rd and 4th
     logits (the top-3 boundary) are within 0.02 of each other, where the other presets' rarely are."""
-    from tpcheck.inputs.checkpoints import describe_preset
+    from tpcheck.inputs.models.checkpoints import describe_preset
     assert "top-3 of 8 experts renormalised; near-tie router rows (pairs 0.01 apart)" in describe_preset("tiny-moe-ties")
     router = load_file(str(ckpt("tiny-moe-ties") / "model.safetensors"))["model.layers.0.mlp.gate.weight"]
     spread = (router[1::2] - router[0::2]).norm(dim=-1) / router[0::2].norm(dim=-1)

@@ -15,7 +15,7 @@ from impl.quant import QuantConfigError
 from impl.quant_awq import AwqScheme, pack_awq, parse_quantization_config, unpack_awq
 from impl.quant_gptq import layer_name
 from test_quant_gptq import DT, TPS, assert_refused, rand_w, run, x_input  # the GPTQ tests' inputs and helpers
-from tpcheck.inputs.quantize_awq import awq_quantization_config, quantize_awq_weight
+from tpcheck.inputs.models.quantize_awq import awq_quantization_config, quantize_awq_weight
 
 REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # vLLM's _REVERSE_AWQ_PACK_ORDER: output column j of 8 is nibble REVERSE[j]
 

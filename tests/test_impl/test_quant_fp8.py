@@ -15,7 +15,7 @@ from impl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, Ro
 from impl.placements import Partial
 from impl.quant import Int8Scheme, QuantConfigError, parse_quant_config
 from impl.quant_fp8 import FP8, quantize_fp8_per_token, requantize_to_max, to_fp8
-from tpcheck.inputs.quantize import quantization_config
+from tpcheck.inputs.models.quantize import quantization_config
 from tpcheck.reference.hf import load_hf_model
 
 DT = torch.float32

@@ -13,7 +13,7 @@ from impl.placements import Partial
 from impl.quant import QuantConfigError
 from impl.quant_gptq import (GptqScheme, layer_name, pack_cols, pack_rows, parse_quantization_config, unpack_cols,
                              unpack_rows)
-from tpcheck.inputs.quantize_gptq import gptq_quantization_config, group_index, quantize_gptq_weight
+from tpcheck.inputs.models.quantize_gptq import gptq_quantization_config, group_index, quantize_gptq_weight
 
 TPS = (1, 2, 4)
 DT = torch.float32

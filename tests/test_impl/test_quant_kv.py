@@ -19,7 +19,7 @@ from impl.models.qwen2 import Qwen2ForCausalLM
 from impl.quant import QuantConfigError, parse_quant_config
 from impl.quant_kv import KvCacheScheme, dequantize_kv, quantize_kv
 from test_loader import rewrite  # the loader tests: a checkpoint copy with its tensors edited
-from tpcheck.inputs.quantize import quantization_config
+from tpcheck.inputs.models.quantize import quantization_config
 from tpcheck.reference.hf import load_hf_model
 
 
@@ -126,6 +126,6 @@ def test_logits_match_float64_golden(preset, tp, ckpt, engines):
     got = llm.logits(ids).double()
     err = ((got - ref).norm() / ref.norm()).item()
     kv_err = ((plain - ref).norm() / ref.norm()).item()
-    # the preset's values are small (tpcheck.inputs.kv_recipe), so attention moves the logits little: kv_err is
+    # the preset's values are small (tpcheck.inputs.models.kv_recipe), so attention moves the logits little: kv_err is
     # ~5e-5 at tp 1; impl's own error measured ~3e-7
     assert kv_err > 1e-5 and kv_err > 30 * err, (err, kv_err)

@@ -19,10 +19,10 @@ prefix-cache hit: another request computed its first blocks) has its prefix run 
 hashes, no request ids) is refused: write the dump again. Safetensors and JSON only: nothing is unpickled.
 
 Integrity (format 2): ``tensors`` records per point the dtype, shape and sha256 of the bytes written, and
-``model_fingerprint`` the checkpoint's (``tpcheck.inputs.fingerprint``; null when the writer was not
+``model_fingerprint`` the checkpoint's (``tpcheck.inputs.files.fingerprint``; null when the writer was not
 told the checkpoint). ``cpu_bf16_rounding`` (optional: older dumps and writers that do not know lack it): whether
 the CPU the rank ran on converts float32 to bfloat16 in hardware (``tpcheck.capture.rounding``: without it vLLM's
-CPU kernels truncate, and ``tpcheck compare`` declares so). Reading checks every field's type and bounds (``tpcheck.inputs.validate``), that a rank's
+CPU kernels truncate, and ``tpcheck compare`` declares so). Reading checks every field's type and bounds (``tpcheck.inputs.files.validate``), that a rank's
 JSON names the rank and step of the file it sits in, every tensor against its record (a floating-point tensor,
 the rows all ranks agree on, a placement that fits it), and ``Dump.check_model`` the recorded checkpoint and
 token ids against ``--model``: a mismatch is a DumpError (exit 2) naming the file and the tensor.
@@ -39,8 +39,8 @@ from pathlib import Path
 from impl.placements import Fused
 from tpcheck.capture.background import BackgroundWriter
 from tpcheck.capture.dump_format import DumpError, placement_to_json
-from tpcheck.inputs.fingerprint import fingerprint
-from tpcheck.inputs.step_store import save_step, write_json_atomic
+from tpcheck.inputs.files.fingerprint import fingerprint
+from tpcheck.inputs.files.step_store import save_step, write_json_atomic
 
 FORMAT = 2  # 2: per-request ids and a point's rows (continuous batching), per-tensor hashes, the checkpoint's id
 STEP_FILE = re.compile(r"step(\d+)\.json")  # a step's record in a rank's directory

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from impl.placements import Fused, Partial, Replicate, Shard
 from tpcheck.capture.points import KINDS, split_point
-from tpcheck.inputs.validate import MAX_TP, field, int_in
+from tpcheck.inputs.files.validate import MAX_TP, field, int_in
 
 
 class DumpError(ValueError):

@@ -10,7 +10,7 @@ import torch
 
 from impl.placements import Replicate
 from tpcheck.capture.core import handoff
-from tpcheck.inputs.step_store import write_json_atomic
+from tpcheck.inputs.files.step_store import write_json_atomic
 
 STAGE_FILE = "stage.json"
 

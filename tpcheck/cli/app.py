@@ -14,13 +14,13 @@ from pathlib import Path
 from tpcheck.cli import compare_two, exit_codes
 from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
-from tpcheck.inputs.presets import describe_preset, preset_names
+from tpcheck.inputs.models.presets import describe_preset, preset_names
 from tpcheck.cli.lazy import Lazy, version as _version
 from tpcheck.cli.suggest import PlainParser, check_argv, refuse, unknown_flag
 from tpcheck.result.columns import help_epilog
 
 options = Lazy("tpcheck.options")  # these import torch: ``tpcheck --version`` must not wait for it
-checkpoints = Lazy("tpcheck.inputs.checkpoints")
+checkpoints = Lazy("tpcheck.inputs.models.checkpoints")
 coverage = Lazy("tpcheck.judge.coverage")
 
 DESCRIPTION = f"""``tpcheck`` command line.

@@ -22,7 +22,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def _named_values() -> dict[str, list[str]]:
     """The values of the flags that take names without declaring argparse choices (comma-separated lists):
     fault names (``--inject``, ``--faults``) and preset names (``--preset``)."""
-    from tpcheck.inputs.presets import preset_names
+    from tpcheck.inputs.models.presets import preset_names
     from tpcheck.engines.impl.faults import FAULTS
     faults = sorted(FAULTS)
     return {"--inject": faults, "--faults": faults, "--preset": list(preset_names())}

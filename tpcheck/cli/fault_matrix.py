@@ -27,14 +27,14 @@ from impl.config import load_config
 from tpcheck.engines.impl.faults import FAULTS, Fault, get_fault
 from tpcheck.progress import bar
 from tpcheck.result.origin import ranks_cause
-from tpcheck.inputs.checkpoints import QUANTIZED, preset_available
+from tpcheck.inputs.models.checkpoints import QUANTIZED, preset_available
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
 
 # candidate configurations, smallest first: a fault runs on the first one where it can show. The Qwen2 presets
 # come first (every fault that any family shows keeps its Qwen2 configuration); a family fault (``shows``
 # needs q/k norms, llama3 RoPE, no q/k/v bias, a sliding window) reaches the first tiny preset of a family
-# that has the option (tpcheck.inputs.checkpoints: tiny-llama, tiny-mistral, tiny-qwen3)
+# that has the option (tpcheck.inputs.models.checkpoints: tiny-llama, tiny-mistral, tiny-qwen3)
 PRESET_ORDER = ("tiny", "tiny-mqa", "tiny-mha", "tiny-untied", "small",
                 "tiny-llama", "tiny-llama-bias", "tiny-mistral", "tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe",
                 "tiny-mixtral", "tiny-gemma3", "small-w8a8", "small-w8a8-tensor", "small-gptq", "small-gptq-act",
@@ -59,7 +59,7 @@ COLUMNS = ["fault", "config", "check", "detected", "origin", "expected_origin", 
 def _resolver(ckpt):
     if ckpt is not None:
         return ckpt
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     return cached_checkpoint
 
 

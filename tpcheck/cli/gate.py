@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpcheck.cli.exit_codes import Exit
-from tpcheck.inputs.validate import read_json
+from tpcheck.inputs.files.validate import read_json
 
 if TYPE_CHECKING:  # the judge (torch, pandas) loads with the subcommand, not the parser: `tpcheck --help` stays fast
     from tpcheck.judge.tolerances import Tolerances

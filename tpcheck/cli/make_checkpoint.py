@@ -1,11 +1,11 @@
 """``tpcheck make-checkpoint``: a synthetic Hugging Face checkpoint of a preset (``--preset``), optionally quantized
 (``--quantize SCHEME``); or the quantization of an existing float checkpoint (``--model SRC_DIR --quantize SCHEME``).
 
-The quantized formats, as vLLM reads them: compressed-tensors INT8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ
-(``gptq-w4g32`` ..., ``tpcheck.inputs.quantize_gptq``), 4-bit AWQ (``awq-w4g32`` ..., ``tpcheck.inputs.quantize_awq``).
+The quantized formats, as vLLM reads them: compressed-tensors INT8 W8A8 (``tpcheck.inputs.models.quantize``), 4-bit GPTQ
+(``gptq-w4g32`` ..., ``tpcheck.inputs.models.quantize_gptq``), 4-bit AWQ (``awq-w4g32`` ..., ``tpcheck.inputs.models.quantize_awq``).
 
 ``--from-gguf FILE.gguf``: the float32 checkpoint of a llama.cpp GGUF file of a Gemma 3 text model, its weights
-dequantized (``tpcheck.inputs.gguf_checkpoint``; the file, its sha256 and tensor types in tpcheck_source.json)."""
+dequantized (``tpcheck.inputs.models.gguf_checkpoint``; the file, its sha256 and tensor types in tpcheck_source.json)."""
 from __future__ import annotations
 
 import argparse
@@ -14,17 +14,17 @@ from collections import Counter
 from pathlib import Path
 
 from tpcheck.cli.lazy import Lazy
-from tpcheck.inputs.presets import DTYPE_NAMES, preset_names
-from tpcheck.inputs.quant_schemes import AWQ_SCHEMES, GPTQ_SCHEMES, SCHEMES
+from tpcheck.inputs.models.presets import DTYPE_NAMES, preset_names
+from tpcheck.inputs.models.quant_schemes import AWQ_SCHEMES, GPTQ_SCHEMES, SCHEMES
 
-checkpoints = Lazy("tpcheck.inputs.checkpoints")  # these import torch: only the command's run needs them
-quantize = Lazy("tpcheck.inputs.quantize")
-quantize_awq = Lazy("tpcheck.inputs.quantize_awq")
-gguf_checkpoint = Lazy("tpcheck.inputs.gguf_checkpoint")
+checkpoints = Lazy("tpcheck.inputs.models.checkpoints")  # these import torch: only the command's run needs them
+quantize = Lazy("tpcheck.inputs.models.quantize")
+quantize_awq = Lazy("tpcheck.inputs.models.quantize_awq")
+gguf_checkpoint = Lazy("tpcheck.inputs.models.gguf_checkpoint")
 
 
 def _schemes() -> dict[str, str]:
-    """Every ``--quantize`` scheme: INT8 / FP8 W8A8 (``tpcheck.inputs.quantize``), 4-bit GPTQ (``quantize_gptq``)
+    """Every ``--quantize`` scheme: INT8 / FP8 W8A8 (``tpcheck.inputs.models.quantize``), 4-bit GPTQ (``quantize_gptq``)
     and AWQ (``quantize_awq``)."""
     return {**SCHEMES, **GPTQ_SCHEMES, **AWQ_SCHEMES}
 

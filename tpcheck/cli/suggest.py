@@ -25,7 +25,7 @@ def did_you_mean(word: str, names: Iterable[str]) -> str:
 
 
 def _presets() -> list[str]:
-    from tpcheck.inputs.presets import preset_names
+    from tpcheck.inputs.models.presets import preset_names
     return list(preset_names())
 
 

@@ -117,7 +117,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _validate(opts: SweepOptions) -> list[str]:
-    from tpcheck.inputs.checkpoints import PRESETS
+    from tpcheck.inputs.models.checkpoints import PRESETS
     from tpcheck.engines.impl.faults import FAULTS
     errors = []
     if not opts.tp or any(t < 1 for t in opts.tp):
@@ -161,7 +161,7 @@ def _case_strategy(source: str, tp: int, dtype: str, steps: int, opts: SweepOpti
     from hypothesis import strategies as st
 
     from tpcheck.properties import strategies as tst
-    from tpcheck.inputs.checkpoints import PRESETS
+    from tpcheck.inputs.models.checkpoints import PRESETS
     bss = (opts.block_size,) if opts.block_size else tst.DEFAULT_BLOCK_SIZES
 
     @st.composite
@@ -272,7 +272,7 @@ def sweep(opts: SweepOptions, pool=None, results: dict | None = None) -> list[di
     each failing configuration's shrunk ``DiffResult`` under its row's index."""
     import torch
     from impl.config import load_config
-    from tpcheck.inputs.checkpoints import PRESETS, cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import PRESETS, cached_checkpoint
     from tpcheck.engines.pool import EnginePool
     from tpcheck.properties.strategies import tp_compatible
 

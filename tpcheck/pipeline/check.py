@@ -29,7 +29,7 @@ import torch
 
 from tpcheck.inputs.devices import resolve_device
 from tpcheck.inputs.prompts import random_prompts  # noqa: F401 - the logits check's prompts, importable here
-from tpcheck.inputs.quant_check import check_quantized_checkpoint
+from tpcheck.inputs.files.quant_check import check_quantized_checkpoint
 from impl.config import load_config
 from tpcheck.judge import judge
 from tpcheck.judge.tolerances import Tolerances

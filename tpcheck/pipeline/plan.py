@@ -14,11 +14,11 @@ from tpcheck.capture.points import model_point_names, stage_handoffs
 from tpcheck.capture.selection import selection
 from tpcheck.engines.registry import EngineEntry
 from tpcheck.engines.registry import engine as engine_entry
-from tpcheck.inputs.checkpoints import cached_checkpoint
+from tpcheck.inputs.models.checkpoints import cached_checkpoint
 from tpcheck.inputs.devices import resolve_device
 from tpcheck.engines.impl.faults import get_fault
 from tpcheck.inputs.prompts import random_prompts
-from tpcheck.inputs.quant_check import check_quantized_checkpoint
+from tpcheck.inputs.files.quant_check import check_quantized_checkpoint
 from tpcheck.options import DiffOptions
 
 logger = logging.getLogger("tpcheck.pipeline.diff")  # progress: tpcheck's CLI shows INFO on stderr
@@ -107,7 +107,7 @@ class RunPlan:
     def of(cls, opts: DiffOptions, cfg: ModelConfig | None = None, entry: EngineEntry | None = None,
            devices: tuple[str, str] | None = None) -> "RunPlan":
         """The plan of ``opts`` whose ``model`` and ``prompts`` are given (an adapter the caller started): the
-        config (loaded unless given), a quantized checkpoint's tensors checked (``tpcheck.inputs.quant_check``),
+        config (loaded unless given), a quantized checkpoint's tensors checked (``tpcheck.inputs.files.quant_check``),
         the devices (``run_devices`` unless given) and the selection; a selection that keeps no point is a
         ``ValueError``."""
         cfg = cfg if cfg is not None else load_config(opts.model)

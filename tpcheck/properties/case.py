@@ -1,5 +1,5 @@
 """One drawn example (``Case``: what ``tpcheck.properties.strategies.cases`` draws) and how it runs: its checkpoint
-(``Case.checkpoint``: a preset's cached one, or the drawn config's, ``tpcheck.inputs.config_checkpoints``), the
+(``Case.checkpoint``: a preset's cached one, or the drawn config's, ``tpcheck.inputs.models.config_checkpoints``), the
 layer-by-layer diff through an engine pool (``Case.diff``), the properties as assertions (``Case.check``: ranks
 agree on replicated points, every point within the noise floor), the failure report and a one-line
 reproduction (``Case.repro``) that recreates the drawn checkpoint if it is gone."""
@@ -11,8 +11,8 @@ import os
 import pathlib
 from dataclasses import asdict, dataclass
 
-from tpcheck.inputs.checkpoints import cached_checkpoint
-from tpcheck.inputs.config_checkpoints import config_checkpoint, default_root, recreate_command
+from tpcheck.inputs.models.checkpoints import cached_checkpoint
+from tpcheck.inputs.models.config_checkpoints import config_checkpoint, default_root, recreate_command
 from tpcheck.inputs.tp_layout import kv_layout
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
@@ -35,7 +35,7 @@ class Case:
     block_size: int = 16
     weight_seed: int = 0
     bias_std: float = 0.5
-    preset: str | None = None  # a named preset (``tpcheck.inputs.checkpoints.PRESETS``): its cached checkpoint
+    preset: str | None = None  # a named preset (``tpcheck.inputs.models.checkpoints.PRESETS``): its cached checkpoint
     exact_ops: bool = False  # also hold the elementwise ops to HF's bits (``tpcheck.measure.exact_ops``)
     outliers: float = 0.0  # strength of the massive-activation recipe (0: off)
     ep: int = 1  # expert-parallel size (mixture-of-experts models)

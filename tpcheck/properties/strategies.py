@@ -4,7 +4,7 @@ Hand-picked inputs find the bugs their author already imagined; these let Hypoth
 model shapes, TP sizes, prompts, decode lengths, block sizes and dtypes, and shrink what fails to the
 smallest case that still fails. Everything drawn is valid for impl and for Hugging Face (no filtering):
 
-* ``configs(tps)``: config keyword dicts (like ``tpcheck.inputs.checkpoints.PRESETS``) that every TP size in ``tps``
+* ``configs(tps)``: config keyword dicts (like ``tpcheck.inputs.models.checkpoints.PRESETS``) that every TP size in ``tps``
   can split: small shapes (hidden <= 128, 1-3 layers, vocab <= ~600) so a checkpoint writes in
   milliseconds; head counts, KV-head counts (MHA, GQA, MQA), head_dim (implied or explicit), intermediate
   size, vocab sizes with and without padding, tied / untied, rope_theta, rms_norm_eps; and the family
@@ -37,7 +37,7 @@ Use in your own tests::
         case.check(pool=POOL, root="/tmp/my-ckpts")   # AssertionError: report + `tpcheck diff` line
 
 ``Case`` and how it runs are in ``tpcheck.properties.case``; drawn checkpoints are written by
-``tpcheck.inputs.config_checkpoints.config_checkpoint`` into ``root`` under a hash of what defines them (config,
+``tpcheck.inputs.models.config_checkpoints.config_checkpoint`` into ``root`` under a hash of what defines them (config,
 weight seed, bias scale, dtype, outliers): cached, and written atomically (safe under pytest-xdist). Which TP
 sizes split a config and how its KV heads do is impl's rule (``tpcheck.inputs.tp_layout``: ``ModelConfig.check_tp``,
 ``impl.shard_plan.kv_split``). All of these names are also importable from here.
@@ -53,13 +53,13 @@ from hypothesis import strategies as st
 
 # re-exported: the drawn case and its checkpoints live in their own modules (``from tpcheck import strategies as
 # tst; tst.Case``, ``tst.config_checkpoint``, ``tst.tp_compatible`` keep working)
-from tpcheck.inputs.config_checkpoints import checkpoint_key, config_checkpoint, default_root, recreate_command  # noqa: F401
+from tpcheck.inputs.models.config_checkpoints import checkpoint_key, config_checkpoint, default_root, recreate_command  # noqa: F401
 from tpcheck.properties.moe_strategies import MOE_FAMILIES, base_family, draw_ep, moe_options
 from tpcheck.properties.pp_strategies import draw_pp
 from tpcheck.properties.case import Case
 from tpcheck.inputs.tp_layout import kv_layout, splits, tp_compatible
 from impl.config import FAMILIES as SUPPORTED
-from tpcheck.inputs.presets import PRESETS
+from tpcheck.inputs.models.presets import PRESETS
 
 DEFAULT_TPS = (1, 2, 4)
 DEFAULT_DTYPES = ("float32", "bfloat16")
@@ -263,12 +263,12 @@ def dtypes(names=DEFAULT_DTYPES) -> st.SearchStrategy[str]:
 
 
 def bias_stds(values=BIAS_STDS) -> st.SearchStrategy[float]:
-    """Scale of the drawn q/k/v biases (``tpcheck.inputs.checkpoints.make_config_checkpoint(bias_std=...)``)."""
+    """Scale of the drawn q/k/v biases (``tpcheck.inputs.models.checkpoints.make_config_checkpoint(bias_std=...)``)."""
     return st.sampled_from(tuple(values))
 
 
 def outlier_strengths(values=OUTLIER_STRENGTHS) -> st.SearchStrategy[float]:
-    """Strength of the massive-activation recipe (``tpcheck.inputs.checkpoints.make_config_checkpoint(outliers=...)``:
+    """Strength of the massive-activation recipe (``tpcheck.inputs.models.checkpoints.make_config_checkpoint(outliers=...)``:
     a few residual channels in the hundreds, as trained models have them); 0 is off, where shrinking goes."""
     return st.sampled_from(tuple(values))
 

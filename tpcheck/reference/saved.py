@@ -7,11 +7,11 @@ Layout: ``DIR/step{s}.safetensors`` (every golden point of step s, float64, ``[r
 "with_kv", "num_layers", "tensors"}``. ``fingerprint`` identifies the checkpoint: ``config.json`` and, per weight file,
 its name, size and 16 sampled 64 KiB blocks (not a hash of every byte: a 70B checkpoint would take minutes to
 read; weights changed in place at the same size and outside the samples go unseen, so keep one directory per
-checkpoint; ``tpcheck.inputs.fingerprint``). A replay refuses, naming the field, a golden of another checkpoint, other prompts or fewer
+checkpoint; ``tpcheck.inputs.files.fingerprint``). A replay refuses, naming the field, a golden of another checkpoint, other prompts or fewer
 decode steps than the run needs. Safetensors and JSON only: nothing is unpickled.
 
 Integrity (format 2): ``tensors[s]`` records per point of step s its dtype, shape and sha256; a replay checks
-golden.json's every field (types, bounds: ``tpcheck.inputs.validate``) and every tensor it loads against its
+golden.json's every field (types, bounds: ``tpcheck.inputs.files.validate``) and every tensor it loads against its
 record, and refuses (GoldenError, exit 2, naming the file and the point) a mismatch, a step without ``logits``
 or a record without its tensor. A hash proves the file is what was written, not that what was written is right:
 ``check_reference`` also holds the replayed golden to the live HF-at-dtype reference, point by point (see
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from tpcheck.inputs.fingerprint import fingerprint  # noqa: F401  (a saved golden records it)
-from tpcheck.inputs.step_store import load_step, save_step, write_json_atomic
-from tpcheck.inputs.validate import MAX_LAYERS, field, int_in, read_json, token_lists, verify_tensor
+from tpcheck.inputs.files.fingerprint import fingerprint  # noqa: F401  (a saved golden records it)
+from tpcheck.inputs.files.step_store import load_step, save_step, write_json_atomic
+from tpcheck.inputs.files.validate import MAX_LAYERS, field, int_in, read_json, token_lists, verify_tensor
 
 FORMAT = 2
 # a correct golden is HF in float64; HF at the run's dtype differs from it by rounding only. Measured worst

@@ -13,7 +13,7 @@ from tpcheck.result.documents import SCHEMA_VERSION, document, package_version, 
     write_document
 from tpcheck.measure.metrics import K_FACTOR
 from tpcheck.capture.points import point_order, split_point
-from tpcheck.inputs.validate import MAX_LAYERS, int_in, read_json
+from tpcheck.inputs.files.validate import MAX_LAYERS, int_in, read_json
 from tpcheck.result.after_verdict import after_verdict
 from tpcheck.result.origin import isolate_line, origin_lines, rounding_allowance
 

@@ -175,10 +175,10 @@ def test_a_moe_fault_goes_to_the_sparse_layers_only(ckpt, engines):
     must pass."""
     from impl.config import load_config
     from tpcheck.cli.fault_depth import depth_layers, run_depth
-    from tpcheck.inputs.checkpoints import preset_available
+    from tpcheck.inputs.models.checkpoints import preset_available
     from tpcheck.engines.impl.faults import get_fault
     if not preset_available("tiny-qwen2-moe"):
-        pytest.skip("the MoE presets need transformers 5 (tpcheck.inputs.presets.preset_available)")
+        pytest.skip("the MoE presets need transformers 5 (tpcheck.inputs.models.presets.preset_available)")
     cfg = load_config(ckpt("tiny-qwen2-moe"))
     fault = get_fault("moe_wrong_combine_weights")
     assert [fault.shows_in_layer(cfg, i) for i in range(3)] == [True, False, True]

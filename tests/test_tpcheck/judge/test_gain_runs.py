@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import tpcheck
-from tpcheck.inputs.checkpoints import preset_available
+from tpcheck.inputs.models.checkpoints import preset_available
 
 moe = pytest.mark.skipif(not preset_available("tiny-qwen2-moe"), reason="MoE presets need transformers 5")
 

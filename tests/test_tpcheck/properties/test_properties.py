@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from impl import SamplingParams
 from tpcheck.properties import strategies as tst
-from tpcheck.inputs.config_checkpoints import config_checkpoint, recreate_command
+from tpcheck.inputs.models.config_checkpoints import config_checkpoint, recreate_command
 from tpcheck.properties.profiles import PROFILE, PROFILES, examples, record_examples, recorded
 from tpcheck.properties.case import Case
 from tpcheck.inputs.tp_layout import kv_layout

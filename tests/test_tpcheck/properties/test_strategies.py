@@ -1,5 +1,5 @@
 """tpcheck.properties.strategies draws only valid cases and covers the layouts it promises; the drawn configs' checkpoints
-(tpcheck.inputs.config_checkpoints) and a case's reproduction command (tpcheck.properties.case) are deterministic;
+(tpcheck.inputs.models.config_checkpoints) and a case's reproduction command (tpcheck.properties.case) are deterministic;
 tpcheck.properties.profiles selects profiles from the environment."""
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from tpcheck.inputs import config_checkpoints, tp_layout
+from tpcheck.inputs import tp_layout
+from tpcheck.inputs.models import config_checkpoints
 from tpcheck.properties import case as property_runner
 from tpcheck.properties import profiles as hp
 from tpcheck.properties import strategies as tst
-from tpcheck.inputs.config_checkpoints import checkpoint_key, config_checkpoint, recreate_command
+from tpcheck.inputs.models.config_checkpoints import checkpoint_key, config_checkpoint, recreate_command
 from tpcheck.properties.case import Case
 from tpcheck.inputs.tp_layout import kv_layout, tp_compatible
 
@@ -188,16 +189,16 @@ def test_repro_recreates_the_checkpoint(tmp_path):
 def test_checkpoint_key_is_stable(monkeypatch):
     """The cache key of a drawn config's checkpoint is its directory name: a changed key orphans every cached
     checkpoint and every printed reproduction path. It changes with the recipe version, and only then."""
-    import tpcheck.inputs.checkpoints
+    import tpcheck.inputs.models.checkpoints
     config = dict(tst._FIXED, hidden_size=16, num_attention_heads=2, num_key_value_heads=2, intermediate_size=16,
                   num_hidden_layers=1, vocab_size=32, tie_word_embeddings=False, rope_theta=10000.0,
                   rms_norm_eps=1e-6)
-    monkeypatch.setattr(tpcheck.inputs.checkpoints, "RECIPE_VERSION", 1)
+    monkeypatch.setattr(tpcheck.inputs.models.checkpoints, "RECIPE_VERSION", 1)
     assert checkpoint_key(config) == "cd16df317ea62b3d"
     assert checkpoint_key(config, outliers=0.0) == checkpoint_key(config)  # no outliers: the key of before them
     assert len({checkpoint_key(config, seed=1), checkpoint_key(config, bias_std=4.0), checkpoint_key(config),
                 checkpoint_key(config, dtype="bfloat16"), checkpoint_key(config, outliers=1.0)}) == 5
-    monkeypatch.setattr(tpcheck.inputs.checkpoints, "RECIPE_VERSION", 2)
+    monkeypatch.setattr(tpcheck.inputs.models.checkpoints, "RECIPE_VERSION", 2)
     assert checkpoint_key(config) != "cd16df317ea62b3d"
 
 

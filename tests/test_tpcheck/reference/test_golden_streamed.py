@@ -15,7 +15,7 @@ import tpcheck
 from impl.loader import LoadError
 from tpcheck.measure import exact_ops
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
-from tpcheck.inputs.checkpoints import PRESETS, make_checkpoint, make_config_checkpoint
+from tpcheck.inputs.models.checkpoints import PRESETS, make_checkpoint, make_config_checkpoint
 from tpcheck.reference.streamed import HEAD_ROW_ALIGN, streamed_hf_capture
 from tpcheck.reference.reductions import Reductions
 

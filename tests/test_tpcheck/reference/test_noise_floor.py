@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import tpcheck
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 from tpcheck.pipeline.check import random_prompts
-from tpcheck.inputs.checkpoints import outlier_channels
+from tpcheck.inputs.models.checkpoints import outlier_channels
 from tpcheck.measure.metrics import FLOOR, K_FACTOR, max_row_rel_err, rel_err
 from tpcheck.reference.reductions import Reductions, row_parallel_linear
 

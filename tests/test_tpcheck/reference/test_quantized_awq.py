@@ -1,4 +1,4 @@
-"""tpcheck on 4-bit AWQ checkpoints (``impl.quant_awq``, ``tpcheck.inputs.quantize_awq``, ``tpcheck.reference.gptq``):
+"""tpcheck on 4-bit AWQ checkpoints (``impl.quant_awq``, ``tpcheck.inputs.models.quantize_awq``, ``tpcheck.reference.gptq``):
 the quantizer writes AutoAWQ's GEMM layout, clean runs pass, each AWQ fault is found at its origin with the figure of
 docs/measured/quantized.md, bad checkpoints are refused naming the tensor or field (exit 2)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import tpcheck
 from tpcheck.cli.app import main
 from tpcheck.engines.impl.faults import FAULTS
-from tpcheck.inputs.quantize_awq import quantize_any
+from tpcheck.inputs.models.quantize_awq import quantize_any
 from test_quantized_gptq import found_at_its_origin
 
 AWQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_awq"]

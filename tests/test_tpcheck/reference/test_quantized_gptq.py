@@ -1,4 +1,4 @@
-"""tpcheck on 4-bit GPTQ checkpoints (``impl.quant_gptq``, ``tpcheck.inputs.quantize_gptq``,
+"""tpcheck on 4-bit GPTQ checkpoints (``impl.quant_gptq``, ``tpcheck.inputs.models.quantize_gptq``,
 ``tpcheck.reference.gptq``): the quantizer writes vLLM's layout, clean runs pass (with and without act-order), each
 GPTQ fault is found at its origin with the figure of docs/measured/quantized.md."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tpcheck
 from tpcheck.cli import fault_matrix as M
 from tpcheck.cli.app import main
 from tpcheck.engines.impl.faults import FAULTS, get_fault
-from tpcheck.inputs.quantize_gptq import quantize_any
+from tpcheck.inputs.models.quantize_gptq import quantize_any
 
 GPTQ_FAULTS = [n for n, f in FAULTS.items() if f.patch.__module__ == "tpcheck.engines.impl.faults.quant_gptq"]
 

@@ -46,7 +46,7 @@ def test_a_diff_and_a_dump_compare_write_the_fields_of_the_record(tmp_path):
     run_meta stamp), nothing else."""
     import tpcheck
     from tpcheck.engines.dump.replay import DumpAdapter, read_dump
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.diff import compare
     from tpcheck.reference.reductions import Reductions

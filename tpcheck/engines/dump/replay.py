@@ -15,9 +15,9 @@ from tpcheck.capture.dump import FORMAT, STEP_FILE
 from tpcheck.capture.dump_format import DumpError, check_fits, check_rows, placement_from_json
 from tpcheck.capture.rounding import declared_rounding
 from tpcheck.engines.adapter import EngineAdapter
-from tpcheck.inputs.fingerprint import fingerprint
-from tpcheck.inputs.step_store import load_step
-from tpcheck.inputs.validate import MAX_TP, field, int_in, read_json, token_lists, verify_tensor
+from tpcheck.inputs.files.fingerprint import fingerprint
+from tpcheck.inputs.files.step_store import load_step
+from tpcheck.inputs.files.validate import MAX_TP, field, int_in, read_json, token_lists, verify_tensor
 
 logger = logging.getLogger(__name__)
 _RANK = re.compile(r"rank(\d+)")

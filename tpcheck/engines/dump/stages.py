@@ -24,7 +24,7 @@ from tpcheck.capture.points import fused_out_stage, model_point_names, point_sta
 from tpcheck.capture.rounding import least_known
 from tpcheck.engines.impl.adapter import stage_points
 from tpcheck.capture.stages import STAGE_FILE
-from tpcheck.inputs.validate import int_in, read_json
+from tpcheck.inputs.files.validate import int_in, read_json
 
 _STAGE = re.compile(r"stage(\d+)")
 

@@ -31,7 +31,7 @@ from tpcheck.engines.sglang_dump import passes, rules as name_rules, sniff_forma
 from tpcheck.engines.sglang_dump.batches import AUX_NAMES
 from tpcheck.engines.sglang_dump.files import scan
 from tpcheck.engines.sglang_dump.reader import NameReport, _dtype, assemble_files, dump_root, read_batches
-from tpcheck.inputs.checkpoints import DTYPES
+from tpcheck.inputs.models.checkpoints import DTYPES
 from tpcheck.measure.metrics import unit_roundoff
 from tpcheck.measure.unshard import unshard
 from tpcheck.measure.wording import shape_text

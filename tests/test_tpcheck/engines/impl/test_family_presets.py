@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import tpcheck
 from impl.config import load_config
 from impl.layers.rotary import default_inv_freq, llama3_inv_freq
-from tpcheck.inputs import checkpoints as ck
+from tpcheck.inputs.models import checkpoints as ck
 from tpcheck.cli import fault_matrix as M
 from tpcheck.properties import strategies as tst
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache

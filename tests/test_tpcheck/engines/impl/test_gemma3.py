@@ -13,7 +13,7 @@ from impl import SamplingParams
 from impl.config import TRANSFORMERS_5, ConfigError, load_config
 from tpcheck.capture.points import SANDWICH_POINTS, model_point_names
 from tpcheck.engines.impl.faults import FAULTS
-from tpcheck.inputs.presets import preset_available
+from tpcheck.inputs.models.presets import preset_available
 
 pytestmark = pytest.mark.skipif(not preset_available("tiny-gemma3"), reason="this transformers has no Gemma 3")
 

@@ -115,7 +115,7 @@ def vllm_env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """The small-hd32 preset (head_dim 32: vLLM's CPU attention wants 32..512; the tiny presets have 8 or 16)."""
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     return cached_checkpoint("small-hd32", root=tmp_path_factory.mktemp("vllm"))
 
 
@@ -284,7 +284,7 @@ def test_engine_vllm_diff_clean_with_kv_cache_and_dump(pool, ckpt, tmp_path, dty
     offline = compare_engine(DumpAdapter(read_dump(tmp_path / "dump"), Reductions(2)), str(ckpt), PROMPTS, dtype, 3)
     assert propagated_rows(offline) == propagated_rows(result)  # the same run; the local passes force differently
     assert offline.passed, offline.summary()
-    from tpcheck.inputs.fingerprint import fingerprint  # compare refuses another checkpoint's dump by it
+    from tpcheck.inputs.files.fingerprint import fingerprint  # compare refuses another checkpoint's dump by it
     assert read_dump(tmp_path / "dump").fingerprint == fingerprint(ckpt)
 
 
@@ -386,7 +386,7 @@ def test_adapter_finds_a_fault_inside_a_rank_at_its_origin(adapter, ckpt, fault,
 @pytest.fixture(scope="module")
 def sink_ckpt(tmp_path_factory):
     """deep-sink: a ~2e4 attention sink at token 0 over 24 layers (trained-model magnitudes, head_dim 32)."""
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     return cached_checkpoint("deep-sink", root=tmp_path_factory.mktemp("vllm-sink"))
 
 

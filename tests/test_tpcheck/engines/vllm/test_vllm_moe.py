@@ -107,7 +107,7 @@ def pool():
 @pytest.fixture(scope="module")
 def ties(tmp_path_factory):
     """tiny-moe-ties (Qwen3-MoE, head_dim 32, top-3 of 8, router rows in pairs 1% apart: many near ties)."""
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     return cached_checkpoint("tiny-moe-ties", root=tmp_path_factory.mktemp("vllm-moe"))
 
 

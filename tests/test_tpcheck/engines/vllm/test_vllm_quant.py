@@ -50,7 +50,7 @@ def fp8(vllm_env, tmp_path_factory):  # noqa: F811 - the imported fixture
     """``small-fp8`` (FP8 W8A8, per-channel weight scales) on vLLM at tp 2, bfloat16: one engine for every fault."""
     from tpcheck.engines.pool import EnginePool
     from tpcheck.engines.vllm.adapter import start
-    from tpcheck.inputs.checkpoints import cached_checkpoint
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
     from tpcheck.options import DiffOptions
     from tpcheck.pipeline.plan import RunPlan
     ckpt = cached_checkpoint("small-fp8", root=tmp_path_factory.mktemp("vllm-fp8"))

@@ -4,7 +4,7 @@ the k and v scales swapped, per-head scales sliced for the wrong rank. Each patc
 ``v_scale`` after loading (the checkpoint's tensors read as stored); the cache then quantizes and dequantizes with
 the wrong scale, consistently, so the error is what e4m3's range does with it: values above ``448 s`` clamp, values
 below ``2^-6 s`` lose bits. They show on checkpoints whose k and v scales differ (``small-fp8-kv*``:
-``tpcheck.inputs.kv_recipe``), in the dtypes a quantized run is judged in (not float32)."""
+``tpcheck.inputs.models.kv_recipe``), in the dtypes a quantized run is judged in (not float32)."""
 from __future__ import annotations
 
 import torch

@@ -4,7 +4,7 @@ A trained LLM's residual stream carries a *massive activation* at the first toke
 (22,552 in layers 11-27 of a public 135M Llama-family model, 30 layers), a second ~10^3 (1,400-1,800), while
 the median |x| stays 1-11; the sink fades over the last layers (~2,500 at the last). It comes from the
 position, not the token: random token ids show it too. This recipe builds the same statistics into the
-random weights of ``tpcheck.inputs.weight_recipe`` (a Llama config with ``attention_bias`` and ``mlp_bias``,
+random weights of ``tpcheck.inputs.models.weight_recipe`` (a Llama config with ``attention_bias`` and ``mlp_bias``,
 head_dim >= 32, >= 2 query heads per KV head), by overwriting a few rows and columns in place:
 
 * **where position 0 comes from.** A RoPE model's values carry no position; what is special about token 0 is
@@ -49,8 +49,8 @@ import re
 
 import torch
 
-from tpcheck.inputs.weight_recipe import _outlier_units
-from tpcheck.inputs.weight_recipe import family_options
+from tpcheck.inputs.models.weight_recipe import _outlier_units
+from tpcheck.inputs.models.weight_recipe import family_options
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
 

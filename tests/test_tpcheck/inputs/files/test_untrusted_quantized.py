@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from impl.config import load_config
 from tpcheck.cli.app import main
 from tpcheck.engines.impl.faults import FAULTS
-from tpcheck.inputs.quant_check import QuantTensorError, check_quantized_checkpoint
-from tpcheck.inputs.presets import QUANTIZED
+from tpcheck.inputs.files.quant_check import QuantTensorError, check_quantized_checkpoint
+from tpcheck.inputs.models.presets import QUANTIZED
 
 Q = "model.layers.0.self_attn.q_proj."
 NAN, INF = float("nan"), float("inf")

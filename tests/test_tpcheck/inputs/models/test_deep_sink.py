@@ -1,4 +1,4 @@
-"""The ``deep-sink`` preset (``tpcheck.inputs.sink_recipe``): trained-model magnitudes at depth. It loads in HF
+"""The ``deep-sink`` preset (``tpcheck.inputs.models.sink_recipe``): trained-model magnitudes at depth. It loads in HF
 and impl, impl's float32 logits are HF's at tp 1/2/4, the magnitudes hold on random prompts (a sink of ~2e4
 at token 0 in the middle layers that decays by the last, ~1e3 in a second channel, median |x| of 1-10, small
 elsewhere), it runs finite in float16 and bfloat16, and the property strategies draw it."""
@@ -12,9 +12,9 @@ from hypothesis import find, settings
 from hypothesis.errors import NoSuchExample
 
 from impl.config import load_config
-from tpcheck.inputs import checkpoints as ck
+from tpcheck.inputs.models import checkpoints as ck
 from tpcheck.properties import strategies as tst
-from tpcheck.inputs.sink_recipe import check_sink_config, sink_channels
+from tpcheck.inputs.models.sink_recipe import check_sink_config, sink_channels
 from tpcheck.reference.hf import HFCapture, load_hf_model, new_cache
 
 PRESET = "deep-sink"

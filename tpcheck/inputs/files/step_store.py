@@ -1,6 +1,6 @@
 """One store for tensors kept per step: a dump's rank directories (``tpcheck.capture.dump``) and a saved golden
 (``tpcheck.reference.saved``) write each step as a safetensors file with, in JSON, a record per tensor (dtype, shape,
-sha256: ``tpcheck.inputs.validate.tensor_record``), the JSON replaced atomically; a reader loads a step refusing an
+sha256: ``tpcheck.inputs.files.validate.tensor_record``), the JSON replaced atomically; a reader loads a step refusing an
 unreadable file (its own error class, naming the file) and checks each tensor against its record. Safetensors and
 JSON only: nothing is unpickled."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from tpcheck.inputs.validate import tensor_bytes, tensor_record
+from tpcheck.inputs.files.validate import tensor_bytes, tensor_record
 
 
 # torch dtype -> safetensors' name for it (the format's spec); a step holding another dtype is written by the library
@@ -36,7 +36,7 @@ def save_step(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
     on top of the hashing: a decode step of qwen2.5-0.5b's every point (313 tensors, 7.4 MiB) took 10.9 ms with
     ``save_file`` and the records, 8.7 ms here (medians of 15, this machine), of which ~6 ms is the sha256 itself.
     The library reads these files (``load_step``), so a malformed one is refused, never misread
-    (``tests/test_tpcheck/inputs/test_step_store.py``)."""
+    (``tests/test_tpcheck/inputs/files/test_step_store.py``)."""
     if any(t.dtype not in _DTYPES for t in tensors.values()):
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(path))
         return {n: tensor_record(t) for n, t in tensors.items()}

@@ -1,4 +1,4 @@
-"""``tpcheck.inputs.step_store.save_step`` writes a step's safetensors file itself: the library reads it back
+"""``tpcheck.inputs.files.step_store.save_step`` writes a step's safetensors file itself: the library reads it back
 exactly, and the records it returns are ``tensor_record``'s."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from procs import run_forked
 from safetensors.torch import load_file
 
-from tpcheck.inputs.step_store import load_step, save_step
-from tpcheck.inputs.validate import tensor_record
+from tpcheck.inputs.files.step_store import load_step, save_step
+from tpcheck.inputs.files.validate import tensor_record
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -72,7 +72,7 @@ def test_a_dtype_the_writer_does_not_name_goes_through_the_library(tmp_path):
 def test_hashed_side_by_side_the_records_are_the_same(tmp_path, monkeypatch, threads):
     """Where threads hash a step's tensors while it is written (``HASH_THREADS``), every record is the one hashed in
     order, whatever the split of the tensors into runs (more threads than tensors included)."""
-    import tpcheck.inputs.step_store as store
+    import tpcheck.inputs.files.step_store as store
     tensors = _tensors()
     want = {n: tensor_record(t) for n, t in tensors.items()}
     monkeypatch.setattr(store, "PARALLEL_BYTES", 0)
@@ -85,14 +85,14 @@ def test_hashed_side_by_side_the_records_are_the_same(tmp_path, monkeypatch, thr
 
 
 def _save_in_child(path) -> None:
-    import tpcheck.inputs.step_store as store
+    import tpcheck.inputs.files.step_store as store
     store.save_step(path, _tensors())
 
 
 def test_a_forked_process_hashes_with_a_pool_of_its_own(tmp_path, monkeypatch):
     """A process forked after its parent hashed side by side (a rank forked from a driver that saved a golden) has
     its parent's pool object but none of its threads: it makes its own, where the inherited one never ran a job."""
-    import tpcheck.inputs.step_store as store
+    import tpcheck.inputs.files.step_store as store
     monkeypatch.setattr(store, "PARALLEL_BYTES", 0)
     monkeypatch.setattr(store, "HASH_THREADS", 2)
     monkeypatch.setattr(store, "_POOL", None)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import tpcheck
 from tpcheck.cli.app import main
-from tpcheck.inputs.validate import tensor_record
+from tpcheck.inputs.files.validate import tensor_record
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
 

@@ -1,4 +1,4 @@
-"""Tests for tpcheck.inputs.checkpoints: synthetic HF checkpoints (Qwen2, and the other families' tiny presets)."""
+"""Tests for tpcheck.inputs.models.checkpoints: synthetic HF checkpoints (Qwen2, and the other families' tiny presets)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from impl.config import HF_DTYPE_KEY, hf_rope_theta
-from tpcheck.inputs import checkpoints as ck
+from tpcheck.inputs.models import checkpoints as ck
 
 TINY = [n for n in ck.preset_names() if n.startswith("tiny") and ck.preset_available(n)] + ["small"]
 PROMPT = torch.tensor([[1, 5, 17, 42, 99, 7, 3]])

@@ -5,7 +5,7 @@ points.
 (``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``model.layers.{i}.mlp.{gate,up,down}_proj``) as ``qweight``,
 ``qzeros`` and ``scales`` (``impl.quant_awq``'s module docstring: layout and AWQ's interleaved packing); every other
 tensor as it is, ``config.json`` with ``quantization_config`` (``awq_quantization_config``), the other top-level
-files copied (``tpcheck.inputs.quantize_gptq.write_4bit``).
+files copied (``tpcheck.inputs.models.quantize_gptq.write_4bit``).
 
 The math, AutoAWQ's ``pseudo_quantize_tensor`` with ``zero_point`` for the float weight ``W = weight^T``
 ``[K = in, N = out]``, each group ``g`` of ``group_size`` consecutive input rows and output column ``n``::
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from impl.quant_awq import pack_awq
-from tpcheck.inputs.quant_schemes import AWQ_SCHEMES
-from tpcheck.inputs.quantize_gptq import quantize_any as quantize_other
-from tpcheck.inputs.quantize_gptq import quantized_tensors, write_4bit
+from tpcheck.inputs.models.quant_schemes import AWQ_SCHEMES
+from tpcheck.inputs.models.quantize_gptq import quantize_any as quantize_other
+from tpcheck.inputs.models.quantize_gptq import quantized_tensors, write_4bit
 
 _SCHEME = re.compile(r"awq-w4g(32|64|128)")
 
@@ -66,7 +66,7 @@ def quantize_awq_weight(weight: torch.Tensor, group_size: int) -> dict[str, torc
 
 def quantize_any(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) -> Path:
     """``scheme``'s quantization of ``src`` into ``dst``: an ``awq-*`` scheme here, the others by
-    ``tpcheck.inputs.quantize_gptq.quantize_any`` (GPTQ, INT8 / FP8 W8A8)."""
+    ``tpcheck.inputs.models.quantize_gptq.quantize_any`` (GPTQ, INT8 / FP8 W8A8)."""
     if scheme in AWQ_SCHEMES:
         return quantize_awq_checkpoint(src, dst, scheme)
     return quantize_other(src, dst, scheme)

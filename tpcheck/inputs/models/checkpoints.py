@@ -9,8 +9,8 @@ have them) are clearly non-zero, every norm weight (Qwen3's per-head q/k norms i
 Loading any tensor wrongly (transposed, swapped with a sibling, skipped, left at its default) changes the
 model output.
 
-The presets (their configs and descriptions) are defined in ``tpcheck.inputs.presets``, the tensors and values a
-checkpoint holds in ``tpcheck.inputs.weight_recipe``; this module writes checkpoints (atomically, optionally
+The presets (their configs and descriptions) are defined in ``tpcheck.inputs.models.presets``, the tensors and values a
+checkpoint holds in ``tpcheck.inputs.models.weight_recipe``; this module writes checkpoints (atomically, optionally
 sharded) and caches them by (preset, seed, dtype, RECIPE_VERSION). Every name of those two modules that other
 code uses is importable from here as well.
 """
@@ -27,27 +27,27 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-# re-exported: the presets and the value recipe live in their own modules; ``from tpcheck.inputs.checkpoints
+# re-exported: the presets and the value recipe live in their own modules; ``from tpcheck.inputs.models.checkpoints
 # import PRESETS`` (and ``ck._tensor_specs`` in the tests) keep working
-from tpcheck.inputs.presets import (  # noqa: F401
+from tpcheck.inputs.models.presets import (  # noqa: F401
     DTYPE_NAMES, OUTLIERS, PRESETS, QUANTIZED, ROUTER_TIES, SINKS, _check_dtype, _check_preset, config_family,
     config_from_kwargs, describe_preset, preset_available, preset_config, preset_family, preset_names,
 )
-from tpcheck.inputs.sink_recipe import _add_sink, check_sink_config, sink_channels  # noqa: F401
-from tpcheck.inputs.gemma_recipe import PRESETS as GEMMA_SINKS, _add_gemma_sink, check_gemma_sink_config
-from tpcheck.inputs.weight_recipe import (  # noqa: F401
+from tpcheck.inputs.models.sink_recipe import _add_sink, check_sink_config, sink_channels  # noqa: F401
+from tpcheck.inputs.models.gemma_recipe import PRESETS as GEMMA_SINKS, _add_gemma_sink, check_gemma_sink_config
+from tpcheck.inputs.models.weight_recipe import (  # noqa: F401
     _add_outliers, _draw, _tensor_specs, _tie_router, family_options, moe_options, outlier_channels,
 )
-from tpcheck.inputs.quantize_awq import quantize_any
-from tpcheck.inputs.kv_recipe import PRESETS as KV_PRESETS, spread_kv
+from tpcheck.inputs.models.quantize_awq import quantize_any
+from tpcheck.inputs.models.kv_recipe import PRESETS as KV_PRESETS, spread_kv
 from impl.config import load_config
 
 DTYPES: dict[str, torch.dtype] = {name: _check_dtype(name) for name in DTYPE_NAMES}
 
-# Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.weight_recipe``: ``_draw``),
-# the massive-activation recipe (``_add_outliers``), the attention-sink recipes (``tpcheck.inputs.sink_recipe``;
-# Gemma 3's, ``tpcheck.inputs.gemma_recipe``), the tensor draw order and the PRESETS configs
-# (``tpcheck.inputs.presets``). It is part of the cache key (``cache_key``), so a cache never hands back a checkpoint
+# Version of what a checkpoint's bytes are made from: the value recipe (``tpcheck.inputs.models.weight_recipe``: ``_draw``),
+# the massive-activation recipe (``_add_outliers``), the attention-sink recipes (``tpcheck.inputs.models.sink_recipe``;
+# Gemma 3's, ``tpcheck.inputs.models.gemma_recipe``), the tensor draw order and the PRESETS configs
+# (``tpcheck.inputs.models.presets``). It is part of the cache key (``cache_key``), so a cache never hands back a checkpoint
 # made by an older recipe. Bump it whenever any of these changes what a (preset, seed, dtype) writes (a new preset
 # changes nothing an existing one writes).
 # It lives here, where ``cache_key`` reads it, so that setting ``checkpoints.RECIPE_VERSION`` takes effect.
@@ -84,7 +84,7 @@ def make_checkpoint(preset: str, out: str | os.PathLike, seed: int = 0,
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{out.name}.float-", dir=out.parent) as tmp:
             src = make_checkpoint(base, pathlib.Path(tmp) / "float", seed=seed, dtype=dtype, shards=shards)
-            if preset in KV_PRESETS:  # keys and values of a trained model's spread (tpcheck.inputs.kv_recipe)
+            if preset in KV_PRESETS:  # keys and values of a trained model's spread (tpcheck.inputs.models.kv_recipe)
                 spread_kv(src)
             try:
                 return quantize_any(src, out, scheme)
@@ -106,8 +106,8 @@ def make_config_checkpoint(config, out: str | os.PathLike, seed: int = 0, dtype:
     ``bias_std`` scales every bias (default 0.5: the presets' recipe); ``outliers > 0`` adds the
     massive-activation recipe at that strength (``_add_outliers``; 1.0 is ``small-outliers``'); ``router_ties
     > 0`` draws every MoE router in near-tied pairs of rows at that spread (``_tie_router``); ``sink`` the
-    attention-sink recipe of the config's family (Llama: ``tpcheck.inputs.sink_recipe``, ``deep-sink``'s; Gemma 3:
-    ``tpcheck.inputs.gemma_recipe``, ``gemma3-trained``'s; a ValueError names what a config lacks for it).
+    attention-sink recipe of the config's family (Llama: ``tpcheck.inputs.models.sink_recipe``, ``deep-sink``'s; Gemma 3:
+    ``tpcheck.inputs.models.gemma_recipe``, ``gemma3-trained``'s; a ValueError names what a config lacks for it).
     Presets written through here are bit-for-bit those of ``make_checkpoint``."""
     cfg = config_from_kwargs(config, dtype) if isinstance(config, dict) else config
     tdtype = _check_dtype(dtype)

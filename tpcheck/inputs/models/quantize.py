@@ -77,11 +77,11 @@ import torch
 from safetensors import safe_open
 
 from impl.quant_fp8 import to_fp8
-from tpcheck.inputs.quant_schemes import SCHEMES
+from tpcheck.inputs.models.quant_schemes import SCHEMES
 
-#: schemes whose activations have a static ``input_scale`` (calibrated: ``tpcheck.inputs.calibrate``)
+#: schemes whose activations have a static ``input_scale`` (calibrated: ``tpcheck.inputs.models.calibrate``)
 STATIC = ("w8a8-fp8-static",)
-#: schemes with an FP8 KV cache -> the strategy of its scales (calibrated: ``tpcheck.inputs.calibrate.kv_scales``)
+#: schemes with an FP8 KV cache -> the strategy of its scales (calibrated: ``tpcheck.inputs.models.calibrate.kv_scales``)
 KV_CACHE = {"w8a8-fp8-kv": "tensor", "fp8-kv": "tensor", "fp8-kv-head": "attn_head"}
 #: schemes that quantize the KV cache only (the linears stay float)
 KV_ONLY = ("fp8-kv", "fp8-kv-head")
@@ -324,16 +324,16 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
 
     Refused with a ValueError naming the fault: an unknown scheme, a source with a ``quantization_config``, a
     mixture-of-experts model, a linear weight that is not float, ``dst`` existing and not an empty directory.
-    (``tpcheck.inputs.quantize_awq.quantize_any`` also writes 4-bit GPTQ and AWQ.)"""
+    (``tpcheck.inputs.models.quantize_awq.quantize_any`` also writes 4-bit GPTQ and AWQ.)"""
     _check_scheme(scheme)
 
     def fill(source: "_Source", tmp: Path) -> dict:
         given = {}
         if scheme in STATIC:  # the float model's activations on calibration prompts
-            from tpcheck.inputs.calibrate import input_scales  # lazy: it imports transformers
+            from tpcheck.inputs.models.calibrate import input_scales  # lazy: it imports transformers
             given = input_scales(source.root, [n for n in source.meta if LINEAR_WEIGHT.fullmatch(n)])
         if scheme in KV_CACHE:  # the float model's keys and values on the same prompts
-            from tpcheck.inputs.calibrate import kv_scales  # lazy: it imports transformers
+            from tpcheck.inputs.models.calibrate import kv_scales  # lazy: it imports transformers
             given.update(kv_scales(source.root, KV_CACHE[scheme]))
         _write_safetensors(tmp / "model.safetensors", source, _plan(source, scheme), scheme, given)
         return quantization_config(scheme)

@@ -1,6 +1,6 @@
 """What a synthetic checkpoint's tensors hold: which tensors an HF config's model has (``_tensor_specs``, in the
 fixed draw order), the value each is drawn with (``_draw``) and the massive-activation recipe (``_add_outliers``).
-``tpcheck.inputs.checkpoints`` writes them; its RECIPE_VERSION covers everything here.
+``tpcheck.inputs.models.checkpoints`` writes them; its RECIPE_VERSION covers everything here.
 
 Value recipe (float32 ``torch.Generator`` seeded with ``seed``, then cast to ``dtype``;
 tensors are drawn in one fixed order, so output is bit-for-bit deterministic for

@@ -22,8 +22,8 @@ gguf = pytest.importorskip("gguf")
 from safetensors.torch import load_file  # noqa: E402
 
 from tpcheck.cli.app import main  # noqa: E402
-from tpcheck.inputs import gguf_checkpoint as gc  # noqa: E402
-from tpcheck.inputs import public_checkpoint as pc  # noqa: E402
+from tpcheck.inputs.models import gguf_checkpoint as gc  # noqa: E402
+from tpcheck.inputs.models import public_checkpoint as pc  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 2, 1, 32, 128, 2
@@ -280,7 +280,7 @@ def _real_gguf() -> Path | None:
 
 
 @pytest.mark.skipif(_real_gguf() is None, reason="the real Gemma 3 270M GGUF: set TPCHECK_GEMMA3_GGUF=FILE.gguf "
-                    "(or run python -m tpcheck.inputs.public_checkpoint); converting it and loading it with "
+                    "(or run python -m tpcheck.inputs.models.public_checkpoint); converting it and loading it with "
                     "transformers' GGUF path takes minutes")
 def test_real_gemma3_270m_matches_transformers_gguf_loader(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM

@@ -4,7 +4,7 @@
 (``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``model.layers.{i}.mlp.{gate,up,down}_proj``) as ``qweight``,
 ``qzeros``, ``scales`` and ``g_idx`` (``impl.quant_gptq``'s module docstring: layout and packing); every other
 tensor as it is, ``config.json`` with ``quantization_config`` (``gptq_quantization_config``), the other top-level
-files copied (``tpcheck.inputs.quantize``'s rules).
+files copied (``tpcheck.inputs.models.quantize``'s rules).
 
 The math, for the float weight ``W = weight^T`` ``[K = in, N = out]`` and each group ``g`` of ``group_size`` input
 rows (``g_idx[k] == g``) and output column ``n`` (symmetric, AutoGPTQ's ``sym``)::
@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from impl.quant_gptq import pack_cols, pack_rows
-from tpcheck.inputs.quant_schemes import GPTQ_SCHEMES
-from tpcheck.inputs.quantize import (LINEAR_WEIGHT, _FLOAT_DTYPES, _OTHER_PROJ, _Source, quantize_checkpoint,
+from tpcheck.inputs.models.quant_schemes import GPTQ_SCHEMES
+from tpcheck.inputs.models.quantize import (LINEAR_WEIGHT, _FLOAT_DTYPES, _OTHER_PROJ, _Source, quantize_checkpoint,
                                      write_checkpoint)
 
 _SCHEME = re.compile(r"gptq-w4g(32|64|128)(-actorder)?")
@@ -92,7 +92,7 @@ def quantize_gptq_weight(weight: torch.Tensor, group_size: int, g_idx: torch.Ten
 def quantized_tensors(source: _Source, quantize_one) -> dict[str, torch.Tensor]:
     """Every tensor of ``source``, each decoder-layer linear weight ``{base}.weight`` replaced by the tensors
     ``quantize_one(base, weight)`` returns (``{base}.{leaf}``); the 4-bit formats' shared walk (GPTQ, AWQ:
-    ``tpcheck.inputs.quantize_awq``)."""
+    ``tpcheck.inputs.models.quantize_awq``)."""
     out: dict[str, torch.Tensor] = {}
     for name, (dtype, shape) in sorted(source.meta.items()):
         if LINEAR_WEIGHT.fullmatch(name):
@@ -124,7 +124,7 @@ def _tensors(source: _Source, scheme: str) -> dict[str, torch.Tensor]:
 
 def quantize_any(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) -> Path:
     """``scheme``'s quantization of ``src`` into ``dst``: a ``gptq-*`` scheme here, the INT8 / FP8 ones by
-    ``tpcheck.inputs.quantize.quantize_checkpoint`` (``tpcheck.inputs.quantize_awq.quantize_any`` adds AWQ)."""
+    ``tpcheck.inputs.models.quantize.quantize_checkpoint`` (``tpcheck.inputs.models.quantize_awq.quantize_any`` adds AWQ)."""
     if scheme in GPTQ_SCHEMES:
         return quantize_gptq_checkpoint(src, dst, scheme)
     return quantize_checkpoint(src, dst, scheme)
@@ -132,14 +132,14 @@ def quantize_any(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) ->
 
 def quantize_gptq_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: str) -> Path:
     """Write the GPTQ ``scheme`` quantization of float checkpoint ``src`` into the new (or empty) ``dst``, through a
-    temporary directory renamed into place (``tpcheck.inputs.quantize.write_checkpoint``)."""
+    temporary directory renamed into place (``tpcheck.inputs.models.quantize.write_checkpoint``)."""
     gptq_params(scheme)
     return write_4bit(src, dst, lambda source: _tensors(source, scheme), gptq_quantization_config(scheme))
 
 
 def write_4bit(src: str | os.PathLike, dst: str | os.PathLike, tensors, quantization_config: dict) -> Path:
     """``dst`` with one ``model.safetensors`` of ``tensors(source)`` and ``quantization_config`` in its
-    ``config.json`` (``tpcheck.inputs.quantize.write_checkpoint``: checked, atomic)."""
+    ``config.json`` (``tpcheck.inputs.models.quantize.write_checkpoint``: checked, atomic)."""
     def fill(source, tmp: Path) -> dict:
         save_file({k: v.contiguous() for k, v in tensors(source).items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})

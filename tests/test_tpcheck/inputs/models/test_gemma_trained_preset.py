@@ -1,4 +1,4 @@
-"""The ``gemma3-trained`` preset (``tpcheck.inputs.gemma_recipe``) stands in for the trained Gemma 3 270M at mid
+"""The ``gemma3-trained`` preset (``tpcheck.inputs.models.gemma_recipe``) stands in for the trained Gemma 3 270M at mid
 depth, so CI covers a trained model's behaviour there without the download: its statistics (a massive channel at
 token 0, an attention sink), a clean diff that passes, and a tensor-parallel bug at its middle layer found at the
 margin the trained checkpoint gives it.
@@ -26,9 +26,9 @@ import pytest
 import torch
 import tpcheck
 from impl.config import load_config
-from tpcheck.inputs import checkpoints as ck
-from tpcheck.inputs.gemma_recipe import check_gemma_sink_config, gemma_channels
-from tpcheck.inputs.presets import preset_available
+from tpcheck.inputs.models import checkpoints as ck
+from tpcheck.inputs.models.gemma_recipe import check_gemma_sink_config, gemma_channels
+from tpcheck.inputs.models.presets import preset_available
 from tpcheck.reference.hf import load_hf_model
 
 pytestmark = pytest.mark.skipif(not preset_available("gemma3-trained"), reason="this transformers has no Gemma 3")

@@ -1,4 +1,4 @@
-"""tpcheck.inputs.quantize: compressed-tensors INT8 W8A8 checkpoints (no vLLM here: the format's dict is checked
+"""tpcheck.inputs.models.quantize: compressed-tensors INT8 W8A8 checkpoints (no vLLM here: the format's dict is checked
 against what compressed-tensors dumps, written down in the module; vLLM loading it was checked by hand)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tpcheck.cli.app import main
-from tpcheck.inputs.quantize import (
+from tpcheck.inputs.models.quantize import (
     KV_CACHE, LINEAR_WEIGHT, SCHEMES, STATIC, quantization_config, quantize_checkpoint, quantize_weight, quantized_names, weight_scale,
 )
 
@@ -132,7 +132,7 @@ def test_deterministic_byte_identical(ckpt, tmp_path):
 
 
 def test_sharded_bf16_source_and_other_files_copied(tmp_path):
-    from tpcheck.inputs.checkpoints import make_checkpoint
+    from tpcheck.inputs.models.checkpoints import make_checkpoint
     src = make_checkpoint("tiny", tmp_path / "src", dtype="bfloat16", shards=3)
     (src / "generation_config.json").write_text('{"eos_token_id": 2}\n')
     (src / "tokenizer.json").write_text("{}\n")

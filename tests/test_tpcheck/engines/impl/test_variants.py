@@ -1,4 +1,4 @@
-"""Correct engines that round otherwise (``tpcheck.inputs.variants``) pass: the noise floor holds for another
+"""Correct engines that round otherwise (``tpcheck.engines.impl.variants``) pass: the noise floor holds for another
 summation order than Hugging Face's, not only for HF's own. ``rank_order_allreduce`` is vLLM's CPU all-reduce
 (each rank adds the partials from its own), so at tp 3 the replicas differ from rank to rank, and each is judged
 against the golden (``tpcheck.judge.verdict``); ``sequential_k`` accumulates every dot product one term at a time;
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpcheck.inputs import variants
+from tpcheck.engines.impl import variants
 from tpcheck.options import DiffOptions
 from tpcheck.pipeline.diff import run
 

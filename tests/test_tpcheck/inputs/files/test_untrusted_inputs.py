@@ -18,7 +18,7 @@ import pytest
 from tpcheck.cli.app import main
 from tpcheck.result.report.sample import sample_result
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def _run(capsys, *argv) -> tuple[int, str]:

@@ -1,6 +1,6 @@
 """The trained-statistics recipe of the ``gemma3-trained`` preset (``_add_gemma_sink``): a Gemma 3 whose middle
 layers carry what the public Gemma 3 270M carries there, drawn into the random weights of
-``tpcheck.inputs.weight_recipe`` by overwriting a few rows, columns and norm weights in place.
+``tpcheck.inputs.models.weight_recipe`` by overwriting a few rows, columns and norm weights in place.
 
 What the trained model has (``python benchmarks/trained_stats.py --model <gemma-3-270m> --prompts 6``, HF float32,
 real text): the residual stream's largest element sits at token 0, channel 163 from layer 3 on, growing from 3e3
@@ -49,7 +49,7 @@ residual, so a channel grows only as fast as that norm's weight lets it; the rec
 
 Measured (HF float64, random prompts of 3-64 tokens, seed 0): ``S`` at token 0 after each of the 12 layers 1.7e3,
 2.8e3, 6.7e3, 1.8e4, 2.8e4, 3.8e4, 4.3e4, 4.6e4, 4.8e4, 5.0e4, 4.6e4, 3.4e4, the same for every prompt to 0.4%.
-What it reproduces of the trained model, next to it, is in ``tests/test_tpcheck/inputs/test_gemma_trained_preset.py``.
+What it reproduces of the trained model, next to it, is in ``tests/test_tpcheck/inputs/models/test_gemma_trained_preset.py``.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tpcheck.inputs.weight_recipe import _outlier_units
-from tpcheck.inputs.weight_recipe import family_options
+from tpcheck.inputs.models.weight_recipe import _outlier_units
+from tpcheck.inputs.models.weight_recipe import family_options
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

