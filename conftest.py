@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from impl import CacheConfig
-from tpcheck.inputs.checkpoints import cached_checkpoint
+from tpcheck.inputs.models.checkpoints import cached_checkpoint
 from tpcheck.engines.pool import EnginePool
 
 pytest_plugins = ["tpcheck.properties.profiles"]  # profile from HYPOTHESIS_PROFILE; prints the example count
