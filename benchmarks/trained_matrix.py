@@ -127,7 +127,13 @@ def carried(r) -> dict:
     t = r.table
     raw = np.fmax(t["rel_err"] / t["threshold"], t["gain"].abs() / t["gain_threshold"])
     over = t["passed"] & (raw > 1)
-    return {"rows": int(over.sum()), "raw_max": float(raw[over].max()) if over.any() else None}
+    # the passing rows closest to their threshold, each with its op's own error against the same threshold (NaN
+    # where it was not computed: under half the threshold): how far that row was from failing
+    near = t[t["passed"] & ~over].assign(raw=raw).nlargest(3, "raw")
+    own = near["own_err"] / near["threshold"] if "own_err" in near else near["raw"] * float("nan")
+    return {"rows": int(over.sum()), "raw_max": float(raw[over].max()) if over.any() else None,
+            "closest": [{"point": p, "step": int(s), "mode": m, "excess": round(float(x), 4), "own": round(float(o), 4)}
+                        for p, s, m, x, o in zip(near["point"], near["step"], near["mode"], near["raw"], own)]}
 
 
 def main(argv=None) -> int:
