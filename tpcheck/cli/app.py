@@ -16,6 +16,7 @@ from tpcheck.cli.exit_codes import Exit, result_exit_code, verdict
 from tpcheck.inputs.arg_types import add_device_argument, int_list, regex
 from tpcheck.inputs.models.presets import describe_preset, preset_names
 from tpcheck.cli.lazy import Lazy, version as _version
+from tpcheck.cli.paths import check_dump_dir, check_output_paths
 from tpcheck.cli.suggest import PlainParser, check_argv, refuse, unknown_flag
 from tpcheck.result.columns import help_epilog
 
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     for add in (_add_checkpoint_commands, _add_check, _add_diff, _add_compare, gate.register, invariance.register,
                 compare_results.register, sweep.register, completion.register):
         add(sub)
+    sub.choices["completion"].set_defaults(handler=_completion)  # it prints this parser: its handler lives here
     return ap
 
 
@@ -59,11 +61,13 @@ def _add_checkpoint_commands(sub) -> None:
     """make-checkpoint, presets, schema, faults."""
     from tpcheck.cli import fault_matrix_command, make_checkpoint
     make_checkpoint.register(sub)
-    sub.add_parser("presets", help="list the synthetic checkpoint presets")
-    sub.add_parser("schema", help="print the JSON Schema (draft 2020-12) of the --json documents")
+    sub.add_parser("presets", help="list the synthetic checkpoint presets").set_defaults(handler=_presets)
+    sub.add_parser("schema", help="print the JSON Schema (draft 2020-12) of the --json documents").set_defaults(
+        handler=_schema)
     fl = sub.add_parser("faults", help="the injectable TP faults (tpcheck diff --inject NAME)")
     fsub = fl.add_subparsers(dest="action", required=True)
-    fsub.add_parser("list", help="each fault: description, where it shows, expected origin")
+    fsub.add_parser("list", help="each fault: description, where it shows, expected origin").set_defaults(
+        handler=_faults_list)
     fault_matrix_command.register(fsub)
 
 
@@ -84,6 +88,7 @@ def _add_check(sub) -> None:
                     help="also require vLLM's check_logprobs_close rule: where the top tokens differ, each is in "
                          "the other side's top K (reported per prompt either way, with K=5 when not given)")
     ck.add_argument("--json", type=Path, help="write the table as JSON")
+    ck.set_defaults(handler=_cmd_check)
 
 
 def _add_diff(sub) -> None:
@@ -95,6 +100,7 @@ def _add_diff(sub) -> None:
                                    defaults={"tp": 2})
     prompt.add_argument("--prompt", action="append", help="prompt text (needs a tokenizer in --model; repeatable)")
     _add_outputs(df)
+    df.set_defaults(handler=_cmd_diff)
 
 
 def _add_compare(sub) -> None:
@@ -117,6 +123,7 @@ def _add_compare(sub) -> None:
                     help="gate tolerances (default: [tool.tpcheck] in ./pyproject.toml, else the built-in ones)")
     compare_two.add_args(cp)  # a second dump, and the formats of other tools' dumps
     _add_outputs(cp)
+    cp.set_defaults(handler=_compare)
 
 
 def _fmt(df) -> str:
@@ -124,6 +131,13 @@ def _fmt(df) -> str:
 
 
 def _cmd_diff(a, argv: list[str]) -> int:
+    check_output_paths(a.json, a.csv, a.parquet, a.html)
+    if a.dump is not None:
+        check_dump_dir(a.dump)
+    if a.save_golden is not None:
+        if a.golden is not None:
+            raise ValueError("--save-golden and --golden: give one (a replayed golden is already saved)")
+        check_dump_dir(a.save_golden, "--save-golden")
     from tpcheck.pipeline.diff import run
     from tpcheck.judge.tolerances import load_tolerances
     tol = load_tolerances(a.tolerances)  # before the run: a bad file fails fast (ToleranceError -> exit 2)
@@ -144,6 +158,12 @@ def _cmd_diff(a, argv: list[str]) -> int:
     if a.dump:
         print(f"dumped to {a.dump} (judge it offline: {shlex.join(['tpcheck', 'compare', str(a.dump), '--model', r.meta['model']])})")
     return _show(r, a)
+
+
+def _compare(a, argv: list[str]) -> int:
+    """One dump against the golden, or two dumps against each other (``tpcheck.cli.compare_two``)."""
+    check_output_paths(a.json, a.csv, a.parquet, a.html)
+    return _cmd_compare(a, argv) if a.target is None else compare_two.run(a, argv, _cmd_compare)
 
 
 def _cmd_compare(a, argv: list[str]) -> int:
@@ -196,6 +216,7 @@ def _show(r, a) -> int:
 
 
 def _cmd_check(a, argv: list[str]) -> int:
+    check_output_paths(a.json)
     from impl.config import ConfigError, load_config
     from tpcheck.pipeline.check import check_logits, random_prompts
     model = a.model
@@ -236,32 +257,6 @@ def _tp_ok(cfg, tp: int) -> bool:
         return True
     except ValueError:
         return False
-
-
-def check_output_paths(*paths: Path | None, allow_dir: bool = False) -> None:
-    """Fail before any engine work if an output file cannot be written: its directory is created when
-    missing; a path that is a directory (unless ``allow_dir``), or a directory that cannot be made or
-    written, is named."""
-    for path in paths:
-        if path is None:
-            continue
-        is_dir = path.is_dir() or str(path).endswith("/")
-        if is_dir and not allow_dir:
-            raise ValueError(f"output {path} is a directory, not a file")
-        folder = path if is_dir else path.parent
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"output {path}: cannot create directory {folder} ({e.strerror})") from None
-        if not os.access(folder, os.W_OK):
-            raise ValueError(f"output {path}: directory {folder} is not writable")
-
-
-def check_dump_dir(path: Path, flag: str = "--dump") -> None:
-    """A dump (or a saved golden) goes into a new or empty directory: steps of an older run must not mix in."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise ValueError(f"{flag} {path}: exists and is not an empty directory")
-    check_output_paths(path / "x")
 
 
 def _exit_code(e: BaseException) -> tuple[int, str]:
@@ -331,66 +326,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(a, argv: list[str]) -> int:
+    """The command's handler (each parser sets its own: ``set_defaults(handler=...)`` beside its flags), once the
+    outputs are known not to clash (``tpcheck.cli.paths.check_outputs``: exit 2 before any work)."""
     from tpcheck.cli.paths import check_outputs
-    check_outputs(a)  # two outputs on one path, or an output on an input: exit 2 before any work
-    if a.cmd == "make-checkpoint":
-        from tpcheck.cli import make_checkpoint
-        return make_checkpoint.run(a)
-    if a.cmd == "presets":
-        for name in preset_names():
-            print(describe_preset(name))
-        return 0
-    if a.cmd == "faults":
-        if a.action == "matrix":
-            from tpcheck.cli import fault_matrix_command
-            check_output_paths(a.json)
-            return fault_matrix_command.run(a)
-        from tpcheck.engines.impl.faults import FAULTS
-        for f in FAULTS.values():
-            print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
-        return 0
-    if a.cmd == "check":
-        check_output_paths(a.json)
-        return _cmd_check(a, argv)
-    if a.cmd == "diff":
-        check_output_paths(a.json, a.csv, a.parquet, a.html)
-        if a.dump is not None:
-            check_dump_dir(a.dump)
-        if a.save_golden is not None:
-            if a.golden is not None:
-                raise ValueError("--save-golden and --golden: give one (a replayed golden is already saved)")
-            check_dump_dir(a.save_golden, "--save-golden")
-        return _cmd_diff(a, argv)
-    if a.cmd == "compare":
-        check_output_paths(a.json, a.csv, a.parquet, a.html)
-        return _cmd_compare(a, argv) if a.target is None else compare_two.run(a, argv, _cmd_compare)
-    if a.cmd == "sweep":
-        from tpcheck.cli import sweep
-        check_output_paths(a.json, a.html / "index.html" if a.html else None)
-        return sweep.run(a)
-    if a.cmd == "invariance":
-        from tpcheck.cli import invariance
-        return check_output_paths(a.json) or invariance.run(a, argv)
-    if a.cmd == "completion":
-        from tpcheck.cli.completion import bash_script
-        if a.shell == "zsh":
-            print("autoload -U +X bashcompinit && bashcompinit")
-        print(bash_script(_parser()))
-        return 0
-    if a.cmd == "compare-results":
-        from tpcheck.cli import compare_results
-        check_output_paths(a.json)
-        return compare_results.run(a)
-    if a.cmd in ("gate", "report"):
-        from tpcheck.cli import gate
-        check_output_paths(getattr(a, "output", None), allow_dir=True)
-        return gate.run(a)
-    if a.cmd == "schema":
-        from tpcheck.result.documents import load_schema
-        print(json.dumps(load_schema(), indent=2))
-        return 0
-    _parser().print_help()
-    return Exit.BAD_INPUT
+    check_outputs(a)
+    if getattr(a, "handler", None) is None:  # argparse sets no default for a bare parser: no command given
+        _parser().print_help()
+        return Exit.BAD_INPUT
+    return a.handler(a, argv)
+
+
+def _presets(a, argv: list[str]) -> int:
+    for name in preset_names():
+        print(describe_preset(name))
+    return 0
+
+
+def _schema(a, argv: list[str]) -> int:
+    from tpcheck.result.documents import load_schema
+    print(json.dumps(load_schema(), indent=2))
+    return 0
+
+
+def _faults_list(a, argv: list[str]) -> int:
+    from tpcheck.engines.impl.faults import FAULTS
+    for f in FAULTS.values():
+        print(f"{f.name:42s} {f.description}\n{'':42s} shows: {f.shows_when}; origin: {f.expected_origin}")
+    return 0
+
+
+def _completion(a, argv: list[str]) -> int:
+    from tpcheck.cli.completion import bash_script
+    if a.shell == "zsh":
+        print("autoload -U +X bashcompinit && bashcompinit")
+    print(bash_script(_parser()))
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpcheck.cli.exit_codes import verdict
+from tpcheck.cli.paths import check_output_paths
 
 if TYPE_CHECKING:  # pandas and the judge load with the subcommand, not with the parser: `tpcheck --help` stays fast
     import pandas as pd
@@ -100,6 +101,7 @@ def register(subparsers) -> None:
     p.add_argument("--limit", type=int, default=20, metavar="N",
                    help="list at most N newly failing points (default 20; 0: all of them)")
     p.add_argument("--json", type=Path, help="write the comparison table as JSON")
+    p.set_defaults(handler=lambda a, argv: check_output_paths(a.json) or run(a))
 
 
 def run(args) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tpcheck.cli.exit_codes import verdict
 from tpcheck.cli.fault_depth import add_arguments
+from tpcheck.cli.paths import check_output_paths
 from tpcheck.inputs.arg_types import add_device_argument
 
 # the first line of tpcheck.cli.fault_matrix's docstring: that module (impl, torch, pandas) loads with the run
@@ -25,6 +26,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_device_argument(p, "the engines, goldens and references")
     add_arguments(p)
     p.add_argument("--json", type=Path, help="write every row as JSON")
+    p.set_defaults(handler=lambda a, argv: check_output_paths(a.json) or run(a))
     return p
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpcheck.cli.exit_codes import Exit
+from tpcheck.cli.paths import check_output_paths
 from tpcheck.inputs.files.validate import read_json
 
 if TYPE_CHECKING:  # the judge (torch, pandas) loads with the subcommand, not the parser: `tpcheck --help` stays fast
@@ -104,6 +105,13 @@ def register(subparsers) -> None:
                    help="the HTML file (one result) or a directory (several: a report each and index.html)")
     r.add_argument("--tolerances", type=Path, metavar="FILE.toml", help="re-judge under these tolerances first")
     r.add_argument("--title", help="page title")
+    for p in (g, r):
+        p.set_defaults(handler=_command)
+
+
+def _command(args, argv: list[str]) -> int:
+    check_output_paths(getattr(args, "output", None), allow_dir=True)
+    return run(args)
 
 
 def run(args) -> int:

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 from tpcheck.cli.exit_codes import verdict
+from tpcheck.cli.paths import check_output_paths
 from tpcheck.inputs.arg_types import int_list, name_list, regex
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -63,6 +64,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     gate.add_argument("--ulps", type=float, default=None, metavar="N",
                       help="declare invariance within N ulps: exit 1 at the first point past it")
     p.add_argument("--json", type=Path, help="write the verdict, each schedule's first break and growth, every row")
+    p.set_defaults(handler=lambda a, argv: check_output_paths(a.json) or run(a, argv))
     return p
 
 

@@ -49,6 +49,7 @@ def register(subparsers) -> None:
                     help="the preset's float dtype (default float32)")
     mk.add_argument("--shards", type=int, default=None,
                     help="number of safetensors files (>1 writes an index; not with --quantize)")
+    mk.set_defaults(handler=lambda a, argv: run(a))
 
 
 def run(a) -> int:

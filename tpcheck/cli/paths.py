@@ -1,4 +1,4 @@
-"""Output paths of one command: never the same file twice, never an input (checked before any work)."""
+"""Output paths of one command: writable, never the same file twice, never an input (checked before any work)."""
 from __future__ import annotations
 
 import os
@@ -31,3 +31,29 @@ def check_outputs(a) -> None:
                                               ("--model", "model"), ("DUMP_DIR", "dump_dir"), ("RESULT", "results"),
                                               ("A.json", "a"), ("B.json", "b"))}
     check_distinct(outs, {k: v for k, v in ins.items() if isinstance(v, (Path, str, list, tuple))})
+
+
+def check_output_paths(*paths: Path | None, allow_dir: bool = False) -> None:
+    """Fail before any engine work if an output file cannot be written: its directory is created when
+    missing; a path that is a directory (unless ``allow_dir``), or a directory that cannot be made or
+    written, is named."""
+    for path in paths:
+        if path is None:
+            continue
+        is_dir = path.is_dir() or str(path).endswith("/")
+        if is_dir and not allow_dir:
+            raise ValueError(f"output {path} is a directory, not a file")
+        folder = path if is_dir else path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"output {path}: cannot create directory {folder} ({e.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"output {path}: directory {folder} is not writable")
+
+
+def check_dump_dir(path: Path, flag: str = "--dump") -> None:
+    """A dump (or a saved golden) goes into a new or empty directory: steps of an older run must not mix in."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{flag} {path}: exists and is not an empty directory")
+    check_output_paths(path / "x")

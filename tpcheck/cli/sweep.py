@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tpcheck.inputs.arg_types import add_device_argument, int_list, name_list
 from tpcheck.cli.exit_codes import Exit
+from tpcheck.cli.paths import check_output_paths
 from tpcheck.progress import bar
 
 logger = logging.getLogger(__name__)  # progress: tpcheck's CLI shows INFO on stderr
@@ -113,6 +114,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     sw.add_argument("--html", type=Path, metavar="DIR",
                     help="write DIR/index.html (every configuration) and, linked from it, the HTML report of each "
                          "failing configuration's shrunk example")
+    sw.set_defaults(handler=lambda a, argv: check_output_paths(a.json, a.html / "index.html" if a.html else None)
+                    or run(a))
     return sw
 
 
