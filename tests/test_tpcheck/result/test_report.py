@@ -192,7 +192,7 @@ def test_the_stylesheet_and_script_are_package_data_inlined_verbatim():
 def test_pyproject_ships_the_static_files():
     """An installed wheel has every file the report inlines: pyproject's package-data names them."""
     tomllib = pytest.importorskip("tomllib")
-    with open(REPORT.parents[3] / "pyproject.toml", "rb") as f:
+    with open(REPORT.parents[2] / "pyproject.toml", "rb") as f:
         data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
     shipped = {p for glob in data["tpcheck.result.report"] for p in REPORT.glob(glob)}
     assert {"report.css", "report.js"} <= {p.name for p in shipped}
