@@ -101,6 +101,14 @@ COLUMNS = [f.name for f in fields(Row)]
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(Row) if f.default is not MISSING}  # a dict row's gaps
 
 
+def _own_part(row: pd.Series) -> str:
+    """How much of a passing row's error its own op added (``own_err`` against the same threshold), where it was
+    measured (over half the threshold): near 0, what brings the row near its threshold is its inputs', and over the
+    threshold it would pass as inherited while its inputs pass."""
+    own, thr = float(row.get("own_err", math.nan)), float(row.get("threshold", math.nan))
+    return f" (its own op's error: {own / thr:.2f}x)" if math.isfinite(own) and thr > 0 else ""
+
+
 def worst_key(table: pd.DataFrame) -> pd.Series:
     """The one ordering of "worst point": ``excess``, a NaN (never a pass: an engine NaN) counting as infinite."""
     return table["excess"].astype(float).fillna(math.inf)
@@ -231,7 +239,7 @@ class DiffResult:
         if fd is None:
             worst = self.worst()
             tail = "" if worst is None else (f"; closest to its threshold: {worst.point} (step {worst.step}) at "
-                                             f"{worst.excess:.2f}x")
+                                             f"{worst.excess:.2f}x" + _own_part(worst))
             ops = ""
             if m.get("exact_ops") and "op_mismatch" in self.table:
                 n_ops = int(self.table["op_mismatch"].notna().sum())

@@ -114,6 +114,18 @@ def test_a_clean_run_says_pass_with_no_origin(ckpt, engines):
     _no_repr(s)
 
 
+def test_a_pass_says_how_much_of_its_closest_point_its_own_op_added(ckpt, engines):
+    """Where the closest point's own op was measured (``own_err``), the pass says it against the same threshold:
+    near 0, what brings the point near its floor is its inputs'; unmeasured, nothing is said."""
+    r = run_diff(ckpt, engines, "tiny", 2)
+    i = r.table["excess"].astype(float).idxmax()
+    assert "own op" not in r.summary() or r.table.at[i, "own_err"] == r.table.at[i, "own_err"]
+    r.table["own_err"] = float("nan")
+    assert "own op" not in r.summary()
+    r.table.at[i, "own_err"] = 0.25 * r.table.at[i, "threshold"]
+    assert r.summary().split("\n")[0].endswith(f"at {r.table.at[i, 'excess']:.2f}x (its own op's error: 0.25x)")
+
+
 # ------------------------------------------------------------------------------------------------ words, not reprs
 
 def test_lists_and_shapes_are_words():
