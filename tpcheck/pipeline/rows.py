@@ -111,18 +111,22 @@ class RowMaker:
                 g = g[subset]
             where = (kv_lens, [0] * len(kv_lens)) if kind_of(u.name).rows == "cache" else (row_lens, starts)
             rows.append(self._row(u, g, step, *where, want, order, subset))
-            if subset is None and (not self.ctx.sparse or kind_of(u.name).route == "weights"):
+            # a point of some rows (vLLM's logits: the sampled rows) too, where its op is row by row: the same op on
+            # those rows of its inputs (attention's ops read other rows: their layout is the whole step's)
+            if (subset is None or split_point(u.name)[1] not in own_attention.KINDS) and \
+                    (not self.ctx.sparse or kind_of(u.name).route == "weights"):
                 self._own(rows[-1], u, g, engine_of, replicas_of, eng_teacher,
-                          own_attention.RowLayout(row_lens, starts, kv_lens))
+                          own_attention.RowLayout(row_lens, starts, kv_lens), subset)
         return rows
 
     def _own(self, row: Row, u, golden: torch.Tensor, engine_of: dict, replicas_of: dict, eng_teacher,
-             layout: own_attention.RowLayout) -> None:
+             layout: own_attention.RowLayout, subset: list[int] | None = None) -> None:
         """``row.own_err`` and ``row.own_gain`` (``tpcheck.measure.own_input``) where the point exceeds half its
         threshold (the smaller of the default and the run's tolerances') or its gain half a lower bound of its gain
         threshold (``_gain_near``): its op recomputed on the engine's own inputs of this step (the teacher as the
         layer input when isolated); ``row.replica_own_err`` the same of each replica that differs, on its own rank's
-        inputs (an input's replica of that rank where it differs)."""
+        inputs (an input's replica of that rank where it differs). ``subset``: the rows the point holds (of a
+        row-by-row op), taken of each input too."""
         dt = str(self.ctx.dtype).removeprefix("torch.")
         layer, kind = split_point(row.point)
         tols = (Tolerances(),) if self.ctx.tolerances is None else (Tolerances(), self.ctx.tolerances)
@@ -138,8 +142,10 @@ class RowMaker:
         def own(tensor: torch.Tensor, rank: int | None) -> own_input.Own:
             def get(p: str) -> torch.Tensor:
                 if teacher_at is not None and p == inputs[0]:
-                    return eng_teacher[teacher_at]
-                return engine_of[p] if rank is None else replicas_of.get(p, {}).get(rank, engine_of[p])
+                    x = eng_teacher[teacher_at]
+                else:
+                    x = engine_of[p] if rank is None else replicas_of.get(p, {}).get(rank, engine_of[p])
+                return x if subset is None else x[subset]
             return own_input.own_check(self.ctx.ref.model, row.point, tensor, golden, get, getattr(red, "tp", 1), rd,
                                        layout)
         row.own_err, own_gain = own(u.tensor, None)

@@ -10,9 +10,24 @@ from hf_engine import PROMPTS, TwoRankHF
 from tpcheck.pipeline.diff import compare_engine
 
 
+class SampledLogits(TwoRankHF):
+    """``TwoRankHF`` whose logits hold only each prompt's last row at the prefill (``point_rows``, as vLLM samples),
+    its lm_head ``scale`` times off there."""
 
+    def __init__(self, model_dir, dtype: str, scale: float):
+        super().__init__(model_dir, dtype)
+        self.scale, self.point_rows = scale, {}
 
-
+    def step(self, new_tokens, teacher, capture_kv):
+        out = super().step(new_tokens, teacher, capture_kv)
+        lens = [len(t) for t in new_tokens]
+        self.point_rows = {}
+        if max(lens) > 1:
+            rows = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
+            placement, ranks = out["logits"]
+            out["logits"] = (placement, [t[rows] * self.scale for t in ranks])
+            self.point_rows = {"logits": rows}
+        return out
 
 @pytest.mark.parametrize("dtype,isolate", [("bfloat16", True), ("float32", False)])
 def test_hf_as_the_engine_sits_exactly_on_the_noise_floor(dtype, isolate, ckpt):
@@ -59,3 +74,17 @@ def test_a_rank_holding_other_data_fails_at_that_point_naming_the_ranks(ckpt):
     assert "origin: layers.1.attn.out (step 0): " in r.summary() and "  why: ranks disagree: ranks 0 vs 1 differ by " \
         "0.5; rel_err " in r.summary() and "  next: check the o_proj all-reduce" in r.summary()
     assert (~r.table["passed"]).sum() == 1  # the other ranks' points and every later point agree
+
+
+def test_a_point_of_some_rows_gets_its_own_op_measured_on_those_rows(ckpt):
+    """The inherited-error rule at a point the engine holds some rows of (vLLM's logits: the sampled rows): the op
+    (lm_head) is redone on those rows of its input, so a lm_head that errs by itself is its own error (fails, not
+    inherited) and a correct one's is within the kernel allowance (``own_err`` 0)."""
+    d = str(ckpt("tiny"))
+    bad = compare_engine(SampledLogits(d, "float32", 1 + 1e-3), d, PROMPTS, "float32", decode_steps=1)
+    row = bad.table[(bad.table["point"] == "logits") & (bad.table["step"] == 0)].iloc[0]
+    assert bad.first_divergence["point"] == "logits" and not row["passed"] and not row["inherited"]
+    assert row["own_err"] == pytest.approx(row["rel_err"], rel=0.05)  # the op's own error, measured on 2 rows
+    assert bad.meta["coverage"]["rows_not_produced"] == {"logits": 9}
+    clean = compare_engine(SampledLogits(d, "float32", 1.0), d, PROMPTS, "float32", decode_steps=1)
+    assert clean.passed, clean.summary()
