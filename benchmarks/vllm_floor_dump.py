@@ -5,6 +5,11 @@ Needs the vLLM environment (``.ci/vllm`` makes ``.venv-vllm``).
 
     python benchmarks/vllm_floor_dump.py [--preset deep-sink] [--tp 1,2] [--dtype float32,float16] [--prompts 20]
         [--pairs 2] [--pair-len 400] [--decode 2] [--seed 0] [--json reports/vllm_floor_dump.json]
+    python benchmarks/vllm_floor_dump.py --model DIR --chats 6 [--tp 1] [--dtype bfloat16,float32] [--decode 4]
+
+``--model DIR --chats N``: a trained checkpoint (the public Gemma 3 270M) and what a served model sees: N chats in
+its turn markup sharing one system prompt, tokenized by the checkpoint's tokenizer, one ``generate`` each with
+vLLM's prefix cache on, so every chat after the first reads the shared prefix from the cache.
 
 Per (tp, dtype): the dump's size, the verdict, the comparisons, the passes judged (the local pass is on by default
 where ``tpcheck.capture.rounding`` says so), the inherited points, the closest point with its excess and the rows whose replicas are further apart than the
@@ -34,21 +39,54 @@ PLAIN = textwrap.dedent("""
 
     if __name__ == "__main__":
         ckpt, tp, dtype, batches, tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.load(open(sys.argv[4])), int(sys.argv[5])
+        cache = {"enable_prefix_caching": True} if sys.argv[6] == "prefix-cache" else {}
         llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-                  max_model_len=1024, seed=0)
+                  max_model_len=1024, seed=0, **cache)
         sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         for b in batches:
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in b], sp, use_tqdm=False)
     """)
 
 
+SYSTEM = ("You are the help desk of a public library. Answer in two or three sentences, plainly, and say which "
+          "rule you rely on. Rule 1: books are lent for three weeks and can be renewed twice, in person, by phone or "
+          "on the website, unless another reader has reserved them. Rule 2: a reader may hold twelve items at a "
+          "time, of which at most four may be films or music. Rule 3: reference works, newspapers and the current "
+          "issues of magazines stay in the reading room; back issues may be borrowed for one week. Rule 4: the late "
+          "fee is ten cents a day per item, capped at five dollars an item; children's books have no late fee. "
+          "Rule 5: a lost or damaged item is paid at its listed price plus a processing fee of three dollars. Rule "
+          "6: lost cards are replaced at the front desk for two dollars on showing an identity document; the first "
+          "replacement in a year is free. Rule 7: reservations are held for seven days at the branch the reader "
+          "chose, and a reader may hold ten reservations at a time. Rule 8: the reading room is quiet; phone calls "
+          "are taken in the lobby. Rule 9: study rooms are booked for two hours at most, once a day, and a booking "
+          "not claimed within fifteen minutes is released. Rule 10: printing costs ten cents a page in black and "
+          "white and fifty cents in colour, paid at the kiosk by card or coins. Rule 11: the library is open from "
+          "nine to eight on weekdays, ten to five on Saturdays, and closed on Sundays and public holidays.")
+QUESTIONS = ["How long can I keep a novel?", "Can I take today's newspaper home?",
+             "I lost my card. What do I do?", "How many books can I borrow at once?",
+             "My book is five days late. What do I owe?", "Can I renew a book a third time?"]
+
+
+def chats_of(model: str, n: int) -> list[list[list[int]]]:
+    """``n`` one-chat batches sharing ``SYSTEM`` (Gemma's turn markup, ``<bos>`` first): a served model's prefix."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    turn = "<start_of_turn>user\n{}\n\n{}<end_of_turn>\n<start_of_turn>model\n"
+    return [[[tok.bos_token_id] + tok.encode(turn.format(SYSTEM, QUESTIONS[i % len(QUESTIONS)]),
+                                             add_special_tokens=False)] for i in range(n)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_prompt_args(ap, "float32,float16", 2)
+    ap.add_argument("--model", help="a trained checkpoint directory, with --chats (instead of --preset's prompts)")
+    ap.add_argument("--chats", type=int, default=0, help="with --model: chats sharing a system prompt, prefix-cached")
     a = ap.parse_args(argv)
     check_json_arg(ap, a)
+    if bool(a.model) != bool(a.chats):
+        ap.error("--model and --chats go together (a trained checkpoint's chats), or neither (--preset's prompts)")
     log = make_log("vllm_floor_dump")
-    ckpt, batches = batches_of(a)
+    ckpt, batches = (a.model, chats_of(a.model, a.chats)) if a.model else batches_of(a)
     rows, out, t0 = [], [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="vllm-floor-dump-") as tmp:
         tmp = Path(tmp)
@@ -63,7 +101,8 @@ def main(argv=None) -> int:
                     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
                 s = time.monotonic()
                 gen = subprocess.run([sys.executable, str(tmp / "plain.py"), str(ckpt), str(tp), dtype,
-                                      str(tmp / "batches.json"), str(a.decode + 1)], env=env, capture_output=True,
+                                      str(tmp / "batches.json"), str(a.decode + 1),
+                                      "prefix-cache" if a.chats else "defaults"], env=env, capture_output=True,
                                      text=True)
                 if gen.returncode != 0:
                     log(f"tp={tp} {dtype}: the vLLM script failed ({gen.returncode}): {gen.stderr[-1500:]}")
