@@ -126,7 +126,9 @@ def carried(r) -> dict:
     import numpy as np
     t = r.table
     raw = np.fmax(t["rel_err"] / t["threshold"], t["gain"].abs() / t["gain_threshold"])
-    over = t["passed"] & (raw > 1)
+    # a row the dtype could not hold (not finite in HF at the same dtype too: the verdict's overflow) is unjudged,
+    # its excess NaN: not carried by any allowance
+    over = t["passed"] & (raw > 1) & t["excess"].notna()
     # the passing rows closest to their threshold, each with its op's own error against the same threshold (NaN
     # where it was not computed: under half the threshold): how far that row was from failing
     near = t[t["passed"] & ~over].assign(raw=raw).nlargest(3, "raw")
