@@ -21,6 +21,7 @@ from tpcheck.measure.gain import RowScale, gain_fields, row_scale_allowance, sca
 from tpcheck.measure.metrics import compare, mismatch, rel_err, ulp_floor
 from tpcheck.measure.unshard import unshard
 from tpcheck.measure.wording import shape_text
+from tpcheck.pipeline.kv_history import KvHistory
 from tpcheck.pipeline.routes import sort_routes
 from tpcheck.result.table import NAN, Row
 
@@ -39,6 +40,7 @@ class RowMaker:
         self.rows_not_produced: dict[str, int] = {}  # point -> golden rows the engine did not produce (coverage)
         self._ahead = Ahead()  # a step's statistics computed ahead (_rows)
         self._scales: dict[str, RowScale | None] = {}  # a step's per-row scale allowances (_rows)
+        self.kv_history = KvHistory(ctx.num_layers)  # a dump's KV cache, from its own keys and values (_rows)
 
     def rows(self, step, points, gold, batch: StepBatch, order: list[int], eng_teacher, subsets) -> list[Row]:
         """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too);
@@ -72,6 +74,9 @@ class RowMaker:
         if self.ctx.sparse:
             units = self._routes(units, gold)
         engine_of = {u.name: u.tensor for u, sub in units if sub is None}  # the op inputs own_input reads
+        # an engine that does not read its KV cache back (a dump): the cache as its own keys and values wrote it,
+        # for attention's own-op check alone (never compared as points)
+        engine_of.update(self.kv_history.step(batch, engine_of))
         replicas_of = {u.name: u.replicas for u, sub in units if sub is None and u.replicas}  # rank r's, where differ
         self._ahead = Ahead()  # each whole point's statistics, started now in worker threads (_row takes them)
         self._scales = {u.name: self._row_scale(u.name, gold, engine_of, eng_teacher) for u, subset in units
