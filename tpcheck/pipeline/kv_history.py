@@ -20,10 +20,28 @@ correct keys and values, so ``own_err`` is the bug's full size and the context f
 inherited; a wrong key or value fails at ``attn.k_rope`` / ``attn.v`` first."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from tpcheck.capture.batches import StepBatch
 from tpcheck.pipeline.forced import RecordedInputs
+
+
+class WithCache(dict):
+    """A step's engine points, and its made-up ``kv.k`` / ``kv.v`` built on first use (``build``): most steps' contexts
+    stay under half their threshold and are never recomputed, and a long history is not copied for them."""
+
+    def __init__(self, points: dict[str, torch.Tensor], build: Callable[[str], torch.Tensor | None]):
+        super().__init__(points)
+        self._build = build
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        t = self._build(name)
+        if t is None:
+            raise KeyError(name)
+        self[name] = t
+        return t
 
 
 class KvHistory:
@@ -36,10 +54,10 @@ class KvHistory:
         self.layers: list[int] | None = None  # the layers kept, fixed at the first step that has any
 
     def step(self, batch: StepBatch, engine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{layers.{i}.kv.k / kv.v: [sum(batch.kv_lens), kv_dim]}`` for each layer whose ``kv.k`` is not in
-        ``engine`` (the step's unsharded points) while its ``attn.k_rope`` and ``attn.v`` are, at every row of the
-        step; empty where no layer qualifies, or a request of the step has no history (a cached prefix no request
-        of the dump ran)."""
+        """``engine`` (the step's unsharded points), where a lookup of ``layers.{i}.kv.k / kv.v`` it lacks gives
+        ``[sum(batch.kv_lens), kv_dim]``: positions ``0..kv_len - 1`` of every request, in the step's order, for each
+        layer whose ``attn.k_rope`` and ``attn.v`` it holds at every row of the step; none where a request of the
+        step has no history (a cached prefix no request of the dump ran)."""
         rows = sum(batch.row_lens)
         layers = [i for i in range(self.num_layers) if f"layers.{i}.kv.k" not in engine and all(
             f"layers.{i}.attn.{p}" in engine and engine[f"layers.{i}.attn.{p}"].shape[0] == rows
@@ -47,7 +65,7 @@ class KvHistory:
         if not layers or self.layers is not None and layers != self.layers:
             if layers:  # a step that holds other layers' keys than the first did: no consistent history from here
                 self.lost |= set(batch.ids)
-            return {}
+            return engine
         self.layers = layers
         names = {f"layers.{i}.kv.{c}": f"layers.{i}.attn.{p}" for i in layers for c, p in (("k", "k_rope"), ("v", "v"))}
         try:
@@ -55,7 +73,7 @@ class KvHistory:
         except ValueError:  # a request starts on positions no request of the dump ran; the step's others may be
             self.lost |= set(batch.ids)  # half recorded: none of them has a history to trust from here on
         if self.lost & set(batch.ids):
-            return {}
-        kept = self.recorded.inputs
-        return {kv: torch.cat([kept[rid][src][:n] for rid, n in zip(batch.ids, batch.kv_lens)])
-                for kv, src in names.items()}
+            return engine
+        kept, lens = self.recorded.inputs, list(zip(batch.ids, batch.kv_lens))
+        return WithCache(engine, lambda kv: None if kv not in names else
+                         torch.cat([kept[rid][names[kv]][:n] for rid, n in lens]))

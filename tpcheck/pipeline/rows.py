@@ -76,7 +76,7 @@ class RowMaker:
         engine_of = {u.name: u.tensor for u, sub in units if sub is None}  # the op inputs own_input reads
         # an engine that does not read its KV cache back (a dump): the cache as its own keys and values wrote it,
         # for attention's own-op check alone (never compared as points)
-        engine_of.update(self.kv_history.step(batch, engine_of))
+        engine_of = self.kv_history.step(batch, engine_of)
         replicas_of = {u.name: u.replicas for u, sub in units if sub is None and u.replicas}  # rank r's, where differ
         self._ahead = Ahead()  # each whole point's statistics, started now in worker threads (_row takes them)
         self._scales = {u.name: self._row_scale(u.name, gold, engine_of, eng_teacher) for u, subset in units

@@ -23,28 +23,42 @@ def _points(first: int, rows: int, layers=(0,)) -> dict[str, torch.Tensor]:
     return {n: t for i in layers for n, t in ((f"layers.{i}.attn.k_rope", k), (f"layers.{i}.attn.v", -k))}
 
 
+def _kv(step: dict) -> dict[str, torch.Tensor]:
+    """The made-up cache a step's points give (built on lookup; a KeyError where there is none)."""
+    out = {}
+    for n in ("layers.0.kv.k", "layers.0.kv.v", "layers.1.kv.k", "layers.1.kv.v"):
+        try:
+            out[n] = step[n]
+        except KeyError:
+            pass
+    return out
+
+
 def test_each_request_reads_the_keys_it_and_its_prefix_donor_wrote():
     h = KvHistory(num_layers=2)
     a = [1, 2, 3, 4]
-    assert set(h.step(StepBatch(["a"], [a], [0]), _points(0, 4))) == {"layers.0.kv.k", "layers.0.kv.v"}
+    first = h.step(StepBatch(["a"], [a], [0]), _points(0, 4))
+    assert set(first) == set(_points(0, 4)) and set(_kv(first)) == {"layers.0.kv.k", "layers.0.kv.v"}
     # a decodes position 4; b starts at position 3 on a's first three tokens (a prefix-cache hit)
     b = StepBatch(["a", "b"], [[5], [9, 9]], [4, 3], prompts={"b": [1, 2, 3, 9, 9]})
-    kv = h.step(b, _points(100, 3))
+    kv = _kv(h.step(b, _points(100, 3)))
     assert kv["layers.0.kv.k"][:, 0].tolist() == [0, 1, 2, 3, 100] + [0, 1, 2, 101, 102]  # a's 0..4; a's 0..2, b's
     assert torch.equal(kv["layers.0.kv.v"], -kv["layers.0.kv.k"])
     # a layer whose cache the engine reported is not made up; nor is one whose keys are not every row of the step
-    reported = {**_points(200, 2, (0, 1)), "layers.1.kv.k": torch.zeros(7, 4)}
-    assert set(h.step(StepBatch(["a", "b"], [[6], [7]], [5, 5]), reported)) == {"layers.0.kv.k", "layers.0.kv.v"}
-    assert h.step(StepBatch(["a"], [[8]], [6]), {"layers.0.attn.k_rope": torch.zeros(3, 4),
-                                                  "layers.0.attn.v": torch.zeros(3, 4)}) == {}
+    cache = torch.zeros(7, 4)
+    reported = {**_points(200, 2, (0, 1)), "layers.1.kv.k": cache}
+    kv = _kv(h.step(StepBatch(["a", "b"], [[6], [7]], [5, 5]), reported))
+    assert set(kv) == {"layers.0.kv.k", "layers.0.kv.v", "layers.1.kv.k"} and kv["layers.1.kv.k"] is cache
+    assert _kv(h.step(StepBatch(["a"], [[8]], [6]), {"layers.0.attn.k_rope": torch.zeros(3, 4),
+                                                     "layers.0.attn.v": torch.zeros(3, 4)})) == {}
 
 
 def test_a_request_on_a_prefix_nobody_ran_has_no_history():
     h = KvHistory(num_layers=1)
     h.step(StepBatch(["a"], [[1, 2]], [0]), _points(0, 2))
     lost = StepBatch(["a", "c"], [[3], [8]], [2, 2], prompts={"c": [7, 7, 8]})
-    assert h.step(lost, _points(10, 2)) == {}
-    assert h.step(StepBatch(["c"], [[9]], [3]), _points(20, 1)) == {}  # nor later: its earlier rows are unknown
+    assert _kv(h.step(lost, _points(10, 2))) == {}
+    assert _kv(h.step(StepBatch(["c"], [[9]], [3]), _points(20, 1))) == {}  # nor later: its earlier rows unknown
 
 
 @pytest.mark.parametrize("history", [True, False])
@@ -58,7 +72,7 @@ def test_a_decode_steps_context_passes_as_inherited_without_the_kv_cache(ckpt, e
     tpcheck.diff(model=model, tp=2, dtype="bfloat16", prompts=[[3, 9, 27, 81, 5], [2, 4, 8]], decode_steps=2,
                  pool=engines, dump=str(d), dump_points=r"(?!.*\.kv\.).*")
     if not history:
-        monkeypatch.setattr(KvHistory, "step", lambda self, batch, engine: {})
+        monkeypatch.setattr(KvHistory, "step", lambda self, batch, engine: engine)
     engine = DumpAdapter(read_dump(d), Reductions(2))
     r = compare_engine(engine, model, engine.prompts, "bfloat16", engine.decode_steps,
                        tolerances=Tolerances(kinds={"attn.context": {"rel_max": {"*": 1e-12}}}))
