@@ -15,9 +15,10 @@ step's order (the ``RowLayout.kv_lens`` layout). They serve the own-op check onl
 report of its cache, so they are never compared or judged as points.
 
 What that does not see, and why it is still right: a cache that stores other values than the ones computed (a slot
-off by one, a stale block, a quantized cache) makes the engine's context differ from the op recomputed from its
-correct keys and values, so ``own_err`` is the bug's full size and the context fails as its own error, not as
-inherited; a wrong key or value fails at ``attn.k_rope`` / ``attn.v`` first."""
+off by one, a stale block) makes the engine's context differ from the op recomputed from its correct keys and
+values, so ``own_err`` is the bug's full size and the context fails as its own error, not as inherited; a wrong key
+or value fails at ``attn.k_rope`` / ``attn.v`` first. A quantized (FP8) cache rounds what this check does not model:
+there ``own_err`` holds that rounding, and such a context over its floor fails as it did without the check."""
 from __future__ import annotations
 
 from typing import Callable
