@@ -18,7 +18,8 @@ What that does not see, and why it is still right: a cache that stores other val
 off by one, a stale block) makes the engine's context differ from the op recomputed from its correct keys and
 values, so ``own_err`` is the bug's full size and the context fails as its own error, not as inherited; a wrong key
 or value fails at ``attn.k_rope`` / ``attn.v`` first. A quantized (FP8) cache rounds what this check does not model:
-there ``own_err`` holds that rounding, and such a context over its floor fails as it did without the check."""
+there ``own_err`` holds that rounding too, so a context over its floor passes as inherited only where the cache's
+rounding is itself within the threshold (without the check it could not pass at all)."""
 from __future__ import annotations
 
 from typing import Callable
