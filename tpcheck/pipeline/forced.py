@@ -53,16 +53,20 @@ def forced_step(engine, batch, with_kv: bool, num_layers: int, recorded: "Record
     return points, inputs, inputs, recorded.add(batch, inputs)
 
 
+Key = int | str  # a layer index (the layer inputs); a point's name (``tpcheck.pipeline.kv_history``'s keys, values)
+
+
 class RecordedInputs:
-    """Every request's recorded layer inputs at each position it ran, over the steps, so that a prefix-cache hit's
-    cached positions are forced with the inputs the engine computed them from: those of another request that ran
-    the same tokens at the same positions (or, for a parallel-sampling sibling, in the same step)."""
+    """Every request's recorded rows (of each key: a layer's input, or a point) at each position it ran, over the
+    steps, so that a prefix-cache hit's cached positions are forced with the inputs the engine computed them from
+    (and have the keys and values it wrote): those of another request that ran the same tokens at the same
+    positions (or, for a parallel-sampling sibling, in the same step)."""
 
     def __init__(self):
         self.tokens: dict[str, list[int]] = {}
-        self.inputs: dict[str, dict[int, torch.Tensor]] = {}
+        self.inputs: dict[str, dict[Key, torch.Tensor]] = {}
 
-    def add(self, batch, teacher: dict[int, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
+    def add(self, batch, teacher: dict[Key, torch.Tensor]) -> dict[str, dict[Key, torch.Tensor]]:
         """Record ``batch``'s rows of ``teacher`` per request (a request run again from an earlier position is cut
         back first); returns, per request that starts past the positions it ran, the recorded inputs of the
         positions it skips (``RequestLog.gaps``'s), taken from a request that ran them. None found: a ValueError
@@ -71,7 +75,7 @@ class RecordedInputs:
         for rid, toks, start in zip(batch.ids, batch.tokens, batch.starts):
             spans.append((rid, toks, start, {i: t[offset:offset + len(toks)] for i, t in teacher.items()}))
             offset += len(toks)
-        gaps: dict[str, dict[int, torch.Tensor]] = {}
+        gaps: dict[str, dict[Key, torch.Tensor]] = {}
         # requests that continue first: a sibling that skips positions may read them in this same step
         for rid, toks, start, rows in sorted(spans, key=lambda s: len(self.tokens.get(s[0], ())) < s[2]):
             have = self.tokens.get(rid, [])
@@ -86,7 +90,7 @@ class RecordedInputs:
             self.tokens[rid] = have[:start] + list(toks)
         return gaps
 
-    def _donor(self, rid: str, prefix: list[int]) -> dict[int, torch.Tensor]:
+    def _donor(self, rid: str, prefix: list[int]) -> dict[Key, torch.Tensor]:
         """The recorded inputs (positions ``0..len(prefix)-1``) of a request that ran ``prefix``."""
         for other, toks in self.tokens.items():
             if other != rid and len(prefix) and toks[:len(prefix)] == prefix:
