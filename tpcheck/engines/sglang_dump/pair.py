@@ -66,7 +66,8 @@ def read_side(root: str | Path, rule_files=(), allow_unmapped: bool = False) -> 
         return Side(Path(root), d.tp, d.dtype, [(b.tokens, b.starts) for b in d.batches],
                     [_lazy(d.points, s) for s in range(len(d.batches))])
     layout_rules = [passes.RULES] if fmt == "sglang-passes" else []
-    rules = name_rules.load_rules([Path(p) for p in rule_files] + layout_rules)
+    # no checkpoint, no model_type: the rules for some models only come after the rest (``for_run``)
+    rules = name_rules.for_run(name_rules.load_rules([Path(p) for p in rule_files] + layout_rules), None, None)
     root = Path(root) if fmt == "sglang-passes" else dump_root(Path(root))
     files = passes.scan(root) if fmt == "sglang-passes" else scan(root)
     aux, by_step, report, fused = {}, {}, NameReport(), set()

@@ -123,7 +123,7 @@ def assemble_files(files: list[DumpFile], rule: name_rules.NameRule):
         value, meta = load_file(f)
         if not isinstance(value, torch.Tensor):
             raise DumpError(f"{f.path}: {f.name} holds a list, not a tensor")
-        dims = parse_dims(meta["dims"], str(f.path)) if meta.get("dims") is not None else rule.dims
+        dims = parse_dims(meta["dims"], str(f.path)) if meta.get("dims") is not None else rule.dims_for(value.dim())
         loaded.append((str(f.path), value, axis_coords(meta, str(f.path)), dims))
     dims = loaded[0][3]
     for where, _, _, d in loaded[1:]:
@@ -158,12 +158,16 @@ def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped
     if not root.is_dir():
         raise DumpError(f"{root}: no such dump directory")
     cfg = load_config(model)
-    rule_list = name_rules.load_rules(extra)
     files = passes.scan(root) if layout == "sglang-passes" else scan(root)
     report, aux, by_step, rule_of = NameReport(), {}, {}, {}
     for f in files:
         if f.name in batches.AUX_NAMES:
             aux.setdefault(f.step, {}).setdefault(f.name, []).append(f)
+    tp, first_meta, steps, step_batches = read_batches(root, files, aux)
+    engine = next((k.rsplit("_parallel_info", 1)[0] for k in PARALLEL_INFO_KEYS if k in first_meta), "sglang")
+    rule_list = name_rules.for_run(name_rules.load_rules(extra), cfg.model_type, engine)
+    for f in files:
+        if f.name in batches.AUX_NAMES:
             continue
         m = name_rules.match(rule_list, f.name, f.tags.get("layer_id"), cfg.num_layers, str(f.path))
         if m is None:
@@ -181,7 +185,6 @@ def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped
                         f"{names[:8]}; add a rule (--name-rules FILE.toml, see docs/sglang.md) or pass "
                         "--allow-unmapped to compare the rest")
     _check_sources(report, root)
-    tp, first_meta, steps, step_batches = read_batches(root, files, aux)
     index = [by_step.get(s, {}) for s in steps]
     for s in set(by_step) - set(steps):
         raise DumpError(f"{next(iter(by_step[s].values()))[0].path}: step {s} has points but no input_ids / "
@@ -189,7 +192,6 @@ def read_sglang_dump(root: str | Path, model: str, rule_files=(), allow_unmapped
     for b, pts in zip(step_batches, index):
         b.rows.update({p: batches.last_rows(b) for p in pts if rule_of[p].rows == "last"})
     dtype = _dtype(index)
-    engine = next((k.rsplit("_parallel_info", 1)[0] for k in PARALLEL_INFO_KEYS if k in first_meta), "sglang")
     return SglangDump(root, tp, dtype, engine if engine == "sglang" else f"{engine}-dumper",
                       [b.tokens for b in step_batches], [b.starts for b in step_batches], batches=step_batches,
                       point_names=[frozenset(n for p in pts for n in _with_parts(p, rule_of[p])) for p in index],

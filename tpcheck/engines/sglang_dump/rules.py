@@ -22,7 +22,8 @@ except ImportError:  # Python 3.10: the same parser as the tomli package
 
 SHIPPED = Path(__file__).with_name("rules.toml")
 FUSED_PARTS = (("q", "k", "v"), ("gate", "up"))
-_KEYS = {"name", "point", "parts", "dims", "rows"}
+_KEYS = {"name", "point", "parts", "dims", "rows", "model_type", "engine"}
+ENGINES = ("sglang", "vllm", "megatron")  # whose dumper wrote the files (the meta's ``{engine}_parallel_info``)
 _TEMPLATE = re.compile(r"\{(\w*)\}")
 _CANONICAL = set(all_point_names(6))
 
@@ -30,15 +31,35 @@ _CANONICAL = set(all_point_names(6))
 @dataclass(frozen=True)
 class NameRule:
     """One rule (see ``rules.toml``): ``pattern`` fullmatches a dumped name, ``point`` the canonical template
-    (``""``: not compared), ``parts`` a fused output's, ``dims`` the annotation where a file has none, ``rows``
-    ``"last"`` for a point of each request's last row only; ``source`` the file and index it came from."""
+    (``""``: not compared), ``parts`` a fused output's, ``dims`` the annotation where a file has none (several: the
+    one that names as many dims as the tensor has), ``rows`` ``"last"`` for a point of each request's last row
+    only, ``model_types`` / ``engines`` the checkpoints' ``model_type`` and the dumpers the rule is for (empty: any);
+    ``source`` the file and index it came from."""
 
     pattern: re.Pattern
     point: str
     parts: tuple[str, ...] = ()
-    dims: Dims | None = None
+    dims: tuple[Dims, ...] = ()
     rows: str = "all"
     source: str = ""
+    model_types: tuple[str, ...] = ()
+    engines: tuple[str, ...] = ()
+
+    def dims_for(self, ndim: int) -> Dims | None:
+        """The rule's annotation for a tensor of ``ndim`` dims: the alternative naming that many, else the first
+        (whose misfit ``assemble`` then names), None where the rule gives none."""
+        return next((d for d in self.dims if len(d.dims) == ndim), self.dims[0] if self.dims else None)
+
+    def applies(self, model_type: str | None, engine: str | None) -> bool | None:
+        """Whether the rule is for this checkpoint and dumper: True, False, or None where one it is restricted by
+        is not known (two dumps compared without a checkpoint)."""
+        known = True
+        for allowed, value in ((self.model_types, model_type), (self.engines, engine)):
+            if allowed and value is None:
+                known = None
+            elif allowed and value not in allowed:
+                return False
+        return known
 
     def point_name(self, layer: int | None, last: int) -> str | None:
         """The canonical name at layer ``layer`` (None where the template has none: ``{prev}`` of layer 0)."""
@@ -74,7 +95,7 @@ def _read(path: Path) -> list[NameRule]:
 
 def _rule(t: dict, where: str) -> NameRule:
     if not isinstance(t, dict) or set(t) - _KEYS or not {"name", "point"} <= set(t):
-        raise DumpError(f"{where}: a rule has name and point, optionally parts, dims, rows (got "
+        raise DumpError(f"{where}: a rule has name and point, optionally parts, dims, rows, model_type, engine (got "
                         f"{sorted(t) if isinstance(t, dict) else t!r})")
     name, point = t["name"], t["point"]
     if not isinstance(name, str) or not isinstance(point, str):
@@ -95,8 +116,12 @@ def _rule(t: dict, where: str) -> NameRule:
     rows = t.get("rows", "all")
     if rows not in ("all", "last"):
         raise DumpError(f"{where}: rows must be \"all\" or \"last\", got {rows!r}")
-    dims = parse_dims(t["dims"], where) if "dims" in t else None
-    rule = NameRule(pattern, point, parts, dims, rows, where)
+    dims = t.get("dims", [])
+    dims = tuple(parse_dims(d, where) for d in ([dims] if isinstance(dims, str) else dims))
+    model_types, engines = _names(t, "model_type", where), _names(t, "engine", where)
+    if bad := set(engines) - set(ENGINES):
+        raise DumpError(f"{where}: engine {sorted(bad)} is not one of {list(ENGINES)}")
+    rule = NameRule(pattern, point, parts, dims, rows, where, model_types, engines)
     for n in ([] if not point else [rule.point_name(3, 5)]):
         names = [n + p for p in parts] if parts else [n]
         if any(x not in _CANONICAL for x in names):
@@ -104,10 +129,27 @@ def _rule(t: dict, where: str) -> NameRule:
     return rule
 
 
+def _names(t: dict, key: str, where: str) -> tuple[str, ...]:
+    """A rule's ``model_type`` / ``engine``: one string or a list of them."""
+    v = t.get(key, [])
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise DumpError(f"{where}: {key} must be a string or a list of strings, got {t[key]!r}")
+    return tuple(v)
+
+
+def for_run(rules: list[NameRule], model_type: str | None, engine: str | None) -> list[NameRule]:
+    """The rules that apply to a dump of a ``model_type`` checkpoint written by ``engine``'s dumper, in order; where
+    either is not known (None), the rules restricted by it come after every unrestricted one (tried only where no
+    rule for any model matches)."""
+    fate = [(r, r.applies(model_type, engine)) for r in rules]
+    return [r for r, a in fate if a] + [r for r, a in fate if a is None]
+
+
 def match(rules: list[NameRule], name: str, layer_tag: str | None, num_layers: int, where: str) -> Match | None:
     """The first rule matching ``name`` and the point it gives (None: no rule matches). The layer is the
     pattern's ``{layer}``, else the file's ``layer_id`` tag; a point that needs one and has neither, or a layer
-    outside the model, is a DumpError naming the file."""
+    outside the model, is a DumpError naming the file. ``rules``: ``for_run``'s, for the dump's model and dumper."""
     for rule in rules:
         m = rule.pattern.fullmatch(name)
         if m is None:
@@ -130,7 +172,7 @@ def match(rules: list[NameRule], name: str, layer_tag: str | None, num_layers: i
 def engine_name(rules: list[NameRule], point: str, num_layers: int) -> tuple[str, NameRule, int | None] | None:
     """The dumped name a rule gives ``point`` (the first rule that does; a fused point by its ``.`` name), that
     rule and the layer of the module it names (None: outside the layers): what a writer of the format calls the
-    point. None where no rule gives it."""
+    point. None where no rule gives it. ``rules``: ``for_run``'s, for the run's model and the dumper written."""
     for rule in rules:
         if not rule.point:
             continue

@@ -138,7 +138,7 @@ def write_from_dump(src: str | Path, model: str, sink, spelling: str = "new", ri
     """Every step of the tpcheck dump ``src`` into ``sink`` (a ``FileSink``, or SGLang's dumper behind the same
     methods); returns the points left out (no rule names them, or the KV cache)."""
     dump, cfg = read_dump(src), load_config(model)
-    rules = rules or name_rules.load_rules()
+    rules = name_rules.for_run(rules or name_rules.load_rules(), cfg.model_type, "sglang")
     left_out: set[str] = set()
     slots: dict[str, int] = {}
     for s, b in enumerate(dump.batches):
@@ -165,11 +165,23 @@ def write_from_dump(src: str | Path, model: str, sink, spelling: str = "new", ri
                 if rule.rows == "last":
                     t = t[_last_of(b, point, t)]
                 p = Shard(-1) if isinstance(placement, Fused) else placement
-                if sink.dump(rank, engine, t.contiguous(), dims_of(p, spelling), {} if layer is None else
+                t, dims = _as_dumped(t, rule, dims_of(p, spelling), cfg.head_dim)
+                if sink.dump(rank, engine, t.contiguous(), dims, {} if layer is None else
                              {"layer_id": layer}) is False:  # no place for it in the sink's layout
                     left_out.add(point)
             sink.step(rank)
     return sorted(left_out)
+
+
+def _as_dumped(t: torch.Tensor, rule, dims: str | None, head_dim: int) -> tuple[torch.Tensor, str | None]:
+    """A point's ``[rows, heads * head_dim]`` rank tensor as the engine hands it to the dumped module where the
+    name's rule reads it per head first (``b s h d``: SGLang's Gemma 3 attention takes q and k as ``[1, tokens,
+    heads, head_dim]``), with the annotation ``dims_of`` gave a ``t h`` tensor rewritten to that shape."""
+    first = rule.dims[0] if rule.dims else None
+    if first is None or [d.name for d in first.dims] != ["b", "s", "h", "d"]:
+        return t, dims
+    shaped = t.reshape(1, t.shape[0], -1, head_dim)
+    return shaped, None if dims is None else dims.replace("t ", "b s ", 1) + " d"
 
 
 def _last_of(b, point: str, t: torch.Tensor) -> list[int]:
