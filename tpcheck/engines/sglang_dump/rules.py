@@ -1,8 +1,8 @@
 """The name rules: which canonical point (``tpcheck.capture.points``) each dumped name is.
 
 A rule file is TOML, a list of ``[[rule]]`` tables (the shipped one, ``rules.toml`` beside this module, documents
-the fields and covers SGLang's and vLLM's Qwen2 / Llama / Mistral / Qwen3 / Qwen2-MoE module names). A user's
-file (``tpcheck compare --name-rules FILE``) is read first, so its rules win. Every dumped name ends in one of
+the fields and covers SGLang's and vLLM's Qwen2 / Llama / Mistral / Qwen3 / Qwen2-MoE / Gemma 3 module names). A
+user's file (``tpcheck compare --name-rules FILE``) is read first, so its rules win. Every dumped name ends in one of
 three ways, all reported: mapped to a point, ignored by a rule that says so (``point = ""``), or unmapped (no
 rule matches: ``tpcheck compare`` refuses the dump, listing them, unless ``--allow-unmapped``)."""
 from __future__ import annotations
