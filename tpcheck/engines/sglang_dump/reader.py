@@ -251,13 +251,17 @@ def _world(root: Path, files: list[DumpFile], aux0: dict) -> tuple[int, int, dic
 
 
 def _agreed(name: str, files: list[DumpFile], world: int):
-    """An auxiliary value every rank dumped: the same on each (the step's batch is one), else a DumpError."""
+    """An auxiliary value every rank dumped: the same on each (the step's batch is one), else a DumpError. A value
+    dumped again in a step (the dumper writes one under its own name wherever a module takes it as a keyword:
+    SGLang's Gemma 3 hands its layers ``positions=`` as ``[1, tokens]`` on GPUs) must hold the same values; a tensor
+    is read flat, as the batch's one dim."""
     if len({f.rank for f in files}) != world:
         missing = sorted(set(range(world)) - {f.rank for f in files})
         raise DumpError(f"{files[0].path}: step {files[0].step}: no {name} from rank(s) {missing}")
-    v0, _ = load_file(files[0])
+    flat = lambda v: v.reshape(-1) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    v0 = flat(load_file(files[0])[0])
     for f in files[1:]:
-        v, _ = load_file(f)
+        v = flat(load_file(f)[0])
         same = torch.equal(v, v0) if isinstance(v, torch.Tensor) and isinstance(v0, torch.Tensor) else v == v0
         if not same:
             raise DumpError(f"{f.path}: {name} differs from {files[0].path}: ranks of one step ran other batches")

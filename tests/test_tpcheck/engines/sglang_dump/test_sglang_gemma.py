@@ -30,13 +30,17 @@ EXTRAS = ("non_intrusive__model.rotary_emb.output.0", "non_intrusive__model.rota
 
 
 class WithExtras(FileSink):
-    """A ``FileSink`` that also writes, each step, what SGLang dumps of Gemma 3 that is not a point."""
+    """A ``FileSink`` that also writes, each step, what SGLang dumps of Gemma 3 that is not a point; and
+    ``positions`` again as ``[1, tokens]``, as the dumper does wherever a module takes it as a keyword (Gemma 3's
+    layers and attention on GPUs, after ``rearrange(positions, "s -> 1 s")``)."""
 
     def dump(self, rank, name, value, dims, tags):
         super().dump(rank, name, value, dims, tags)
         if name == "input_ids":
             for extra in EXTRAS:
                 super().dump(rank, extra, torch.ones(len(value), 4), None, {})
+        if name == "positions":
+            super().dump(rank, name, value[None], None, {"layer_id": 0})
 
 
 @pytest.fixture(scope="module")
