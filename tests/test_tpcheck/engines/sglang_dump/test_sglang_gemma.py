@@ -135,3 +135,18 @@ def test_a_rule_s_dims_alternatives_are_chosen_by_the_tensor_s_dims(tmp_path):
     bad.write_text("[[rule]]\nname = 'x'\npoint = ''\nmodel_type = 3\n")
     with pytest.raises(Exception, match="model_type must be a string or a list of strings"):
         name_rules.load_rules([bad])
+
+
+def test_two_gemma3_dumps_compared_without_a_golden(gemma_runs, tmp_path, capsys):
+    """No checkpoint, so no model_type: the Gemma rules come after the rest, and every name SGLang dumps of Gemma 3
+    is still mapped or left out by a rule; a fault parts the two first at a norm (exit 1)."""
+    root, d = gemma_runs
+    for name in ("clean", "fault"):
+        write_from_dump(root / name, str(d), WithExtras(tmp_path / name, 2), "none")
+    write_from_dump(root / "clean", str(d), WithExtras(tmp_path / "annotated", 2), "new")
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "clean"), str(tmp_path / "annotated")]) == 0  # the same numbers
+    assert main(["compare", str(tmp_path / "clean"), str(tmp_path / "fault")]) == 1
+    out = capsys.readouterr().out
+    assert "UNMAPPED" not in out
+    assert re.search(r"PART: first at step 0, non_intrusive__model\.layers\.0\.\w+\.output", out), out
