@@ -64,6 +64,8 @@ OWN_INPUTS: dict[str, tuple[str, ...]] = {
     "mlp.gate": ("post_attn_norm",), "mlp.up": ("post_attn_norm",), "mlp.act": ("mlp.gate", "mlp.up"),
     "mlp.out": ("mlp.act",), "out": ("attn.residual", "mlp.out"), "final_norm": (PREV,), "logits": ("final_norm",),
     "moe.topk_weights": ("moe.router", "moe.topk_ids"),
+    # the per-head q / k norms (Qwen3, Gemma 3): each head's head_dim values of the projection, normalised
+    "attn.q_norm": ("attn.q",), "attn.k_norm": ("attn.k",),
 }
 #: Gemma 3 (``sandwich``): its attention and MLP outputs are normalised before their residual adds
 SANDWICH_INPUTS: dict[str, tuple[str, ...]] = {
@@ -203,6 +205,11 @@ def _own_op(model: nn.Module, layer: int | None, kind: str, get: Callable[[str],
     if kind in ("input_norm", "post_attn_norm", "final_norm", "attn.post_norm", "mlp.post_norm"):
         norm = m.norm if kind == "final_norm" else layer_norm(m.layers[layer], kind)
         y, rel = _rms_norm(norm, xs[0])
+        return y, rel * y.abs()
+    if kind in ("attn.q_norm", "attn.k_norm"):  # one RMSNorm over each head's head_dim values
+        norm = getattr(m.layers[layer].self_attn, kind.removeprefix("attn."))
+        y, rel = _rms_norm(norm, xs[0].reshape(-1, norm.weight.shape[-1]))
+        y = y.reshape(xs[0].shape)
         return y, rel * y.abs()
     if kind in ("attn.residual", "out"):
         return xs[0] + xs[1], 0.0

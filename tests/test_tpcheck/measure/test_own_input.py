@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tpcheck.inputs.models.presets import preset_available
 from tpcheck.judge import judge
 from tpcheck.measure.own_input import input_points, own_error
 from tpcheck.reference.hf import HFCapture, new_cache
@@ -51,6 +52,25 @@ def test_a_correct_float32_op_has_no_own_error_and_a_wrong_one_does(ckpt, hf_mod
     assert math.isnan(own_error(model, "layers.1.mlp.out", bad, gold["layers.1.mlp.out"], {}.__getitem__))
     assert math.isnan(own_error(model, "layers.0.attn.q_rope", f32["layers.0.attn.q_rope"],
                                 gold["layers.0.attn.q_rope"], get))  # no row layout: the positions are unknown
+
+
+@pytest.mark.skipif(not preset_available("tiny-gemma3"), reason="this transformers has no Gemma 3")
+def test_the_per_head_q_and_k_norms_are_recomputed(ckpt, hf_model):
+    """Gemma 3's (and Qwen3's) q / k norms read the projection: an error carried into attn.k passes through
+    attn.k_norm as inherited (vLLM tp 4 float32 on Gemma 3 270M: k 0.88x, its norm 1.03x with own_err NaN, a false
+    alarm), and a norm that errs by itself is its own error."""
+    assert input_points("layers.0.attn.k_norm", 2) == ["layers.0.attn.k"]
+    assert input_points("layers.1.attn.q_norm", 2) == ["layers.1.attn.q"]
+    d = ckpt("tiny-gemma3")
+    gold, f32 = _points(hf_model(d, "float64")), _points(hf_model(d, "float32"))
+    model = hf_model(d, "float32")
+    for name in ("layers.0.attn.q_norm", "layers.1.attn.k_norm"):
+        assert own_error(model, name, f32[name], gold[name], f32.__getitem__) == 0, name
+    bad = f32["layers.1.attn.q_norm"].clone()
+    bad[:, 32:64] *= 1.01  # head 1 scaled: not what normalising the engine's own q gives
+    err = own_error(model, "layers.1.attn.q_norm", bad, gold["layers.1.attn.q_norm"], f32.__getitem__)
+    rel = float((bad.double() - gold["layers.1.attn.q_norm"]).norm() / gold["layers.1.attn.q_norm"].norm())
+    assert err > 0.9 * rel > 0
 
 
 def test_a_cancelling_dot_product_may_carry_its_rounding(ckpt, hf_model):
