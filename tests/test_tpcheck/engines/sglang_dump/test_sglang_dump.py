@@ -4,13 +4,11 @@ written in the format (``tpcheck.engines.sglang_dump.writer``) judged with the s
 same run, clean and with a seeded fault; bad dumps exit 2 naming the file."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
-import tpcheck
 from impl.placements import Partial, Replicate, Shard
 from tpcheck.capture.dump_format import DumpError
 from tpcheck.cli.app import main
@@ -20,6 +18,7 @@ from tpcheck.engines.sglang_dump.batches import RequestIds, step_batch
 from tpcheck.engines.sglang_dump.dims import parse_dims
 from tpcheck.engines.sglang_dump.files import load_file, parse_filename
 from tpcheck.engines.sglang_dump.writer import FileSink, write_from_dump
+from sglang_runs import compare, tp2_dumps
 
 
 class _Evil:
@@ -122,16 +121,8 @@ def runs(ckpt, engines, tmp_path_factory):
     """impl at tp 2 (dense), 2 prompts, 2 decode steps: tpcheck's dump, clean and with a fault in the ranks."""
     root = tmp_path_factory.mktemp("sglang")
     d = ckpt("tiny")
-    prompts = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
-    for name, inject in (("clean", []), ("fault", ["skip_o_proj_allreduce"])):
-        tpcheck.diff(model=d, tp=2, prompts=prompts, decode_steps=2, inject=inject, pool=engines,
-                     dump=str(root / name), isolate=False)
+    tp2_dumps(root, d, engines, "skip_o_proj_allreduce", isolate=False)
     return root, d
-
-
-def _compare(dump, d, out, *extra) -> tuple[int, dict]:
-    rc = main(["compare", str(dump), "--model", str(d), "--json", str(out), *extra])
-    return rc, json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("spelling", ["new", "old", "none"])
@@ -141,8 +132,8 @@ def test_an_sglang_dump_of_impl_judges_like_tpcheck_s_own(runs, tmp_path, spelli
         sg = tmp_path / name
         write_from_dump(root / name, str(d), FileSink(sg, 2), spelling, rids=name == "clean")
         assert sniff_format(sg) == "sglang" and sniff_format(root / name) == "tpcheck"
-        rc, ours = _compare(sg, d, tmp_path / f"{name}.json", "--format", "sglang")
-        rc0, theirs = _compare(root / name, d, tmp_path / f"{name}0.json")
+        rc, ours = compare(sg, d, tmp_path / f"{name}.json", "--format", "sglang")
+        rc0, theirs = compare(root / name, d, tmp_path / f"{name}0.json")
         assert (rc, rc0) == ((0, 0) if name == "clean" else (1, 1))
         got = {(r["point"], r["step"], r["mode"]): (r["rel_err"], r["excess"]) for r in ours["rows"]}
         want = {(r["point"], r["step"], r["mode"]): (r["rel_err"], r["excess"]) for r in theirs["rows"]
@@ -209,7 +200,7 @@ def test_a_continuous_batch_of_staggered_requests_compares_clean(ckpt, tmp_path,
         generate_dumped(llm, prompts, params, tmp_path / "faulty")
     for name, want in (("dump", 0), ("faulty", 1)):
         write_from_dump(tmp_path / name, str(d), FileSink(tmp_path / f"sg-{name}", 2), rids=rids)
-        rc, out = _compare(tmp_path / f"sg-{name}", d, tmp_path / f"{name}.json", "--no-isolate")
+        rc, out = compare(tmp_path / f"sg-{name}", d, tmp_path / f"{name}.json", "--no-isolate")
         assert rc == want
     assert out["first_divergence"]["point"] == "layers.0.attn.out" and out["first_divergence"]["step"] == 0
 
@@ -246,8 +237,8 @@ def test_files_written_by_sglang_s_own_dumper_compare_like_tpcheck_s(runs, tmp_p
     mod = sglang_own_dumper.load(os.environ["TPCHECK_SGLANG_DUMPER"])
     write_from_dump(root / "clean", str(d), sglang_own_dumper.SGLangSink(mod, tmp_path / "own", 2, parallel_info),
                     rids=True)
-    rc, ours = _compare(tmp_path / "own", d, tmp_path / "own.json", "--no-isolate")
-    _, theirs = _compare(root / "clean", d, tmp_path / "theirs.json", "--no-isolate")
+    rc, ours = compare(tmp_path / "own", d, tmp_path / "own.json", "--no-isolate")
+    _, theirs = compare(root / "clean", d, tmp_path / "theirs.json", "--no-isolate")
     got = {(r["point"], r["step"]): r["excess"] for r in ours["rows"]}
     want = {(r["point"], r["step"]): r["excess"] for r in theirs["rows"] if ".kv." not in r["point"]
             and r["point"] != "logits"}

@@ -6,17 +6,16 @@ per-head q / k norms are not read (on GPUs SGLang's run on ``[1, heads, tokens, 
 annotation fits), as for Qwen3."""
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 import torch
 
-import tpcheck
 from tpcheck.cli.app import main
 from tpcheck.engines.sglang_dump import rules as name_rules
 from tpcheck.engines.sglang_dump.files import load_file, parse_filename
 from tpcheck.engines.sglang_dump.writer import FileSink, write_from_dump
+from sglang_runs import compare, tp2_dumps
 from tpcheck.inputs.models.presets import preset_available
 
 pytestmark = pytest.mark.skipif(not preset_available("tiny-gemma3"), reason="this transformers has no Gemma 3")
@@ -48,16 +47,8 @@ def gemma_runs(ckpt, engines, tmp_path_factory):
     """impl at tp 2 on Gemma 3, 2 prompts, 2 decode steps, local pass on: tpcheck's dump, clean and with a fault."""
     root = tmp_path_factory.mktemp("sglang-gemma")
     d = ckpt("tiny-gemma3")
-    prompts = [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]
-    for name, inject in (("clean", []), ("fault", ["gemma_norm_without_offset"])):
-        tpcheck.diff(model=d, tp=2, prompts=prompts, decode_steps=2, inject=inject, pool=engines,
-                     dump=str(root / name))
+    tp2_dumps(root, d, engines, "gemma_norm_without_offset")
     return root, d
-
-
-def _compare(dump, d, out, *extra) -> tuple[int, dict]:
-    rc = main(["compare", str(dump), "--model", str(d), "--json", str(out), *extra])
-    return rc, json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("spelling", ["none", "new"])
@@ -67,12 +58,12 @@ def test_an_sglang_dump_of_gemma3_judges_like_tpcheck_s_own(gemma_runs, tmp_path
         sg = tmp_path / name
         write_from_dump(root / name, str(d), WithExtras(sg, 2), spelling)
         capsys.readouterr()
-        rc, ours = _compare(sg, d, tmp_path / f"{name}.json", "--format", "sglang")
+        rc, ours = compare(sg, d, tmp_path / f"{name}.json", "--format", "sglang")
         names = capsys.readouterr().out
         assert re.search(r"names: +\d+ mapped to points, \d+ not compared by a rule, 0 unmapped", names), names
         for extra in EXTRAS:
             assert f"not compared: {extra}" in names
-        rc0, theirs = _compare(root / name, d, tmp_path / f"{name}0.json")
+        rc0, theirs = compare(root / name, d, tmp_path / f"{name}0.json")
         assert (rc, rc0) == ((0, 0) if name == "clean" else (1, 1))
         got = {(r["point"], r["step"], r["mode"]): (r["rel_err"], r["excess"]) for r in ours["rows"]}
         want = {(r["point"], r["step"], r["mode"]): (r["rel_err"], r["excess"]) for r in theirs["rows"]
