@@ -64,6 +64,18 @@ def inputs(kind: str, qk_norm: bool, kv: bool) -> tuple[str, ...]:
     return ("attn.q_rope", "kv.k", "kv.v") if kv else ("attn.q_rope", "attn.k_rope", "attn.v")
 
 
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """An RMSNorm over ``x``'s last dim in float64 and the relative error a float32 mean of squares and rsqrt may add
+    (Gemma's norms scale by ``1 + w``): every norm's op here and in ``tpcheck.measure.own_input``. A KeyError where
+    ``norm`` is not an RMSNorm of that width."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if eps is None or x.shape[-1:] != norm.weight.shape:
+        raise KeyError("norm")
+    w = norm.weight.double() + (1.0 if "Gemma" in type(norm).__name__ else 0.0)
+    y = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y, (LAMBDA * math.sqrt(x.shape[-1]) / 2 + 4) * unit_roundoff(torch.float32)
+
+
 def has_qk_norm(model: nn.Module | None) -> bool:
     layers = getattr(getattr(model, "model", None), "layers", None)
     return bool(layers) and hasattr(layers[0].self_attn, "q_norm")
@@ -79,8 +91,8 @@ def op(model: nn.Module, layer: int, kind: str, get: Callable[[str], torch.Tenso
     attn = model.model.layers[layer].self_attn
     at = f"layers.{layer}."
     if kind in ROPE_KINDS:
-        return _rope(model, attn, get(at + inputs(kind, has_qk_norm(model), False)[0]).double(), layout.positions(),
-                     dtype)
+        x, rel = _rope_input(attn, at, kind, get, has_qk_norm(model), dtype)
+        return _rope(model, attn, x, layout.positions(), dtype, rel)
     try:
         q, k, v = (get(at + p).double() for p in inputs(kind, False, True))
         kv_lens = layout.kv_lens
@@ -92,8 +104,29 @@ def op(model: nn.Module, layer: int, kind: str, get: Callable[[str], torch.Tenso
     return _attention(model, attn, q, k, v, layout._replace(kv_lens=kv_lens), dtype)
 
 
-def _rope(model: nn.Module, attn: nn.Module, x: torch.Tensor, pos: torch.Tensor,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_input(attn: nn.Module, at: str, kind: str, get: Callable[[str], torch.Tensor], qk_norm: bool,
+                dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """(RoPE's input, the relative error it may carry from an op redone here): the projection, or where the model
+    normalises q and k per head, the norm's output. A run that did not record the norm (SGLang's dumper: its q / k
+    norms run heads-first, ``[1, heads, tokens, head_dim]``, and are not read) gets the norm redone on the
+    projection, so an error inherited at ``attn.q`` still passes as inherited at ``attn.q_rope`` (the judge then
+    reads ``attn.q`` as its input): the norm's allowance, its output's rounding to the dtype and one intermediate."""
+    normed = at + kind.replace("_rope", "_norm")
+    if not qk_norm:
+        return get(at + kind.removesuffix("_rope")).double(), 0.0
+    try:
+        return get(normed).double(), 0.0
+    except KeyError:
+        x = get(at + kind.removesuffix("_rope")).double()
+    norm = getattr(attn, kind.removeprefix("attn.").replace("_rope", "_norm"))
+    y, rel = rms_norm(norm, x.reshape(-1, norm.weight.shape[-1]))
+    return y.reshape(x.shape), rel + 2 * unit_roundoff(dtype)
+
+
+def _rope(model: nn.Module, attn: nn.Module, x: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype,
+          rel_in: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE in float64 and its allowance (module docstring), plus ``rel_in``: a relative error ``x`` may carry from
+    an op redone on the way (``_rope_input``), at most ``rel_in (|x| + |rotate_half(x)|)`` after the rotation."""
     hd = attn.head_dim
     if x.shape[0] != len(pos) or x.shape[-1] % hd:
         raise KeyError("rows")
@@ -106,7 +139,7 @@ def _rope(model: nn.Module, attn: nn.Module, x: torch.Tensor, pos: torch.Tensor,
     rot = torch.cat([-h[..., hd // 2:], h[..., :hd // 2]], dim=-1)
     y = h * cos[:, None] + rot * sin[:, None]
     u, ud = unit_roundoff(torch.float32), unit_roundoff(dtype)
-    b = (h.abs() + rot.abs()) * (scale * (2 * u * theta.abs() + 4 * u + 3 * ud))[:, None]
+    b = (h.abs() + rot.abs()) * (scale * (2 * u * theta.abs() + 4 * u + 3 * ud + rel_in))[:, None]
     return y.reshape(x.shape), b.reshape(x.shape)
 
 

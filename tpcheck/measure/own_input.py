@@ -54,7 +54,7 @@ from torch import nn
 from tpcheck.capture.points import split_point
 from tpcheck.measure import own_attention
 from tpcheck.measure.gain import gain_fields
-from tpcheck.measure.metrics import LAMBDA, dot_allowance, unit_roundoff
+from tpcheck.measure.metrics import dot_allowance, unit_roundoff
 
 PREV = "<layer input>"  # the layer's input: ``embed`` or the previous layer's ``out`` (the teacher when isolated)
 #: point kind -> the points (of the same layer) its op reads, in argument order
@@ -117,17 +117,6 @@ def input_points(name: str, num_layers: int, sandwich: bool = False, qk_norm: bo
         return ["final_norm"]
     prev = "embed" if layer == 0 else f"layers.{layer - 1}.out"
     return [prev if p == PREV else f"layers.{layer}.{p}" for p in table[kind]]
-
-
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """An RMSNorm in float64 and the relative error a float32 mean of squares and rsqrt may add (Gemma's norms scale
-    by ``1 + w``)."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if eps is None or x.shape[-1:] != norm.weight.shape:
-        raise KeyError("norm")
-    w = norm.weight.double() + (1.0 if "Gemma" in type(norm).__name__ else 0.0)
-    y = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y, (LAMBDA * math.sqrt(x.shape[-1]) / 2 + 4) * unit_roundoff(torch.float32)
 
 
 def _linear_allowance(lin: nn.Linear, x: torch.Tensor, y: torch.Tensor, row_parallel: bool, tp: int,
@@ -204,11 +193,11 @@ def _own_op(model: nn.Module, layer: int | None, kind: str, get: Callable[[str],
     xs = [get(p).double() for p in input_points(name, num_layers, is_sandwich(model))]
     if kind in ("input_norm", "post_attn_norm", "final_norm", "attn.post_norm", "mlp.post_norm"):
         norm = m.norm if kind == "final_norm" else layer_norm(m.layers[layer], kind)
-        y, rel = _rms_norm(norm, xs[0])
+        y, rel = own_attention.rms_norm(norm, xs[0])
         return y, rel * y.abs()
     if kind in ("attn.q_norm", "attn.k_norm"):  # one RMSNorm over each head's head_dim values
         norm = getattr(m.layers[layer].self_attn, kind.removeprefix("attn."))
-        y, rel = _rms_norm(norm, xs[0].reshape(-1, norm.weight.shape[-1]))
+        y, rel = own_attention.rms_norm(norm, xs[0].reshape(-1, norm.weight.shape[-1]))
         y = y.reshape(xs[0].shape)
         return y, rel * y.abs()
     if kind in ("attn.residual", "out"):

@@ -97,3 +97,29 @@ def test_the_context_is_inherited_when_its_inputs_passed(kv):
     rows[0] = _row(inputs[0], 1.0)  # its queries failed: the context's error is theirs, and reported there
     t = judge(DiffResult.from_rows(rows, {"dtype": "float32", "tp": 1, "num_layers": 1})).table.set_index("point")
     assert not t.loc["layers.0.attn.context", "passed"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rope_redoes_the_per_head_norm_where_the_run_did_not_record_it(ckpt, hf_model, dtype):
+    """SGLang's dumper does not read Gemma 3's per-head q / k norms: RoPE's op is then redone from the projection
+    (norm, then rotation), so a correct engine still has no own error at ``attn.q_rope`` / ``attn.k_rope``, and a
+    norm applied wrongly (its weight without Gemma's ``1 +``) is the op's own error at full size."""
+    d = ckpt("tiny-gemma3")
+    (g0, _), (e0, _) = _steps(hf_model(d, "float64")), _steps(hf_model(d, dtype))
+    model = hf_model(d, dtype)
+    prefill = RowLayout([9], [0], [9])
+    dumped = {p: t for p, t in e0.items() if not p.endswith(("q_norm", "k_norm"))}
+    for kind in own_attention.ROPE_KINDS:
+        for layer in (0, 1):
+            n = f"layers.{layer}.{kind}"
+            assert own_error(model, n, e0[n], g0[n], dumped.__getitem__, layout=prefill) == 0, n
+    n, attn = "layers.1.attn.q_rope", model.model.layers[1].self_attn
+    norm = attn.q_norm
+    w = norm.weight.detach().clone()
+    with torch.no_grad():
+        norm.weight.sub_(1.0)  # the engine's norm: x * w, not x * (1 + w): weights 1 smaller in Gemma's spelling
+        wrong, _ = own_attention.op(model, 1, "attn.q_rope", dumped.__getitem__, prefill, e0[n].dtype)
+        norm.weight.copy_(w)
+    wrong = wrong.to(e0[n].dtype)
+    rel = float((wrong.double() - g0[n]).norm() / g0[n].norm())
+    assert own_error(model, n, wrong, g0[n], dumped.__getitem__, layout=prefill) > 0.5 * rel > 0.05
