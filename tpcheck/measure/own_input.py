@@ -148,22 +148,33 @@ NOT_RECOMPUTED = Own(math.nan, math.nan)
 @torch.no_grad()
 def own_check(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.Tensor,
               get: Callable[[str], torch.Tensor], tp: int = 1, red_dtype: torch.dtype | None = None,
-              layout: own_attention.RowLayout | None = None) -> Own:
+              layout: own_attention.RowLayout | None = None,
+              parts: list[tuple[slice, Callable[[str], torch.Tensor]]] | None = None) -> Own:
     """``Own`` of point ``name`` (module docstring): ``engine`` its engine tensor, ``golden`` the golden's,
     ``get(point)`` the engine's tensor of an input point (the teacher for ``PREV`` in an isolated pass), ``model``
     Hugging Face's model at the run's dtype (its weights and norms, as the engine holds them), ``layout`` where the
     step's rows are (attention's ops). NaN where the op cannot be recomputed: an input missing (KeyError) or of
-    another shape, a streamed model. The diff asks for it in dense models, and in mixture-of-experts models for the
-    top-k weights alone (``RowMaker._own``): their other points are judged by the floor alone."""
+    another shape, a streamed model. ``parts``: a point whose ranks computed its columns from inputs that differ
+    (replicas an ulp apart): ``(columns, get)`` of each rank group, the op redone on each group's own inputs for its
+    columns. The diff asks for it in dense models, and in mixture-of-experts models for the top-k weights alone
+    (``RowMaker._own``): their other points are judged by the floor alone."""
     layer, kind = split_point(name)
     if kind not in OWN_INPUTS and kind not in SANDWICH_INPUTS and kind not in own_attention.KINDS or model is None \
             or engine.shape != golden.shape:
         return NOT_RECOMPUTED
-    try:
+    def op(get: Callable[[str], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | float]:
         if kind in own_attention.KINDS:
-            y, b = own_attention.op(model, layer, kind, get, layout, engine.dtype)
+            return own_attention.op(model, layer, kind, get, layout, engine.dtype)
+        return _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
+    try:
+        if parts:
+            y, b = torch.empty(engine.shape, dtype=torch.float64), torch.empty(engine.shape, dtype=torch.float64)
+            for cols, part_get in parts:
+                y_r, b_r = op(part_get)
+                y[..., cols] = y_r[..., cols]
+                b[..., cols] = torch.as_tensor(b_r, dtype=torch.float64).expand_as(y_r)[..., cols]
         else:
-            y, b = _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
+            y, b = op(get)
     except (KeyError, AttributeError, IndexError, RuntimeError):
         return NOT_RECOMPUTED
     if y.shape != engine.shape:

@@ -28,6 +28,9 @@ class Unsharded:
     # rank -> the whole point as that rank's replicas make it, for each rank whose replica is not bit-identical to
     # the first one's (empty: none differ); ``tensor`` is the first replicas'
     replicas: dict[int, torch.Tensor] = field(default_factory=dict)
+    # a point sharded along its last dim: each group's (ranks, first column, end column); ``tensor``'s columns
+    # ``a:b`` are ``ranks[0]``'s. Empty for a point not split by columns (replicated, summed, one group)
+    columns: tuple[tuple[tuple[int, ...], int, int], ...] = ()
 
     def rank_fields(self) -> dict:
         """The ``Row`` columns of the ranks' agreement."""
@@ -77,6 +80,18 @@ def _worst(found: list[tuple[str, float, str, dict]]) -> tuple[str, float, str]:
     return note, s, by
 
 
+def _columns(placement: Shard, groups: list[torch.Tensor]) -> tuple:
+    """``Unsharded.columns`` of a point sharded along its last dim over more than one group (group g: ranks
+    ``g * replicas ..``), else ()."""
+    if len(groups) < 2 or placement.dim not in (-1, groups[0].dim() - 1):
+        return ()
+    out, a = [], 0
+    for g, t in enumerate(groups):
+        out.append((tuple(range(g * placement.replicas, (g + 1) * placement.replicas)), a, a + t.shape[-1]))
+        a += t.shape[-1]
+    return tuple(out)
+
+
 def unshard(name: str, placement, tensors: list[torch.Tensor | None]) -> list[Unsharded]:
     """``tensors[r]`` is rank r's local tensor (None where a rank does not hold the point). Returns one
     entry, or one per part of a ``Fused`` placement (named ``name + part``)."""
@@ -106,5 +121,6 @@ def unshard(name: str, placement, tensors: list[torch.Tensor | None]) -> list[Un
         # a differing replica of group g: the whole point with group g's part taken from that rank
         whole = {r: torch.cat(groups[:g] + [t] + groups[g + 1:], dim=placement.dim)
                  for g, f in enumerate(found) for r, t in f[3].items()} if not note else {}
-        return [Unsharded(name, torch.cat(groups, dim=placement.dim), note, s, by, whole)]
+        return [Unsharded(name, torch.cat(groups, dim=placement.dim), note, s, by, whole,
+                          _columns(placement, groups))]
     raise TypeError(f"{name}: unknown placement {placement!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -144,15 +145,24 @@ class RowMaker:
         red = self.ctx.reductions
         rd = None if getattr(red, "dtype", None) is None else getattr(torch, red.dtype)
 
-        def own(tensor: torch.Tensor, rank: int | None) -> own_input.Own:
+        def get_of(rank: int | None) -> Callable[[str], torch.Tensor]:
             def get(p: str) -> torch.Tensor:
                 if teacher_at is not None and p == inputs[0]:
                     x = eng_teacher[teacher_at]
                 else:
                     x = engine_of[p] if rank is None else replicas_of.get(p, {}).get(rank, engine_of[p])
                 return x if subset is None else x[subset]
-            return own_input.own_check(self.ctx.ref.model, row.point, tensor, golden, get, getattr(red, "tp", 1), rd,
-                                       layout)
+            return get
+
+        # a point split by columns whose inputs' replicas differ (vLLM's rank-ordered all-reduce at tp >= 3, KV
+        # heads replicated): each group's columns were computed from its own rank's inputs, and are redone so
+        by_rank = bool(u.columns) and any(p in replicas_of for p in inputs)
+
+        def own(tensor: torch.Tensor, rank: int | None) -> own_input.Own:
+            parts = [(slice(a, b), get_of(rank if rank in ranks else ranks[0])) for ranks, a, b in u.columns] \
+                if by_rank else None
+            return own_input.own_check(self.ctx.ref.model, row.point, tensor, golden, get_of(rank),
+                                       getattr(red, "tp", 1), rd, layout, parts)
         row.own_err, own_gain = own(u.tensor, None)
         row.own_gain = own_gain if self.isolated else math.nan  # the gain is judged in the local pass alone
         if u.replicas:

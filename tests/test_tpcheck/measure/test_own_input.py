@@ -9,7 +9,7 @@ import torch
 
 from tpcheck.inputs.models.presets import preset_available
 from tpcheck.judge import judge
-from tpcheck.measure.own_input import input_points, own_error
+from tpcheck.measure.own_input import input_points, own_check, own_error
 from tpcheck.reference.hf import HFCapture, new_cache
 from tpcheck.result.table import DiffResult, Row
 
@@ -151,3 +151,28 @@ def test_a_one_token_moe_run_whose_weights_inherit_their_router_error_passes(ckp
     row = t[(t["point"] == "layers.1.moe.topk_weights") & (t["step"] == 0) & (t["mode"] == "propagated")].iloc[0]
     assert row["passed"] and row["own_err"] <= row["threshold"]
     assert row["rel_err"] > row["threshold"] - row["rel_floor"]  # over the references' floor alone
+
+
+def test_columns_computed_on_each_rank_s_own_inputs_are_redone_there(ckpt, hf_model):
+    """A column-parallel point whose ranks' input replicas differ (vLLM's all-reduce adds in a rank-dependent order
+    at tp >= 3): each rank's columns are the op on that rank's input. Redone on the first rank's input alone, the
+    other rank's columns look like the op's own error; redone per rank (``parts``) they are not, and a wrong column
+    still is."""
+    d = ckpt("tiny")
+    gold, f32 = _points(hf_model(d, "float64")), _points(hf_model(d, "float32"))
+    model = hf_model(d, "float32")
+    x0 = f32["layers.1.post_attn_norm"]
+    x1 = (x0.double() * (1 + 1e-3 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(0)))).float()
+    lin = model.model.layers[1].mlp.gate_proj
+    w = lin.weight.shape[0] // 2
+    with torch.no_grad():
+        y = torch.cat([lin(x0)[:, :w], lin(x1)[:, w:]], dim=-1)  # rank 0's columns, rank 1's on its own replica
+    n = "layers.1.mlp.gate"
+    rank0 = {**f32}.__getitem__
+    rank1 = {**f32, "layers.1.post_attn_norm": x1}.__getitem__
+    parts = [(slice(0, w), rank0), (slice(w, 2 * w), rank1)]
+    assert own_error(model, n, y, gold[n], rank0) > 1e-4  # rank 1's columns as if computed from rank 0's input
+    assert own_check(model, n, y, gold[n], rank0, parts=parts).err < 4 * 128 ** 0.5 * 2.0 ** -24
+    bad = y.clone()
+    bad[:, w + 3] += 1e-2 * bad.abs().max()  # one of rank 1's columns off: its own error still
+    assert own_check(model, n, bad, gold[n], rank0, parts=parts).err > 1e-3

@@ -60,10 +60,12 @@ def test_kv_head_replicas_the_worst_group_and_its_ranks():
     (u,) = unshard("layers.0.attn.k", Shard(-1, 2), [a, _ulp(a), b, b * 1.01])  # tp 4, each KV head on 2 ranks
     assert torch.equal(u.tensor, torch.cat([a, b], dim=-1))
     assert u.rank_spread == pytest.approx(0.01) and u.rank_spread_by == "2 vs 3" and u.rank_mismatch == ""
+    assert u.columns == (((0, 1), 0, 16), ((2, 3), 16, 32))  # whose inputs computed which columns
     fused = Fused((("q", 16, Shard(-1)), ("k", 16, Shard(-1, 2))))
     parts = unshard("layers.0.attn.", fused, [torch.cat([x, a], -1) for x in (a, b)])
     assert [p.name for p in parts] == ["layers.0.attn.q", "layers.0.attn.k"]
     assert math.isnan(parts[0].rank_spread) and parts[1].rank_spread == 0.0
+    assert parts[0].columns == (((0,), 0, 16), ((1,), 16, 32)) and parts[1].columns == ()  # one group: one rank's
 
 
 def test_shapes_or_integer_values_that_differ_stay_structural():
