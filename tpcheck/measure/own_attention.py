@@ -111,14 +111,14 @@ def _rope_input(attn: nn.Module, at: str, kind: str, get: Callable[[str], torch.
     norms run heads-first, ``[1, heads, tokens, head_dim]``, and are not read) gets the norm redone on the
     projection, so an error inherited at ``attn.q`` still passes as inherited at ``attn.q_rope`` (the judge then
     reads ``attn.q`` as its input): the norm's allowance, its output's rounding to the dtype and one intermediate."""
-    normed = at + kind.replace("_rope", "_norm")
-    if not qk_norm:
-        return get(at + kind.removesuffix("_rope")).double(), 0.0
+    (read,), (proj,) = inputs(kind, qk_norm, False), inputs(kind, False, False)
     try:
-        return get(normed).double(), 0.0
+        return get(at + read).double(), 0.0
     except KeyError:
-        x = get(at + kind.removesuffix("_rope")).double()
-    norm = getattr(attn, kind.removeprefix("attn.").replace("_rope", "_norm"))
+        if read == proj:
+            raise
+        x = get(at + proj).double()
+    norm = getattr(attn, read.removeprefix("attn."))
     y, rel = rms_norm(norm, x.reshape(-1, norm.weight.shape[-1]))
     return y.reshape(x.shape), rel + 2 * unit_roundoff(dtype)
 
