@@ -26,6 +26,13 @@ kernel may round an intermediate: bfloat16 scores, weights, tables), per element
   (``lambda sqrt(m / 3) u`` each) and ``P V``'s accumulation (the same) add
   ``(4 u + u_d + 3 lambda sqrt(m / 3) u) sum_j p_j |v_j|``.
 
+The **KV cache** read back (``kv.k`` / ``kv.v``) holds the keys after RoPE and the values of every position the run
+wrote: at a prefill exactly ``attn.k_rope`` / ``attn.v``, with the same error against the same threshold. Its op is
+that copy: the history of the keys and values the run computed (``tpcheck.pipeline.kv_history``, under
+``written(name)``), ``B = 0`` beyond the output's rounding. A key over its threshold that passes as inherited thus
+passes in the cache that stores it; a cache that holds other values than those written (a slot off by one, a stale
+block, a head repeated) errs by them as its own. An FP8 cache rounds with the checkpoint's scales, not redone here.
+
 A point whose ``own_err`` (its error beyond ``B``) is within its threshold, and whose inputs passed, passes as
 inherited (``tpcheck.judge.verdict``): its op was right on the inputs it had."""
 from __future__ import annotations
@@ -40,7 +47,14 @@ from torch import nn
 from tpcheck.measure.metrics import LAMBDA, dot_allowance, unit_roundoff
 
 ROPE_KINDS = ("attn.q_rope", "attn.k_rope")
-KINDS = (*ROPE_KINDS, "attn.context")
+CACHE_KINDS = ("kv.k", "kv.v")
+KINDS = (*ROPE_KINDS, "attn.context", *CACHE_KINDS)
+
+
+def written(name: str) -> str:
+    """The key under which a step's inputs hold what KV-cache point ``name`` (``layers.{i}.kv.k``) should be: the
+    keys and values the run wrote (``tpcheck.pipeline.kv_history``), never a point of its own."""
+    return f"{name}@written"
 
 
 class RowLayout(NamedTuple):
@@ -58,7 +72,10 @@ class RowLayout(NamedTuple):
 def inputs(kind: str, qk_norm: bool, kv: bool) -> tuple[str, ...]:
     """The points (of the same layer) an attention op reads: RoPE its projection's (per-head normed, where the model
     normalises q and k: Qwen3, Gemma 3) output; the context its roped queries and the KV cache (``kv``: the run
-    reads the cache back), else the step's own keys and values (a prefill without a cached prefix)."""
+    reads the cache back), else the step's own keys and values (a prefill without a cached prefix); the cache this
+    step's keys or values (the earlier steps' were judged at theirs)."""
+    if kind in CACHE_KINDS:
+        return ("attn.k_rope",) if kind == "kv.k" else ("attn.v",)
     if kind in ROPE_KINDS:
         return (kind.replace("_rope", "_norm") if qk_norm else kind.removesuffix("_rope"),)
     return ("attn.q_rope", "kv.k", "kv.v") if kv else ("attn.q_rope", "attn.k_rope", "attn.v")
@@ -85,11 +102,17 @@ def op(model: nn.Module, layer: int, kind: str, get: Callable[[str], torch.Tenso
        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(``kind``'s op in float64 on the engine's inputs ``get(point)``, its allowance ``B``): see the module
     docstring. A KeyError where the op cannot be recomputed here (no layout, an
-    input missing, logit soft-capping, a cached prefix whose keys the run did not read back)."""
+    input missing, logit soft-capping, a cached prefix whose keys the run did not read back, a KV cache whose
+    written history the run lacks or that rounds to FP8)."""
     if layout is None:
         raise KeyError("layout")
     attn = model.model.layers[layer].self_attn
     at = f"layers.{layer}."
+    if kind in CACHE_KINDS:
+        if getattr(attn, "kv_cache_scales", None) is not None:
+            raise KeyError("an FP8 cache")  # its rounding, with the checkpoint's scales, is not redone here
+        y = get(written(at + kind)).double()
+        return y, torch.zeros_like(y)
     if kind in ROPE_KINDS:
         x, rel = _rope_input(attn, at, kind, get, has_qk_norm(model), dtype)
         return _rope(model, attn, x, layout.positions(), dtype, rel)

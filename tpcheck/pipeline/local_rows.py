@@ -62,11 +62,13 @@ class LastRows:
             return None, None
         return self.cache_in.take(0)  # held split (GoldenCache.put)
 
-    def give(self, r_caches: dict[str, list], kv: dict | None) -> None:
-        """``give_prefix`` of ``kv`` (None: nothing) to the references' caches of the step and the engine."""
-        if kv is not None:
-            c = self.ctx
-            give_prefix(c.engine, r_caches, self.lens, kv, c.dtype, c.head_dim, c.golden_device)
+    def give(self, r_caches: dict[str, list], kv: dict | None) -> dict | None:
+        """``give_prefix`` of ``kv`` (None: nothing) to the references' caches of the step and the engine; what was
+        written."""
+        if kv is None:
+            return None
+        c = self.ctx
+        return give_prefix(c.engine, r_caches, self.lens, kv, c.dtype, c.head_dim, c.golden_device)
 
 
 def prefix_lens(prompts: list[list[int]], local_rows: int | None) -> list[int] | None:
@@ -110,13 +112,15 @@ def split_golden(gold: dict[str, torch.Tensor], row_lens: list[int], lens: list[
 
 
 def give_prefix(engine, r_caches: dict[str, list], lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                dtype: torch.dtype, head_dim: int, device: str = "cpu") -> None:
+                dtype: torch.dtype, head_dim: int, device: str = "cpu") -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Write each prompt's first ``lens[b]`` positions, the golden's keys and values (``split_golden``'s, prompts
     concatenated) rounded to ``dtype``, into each reference's cache of it (``r_caches``: reference name -> the
     caches of the step's requests, in prompt order; the references on ``device``, the golden's) and into the
     engine's (its adapter's ``take_prefix``, which places them on its own device: impl's ranks receive them on the
-    host, ``impl.executor.on_host``, and write them into their caches where those are)."""
+    host, ``impl.executor.on_host``, and write them into their caches where those are). Returns what was written
+    (the rounded keys and values)."""
     kv = {i: (k.to(dtype), v.to(dtype)) for i, (k, v) in kv.items()}
     for caches in r_caches.values():
         fill_caches(caches, lens, kv, head_dim, dtype, device)
     engine.take_prefix(list(lens), kv)
+    return kv

@@ -41,7 +41,7 @@ class RowMaker:
         self.rows_not_produced: dict[str, int] = {}  # point -> golden rows the engine did not produce (coverage)
         self._ahead = Ahead()  # a step's statistics computed ahead (_rows)
         self._scales: dict[str, RowScale | None] = {}  # a step's per-row scale allowances (_rows)
-        self.kv_history = KvHistory(ctx.num_layers)  # a dump's KV cache, from its own keys and values (_rows)
+        self.kv_history = KvHistory(ctx.num_layers)  # the KV cache as its own keys and values wrote it (_rows)
 
     def rows(self, step, points, gold, batch: StepBatch, order: list[int], eng_teacher, subsets) -> list[Row]:
         """Each reported point, unsharded and measured against the golden (``--exact-ops``: its op checked too);
@@ -75,10 +75,11 @@ class RowMaker:
         if self.ctx.sparse:
             units = self._routes(units, gold)
         engine_of = {u.name: u.tensor for u, sub in units if sub is None}  # the op inputs own_input reads
-        # an engine that does not read its KV cache back (a dump): the cache as its own keys and values wrote it,
-        # for attention's own-op check alone (never compared as points)
-        engine_of = self.kv_history.step(batch, engine_of)
         replicas_of = {u.name: u.replicas for u, sub in units if sub is None and u.replicas}  # rank r's, where differ
+        # the KV cache as the run's own keys and values wrote it (each rank's, where they differ): the op of the
+        # cache read back, and where the engine did not read it back (a dump) the context's keys and values (never
+        # compared as points)
+        engine_of, replicas_of = self.kv_history.step(batch, engine_of, replicas_of)
         self._ahead = Ahead()  # each whole point's statistics, started now in worker threads (_row takes them)
         self._scales = {u.name: self._row_scale(u.name, gold, engine_of, eng_teacher) for u, subset in units
                         if subset is None and u.name in gold}  # each whole point's per-row scale allowance

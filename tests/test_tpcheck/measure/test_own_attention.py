@@ -10,7 +10,7 @@ import torch
 
 from tpcheck.judge import judge
 from tpcheck.measure import own_attention
-from tpcheck.measure.own_attention import RowLayout
+from tpcheck.measure.own_attention import RowLayout, written
 from tpcheck.measure.own_input import own_error
 from tpcheck.reference.hf import HFCapture, new_cache
 from tpcheck.result.table import DiffResult, Row
@@ -31,6 +31,10 @@ def test_a_correct_kernel_has_no_own_error_and_attention_bugs_do(ckpt, hf_model,
     (g0, g1), (e0, e1) = _steps(hf_model(d, "float64")), _steps(hf_model(d, dtype))
     model = hf_model(d, dtype)
     prefill, decode = RowLayout([9], [0], [9]), RowLayout([1], [9], [10])
+    for layer in (0, 1):  # the KV cache's op: the keys and values the steps wrote
+        for c, p in (("k", "k_rope"), ("v", "v")):
+            n, at = f"layers.{layer}.kv.{c}", f"layers.{layer}.attn.{p}"
+            e0[written(n)], e1[written(n)] = e0[at], torch.cat([e0[at], e1[at]])
     for layer in (0, 1):
         for kind in own_attention.KINDS:
             n = f"layers.{layer}.{kind}"
@@ -49,6 +53,10 @@ def test_a_correct_kernel_has_no_own_error_and_attention_bugs_do(ckpt, hf_model,
     q = "layers.1.attn.q_rope"
     assert own_error(model, q, engine("attn.q_rope", e1.__getitem__, RowLayout([1], [10], [11])), g1[q],
                      e1.__getitem__, layout=decode) > 0.05  # RoPE at the next position
+    kv = "layers.1.kv.k"
+    stale = e1[kv].clone()
+    stale[-1] = e1[kv][-2]  # the new key written one slot back: the cache holds a stale key where it should be
+    assert own_error(model, kv, stale, g1[kv], e1.__getitem__, layout=decode) > 0.05
     scaled = (e1[n].double() * (1 + 2 ** -10)).to(e1[n].dtype)  # a 2^-10 gain: 16 float32 ulps, under bfloat16's
     err = own_error(model, n, scaled, g1[n], e1.__getitem__, layout=decode)
     assert (err > 0.5 * 2 ** -10) if dtype == "float32" else (err < 0.1 * rel), err

@@ -12,6 +12,7 @@ import tpcheck
 from tpcheck.capture.batches import StepBatch
 from tpcheck.engines.dump.replay import DumpAdapter, read_dump
 from tpcheck.judge.tolerances import Tolerances
+from tpcheck.measure.own_attention import written
 from tpcheck.pipeline.diff import compare_engine
 from tpcheck.pipeline.kv_history import KvHistory
 from tpcheck.reference.reductions import Reductions
@@ -23,10 +24,10 @@ def _points(first: int, rows: int, layers=(0,)) -> dict[str, torch.Tensor]:
     return {n: t for i in layers for n, t in ((f"layers.{i}.attn.k_rope", k), (f"layers.{i}.attn.v", -k))}
 
 
-def _kv(step: dict) -> dict[str, torch.Tensor]:
+def _kv(step: dict, names=("layers.0.kv.k", "layers.0.kv.v", "layers.1.kv.k", "layers.1.kv.v")) -> dict:
     """The made-up cache a step's points give (built on lookup; a KeyError where there is none)."""
     out = {}
-    for n in ("layers.0.kv.k", "layers.0.kv.v", "layers.1.kv.k", "layers.1.kv.v"):
+    for n in names:
         try:
             out[n] = step[n]
         except KeyError:
@@ -34,31 +35,67 @@ def _kv(step: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def _step(h: KvHistory, batch: StepBatch, points: dict) -> dict:
+    engine, replicas = h.step(batch, points, {})
+    assert replicas == {}  # no rank's keys differ: no rank keeps its own
+    return engine
+
+
 def test_each_request_reads_the_keys_it_and_its_prefix_donor_wrote():
     h = KvHistory(num_layers=2)
-    a = [1, 2, 3, 4]
-    first = h.step(StepBatch(["a"], [a], [0]), _points(0, 4))
-    assert set(first) == set(_points(0, 4)) and set(_kv(first)) == {"layers.0.kv.k", "layers.0.kv.v"}
+    a, both = [1, 2, 3, 4], (0, 1)
+    first = _step(h, StepBatch(["a"], [a], [0]), _points(0, 4, both))
+    assert set(first) == set(_points(0, 4, both)) and len(_kv(first)) == 4
+    assert torch.equal(first[written("layers.0.kv.k")], first["layers.0.kv.k"])  # the cache's op: the same history
     # a decodes position 4; b starts at position 3 on a's first three tokens (a prefix-cache hit)
     b = StepBatch(["a", "b"], [[5], [9, 9]], [4, 3], prompts={"b": [1, 2, 3, 9, 9]})
-    kv = _kv(h.step(b, _points(100, 3)))
+    kv = _kv(_step(h, b, _points(100, 3, both)))
     assert kv["layers.0.kv.k"][:, 0].tolist() == [0, 1, 2, 3, 100] + [0, 1, 2, 101, 102]  # a's 0..4; a's 0..2, b's
     assert torch.equal(kv["layers.0.kv.v"], -kv["layers.0.kv.k"])
-    # a layer whose cache the engine reported is not made up; nor is one whose keys are not every row of the step
+    # a cache the engine reported is not made up, but what its keys wrote is (the cache's op)
     cache = torch.zeros(7, 4)
-    reported = {**_points(200, 2, (0, 1)), "layers.1.kv.k": cache}
-    kv = _kv(h.step(StepBatch(["a", "b"], [[6], [7]], [5, 5]), reported))
-    assert set(kv) == {"layers.0.kv.k", "layers.0.kv.v", "layers.1.kv.k"} and kv["layers.1.kv.k"] is cache
-    assert _kv(h.step(StepBatch(["a"], [[8]], [6]), {"layers.0.attn.k_rope": torch.zeros(3, 4),
-                                                     "layers.0.attn.v": torch.zeros(3, 4)})) == {}
+    step = _step(h, StepBatch(["a", "b"], [[6], [7]], [5, 5]), {**_points(200, 2, both), "layers.1.kv.k": cache})
+    assert step["layers.1.kv.k"] is cache
+    assert step[written("layers.1.kv.k")][:, 0].tolist() == [0, 1, 2, 3, 100, 200] + [0, 1, 2, 101, 102, 201]
+    # a step whose keys are not every row of the step, or that holds other layers' than the first: none from here
+    assert _kv(_step(h, StepBatch(["a"], [[8]], [6]), {"layers.0.attn.k_rope": torch.zeros(3, 4),
+                                                        "layers.0.attn.v": torch.zeros(3, 4)})) == {}
+    assert _kv(_step(h, StepBatch(["a"], [[8]], [6]), _points(300, 1))) == {}
 
 
 def test_a_request_on_a_prefix_nobody_ran_has_no_history():
     h = KvHistory(num_layers=1)
-    h.step(StepBatch(["a"], [[1, 2]], [0]), _points(0, 2))
+    _step(h, StepBatch(["a"], [[1, 2]], [0]), _points(0, 2))
     lost = StepBatch(["a", "c"], [[3], [8]], [2, 2], prompts={"c": [7, 7, 8]})
-    assert _kv(h.step(lost, _points(10, 2))) == {}
-    assert _kv(h.step(StepBatch(["c"], [[9]], [3]), _points(20, 1))) == {}  # nor later: its earlier rows unknown
+    assert _kv(_step(h, lost, _points(10, 2))) == {}
+    assert _kv(_step(h, StepBatch(["c"], [[9]], [3]), _points(20, 1))) == {}  # nor later: its earlier rows unknown
+
+
+def test_a_local_pass_prefix_starts_the_history():
+    """The local pass gives each prompt's first positions as a cache prefix (the golden's keys and values, rounded):
+    the history starts with what was given."""
+    h = KvHistory(num_layers=1)
+    first = StepBatch(["a", "b"], [[4, 5], [7]], [3, 0], prompts={"a": [1, 2, 3, 4, 5], "b": [7]})
+    given = {0: (torch.full((3, 4), -5.0), torch.full((3, 4), 5.0))}
+    h.seed(first, [3, 0], given)
+    kv = _kv(_step(h, first, _points(10, 3)))
+    assert kv["layers.0.kv.k"][:, 0].tolist() == [-5, -5, -5, 10, 11] + [12]
+
+
+def test_each_rank_keeps_the_keys_it_wrote_from_the_first_step_they_differ():
+    """Rank 1's replica of the keys differs from step 1 on: its history is rank 0's before and its own after, given
+    as that rank's replica of the cache (and of what the cache should hold)."""
+    h = KvHistory(num_layers=1)
+    _step(h, StepBatch(["a"], [[1, 2]], [0]), _points(0, 2))
+    p = _points(10, 1)
+    other = {"layers.0.attn.k_rope": {1: p["layers.0.attn.k_rope"] + 0.5}}
+    engine, replicas = h.step(StepBatch(["a"], [[3]], [2]), p, other)
+    for n in ("layers.0.kv.k", written("layers.0.kv.k")):
+        assert engine[n][:, 0].tolist() == [0, 1, 10]
+        assert replicas[n].get(1)[:, 0].tolist() == [0, 1, 10.5] and replicas[n].get(0, "first") == "first"
+    assert replicas[written("layers.0.kv.v")].get(1)[:, 0].tolist() == [0, -1, -10]  # its values: the first's
+    engine, replicas = h.step(StepBatch(["a"], [[4]], [3]), _points(20, 1), {})
+    assert replicas["layers.0.kv.k"].get(1)[:, 0].tolist() == [0, 1, 10.5, 20]  # the same as the first's from here
 
 
 @pytest.mark.parametrize("history", [True, False])
@@ -72,7 +109,7 @@ def test_a_decode_steps_context_passes_as_inherited_without_the_kv_cache(ckpt, e
     tpcheck.diff(model=model, tp=2, dtype="bfloat16", prompts=[[3, 9, 27, 81, 5], [2, 4, 8]], decode_steps=2,
                  pool=engines, dump=str(d), dump_points=r"(?!.*\.kv\.).*")
     if not history:
-        monkeypatch.setattr(KvHistory, "step", lambda self, batch, engine: engine)
+        monkeypatch.setattr(KvHistory, "step", lambda self, batch, engine, replicas: (engine, replicas))
     engine = DumpAdapter(read_dump(d), Reductions(2))
     r = compare_engine(engine, model, engine.prompts, "bfloat16", engine.decode_steps,
                        tolerances=Tolerances(kinds={"attn.context": {"rel_max": {"*": 1e-12}}}))
@@ -102,3 +139,20 @@ def test_a_cache_written_to_the_wrong_slot_fails_at_the_context_of_a_dump_withou
     assert not r.passed and (fd["point"], fd["step"]) == ("layers.1.attn.context", 2), fd
     row = r.table[(r.table["point"] == fd["point"]) & (r.table["step"] == 2) & (r.table["mode"] == fd["mode"])]
     assert float(row["own_err"].iloc[0]) > 100 * float(row["threshold"].iloc[0])  # the op's own error, not inherited
+
+
+def test_a_cache_holding_the_keys_it_was_given_passes_as_inherited(ckpt, engines):
+    """A live engine's KV cache (``kv.k`` / ``kv.v``, read back) holds this step's keys and values and the earlier
+    steps': at a prefill exactly ``attn.k_rope`` / ``attn.v``, the same error against the same threshold. So a key
+    row over its threshold that passes as inherited (its op right on the inputs it had) must pass in the cache that
+    stores it: the cache's own op is the history of keys and values the run wrote (``KvHistory``). Judged under a
+    bound no rounding meets at the keys and values and the cache, each goes over; the keys and values pass as
+    inherited, and so does the cache at every step."""
+    tight = {k: {"rel_max": {"*": 1e-12}} for k in ("attn.k_rope", "attn.v", "kv.k", "kv.v")}
+    r = tpcheck.diff(model=str(ckpt("tiny")), tp=2, dtype="bfloat16", prompts=[[3, 9, 27, 81, 5], [2, 4, 8]],
+                     decode_steps=2, pool=engines, tolerances=Tolerances(kinds=tight))
+    t = r.table
+    kv = t[t["kind"].isin(["kv.k", "kv.v"])]
+    assert len(kv) and (kv["rel_err"] > 1e-12).all() and kv["inherited"].all(), \
+        kv[["point", "step", "mode", "rel_err", "own_err", "passed"]]
+    assert (kv["own_err"] == 0).all() and r.passed, r.summary()
