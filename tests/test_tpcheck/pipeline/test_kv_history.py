@@ -147,11 +147,13 @@ def test_a_cache_holding_the_keys_it_was_given_passes_as_inherited(ckpt, engines
     row over its threshold that passes as inherited (its op right on the inputs it had) must pass in the cache that
     stores it: the cache's own op is the history of keys and values the run wrote (``KvHistory``). Judged under a
     bound no rounding meets at the keys and values and the cache, each goes over; the keys and values pass as
-    inherited, and so does the cache at every step."""
+    inherited, and so does the cache at every step, in the local pass too, whose prefix (the golden's keys and
+    values, given) the cache's history starts with."""
     tight = {k: {"rel_max": {"*": 1e-12}} for k in ("attn.k_rope", "attn.v", "kv.k", "kv.v")}
     r = tpcheck.diff(model=str(ckpt("tiny")), tp=2, dtype="bfloat16", prompts=[[3, 9, 27, 81, 5], [2, 4, 8]],
-                     decode_steps=2, pool=engines, tolerances=Tolerances(kinds=tight))
+                     decode_steps=2, pool=engines, tolerances=Tolerances(kinds=tight), local_rows=2)
     t = r.table
+    assert r.meta["local_rows"] == 2  # the local pass gave the 5-token prompt a 3-position prefix
     kv = t[t["kind"].isin(["kv.k", "kv.v"])]
     assert len(kv) and (kv["rel_err"] > 1e-12).all() and kv["inherited"].all(), \
         kv[["point", "step", "mode", "rel_err", "own_err", "passed"]]
