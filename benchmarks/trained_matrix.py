@@ -7,6 +7,7 @@ failure names. Real text prompts, tokenized by the checkpoint's own tokenizer (`
     .venv-vllm/bin/python benchmarks/trained_matrix.py --model ... --engine vllm --tp 1,2 --dtype float32,bfloat16
     python benchmarks/trained_matrix.py --model ... --inject skip_o_proj_allreduce --inject-layer 9 --one-prompt 2
     python benchmarks/trained_matrix.py --model ... --catalog --inject-layer 9 --tp 2 --dtype bfloat16 [--dump]
+    python benchmarks/trained_matrix.py --model ... --variants rank_order_allreduce,sequential_k --tp 4
 
 One-prompt runs take prompts of 1..40 tokens spread over ``--one-prompt`` runs (the same prompts at every tp and
 dtype); two-prompt runs pair a long prompt (up to ``--max-len`` tokens) with a short one. Each run: ``tpcheck.diff``
@@ -15,7 +16,9 @@ with its defaults (local pass included) and ``--decode-steps`` decode steps. Pri
 With ``--inject`` every run is expected to fail: the summary gives the origin and its excess instead. ``--catalog``:
 every per-layer fault of the catalog that can show in the run (``Fault.silent_because`` is None) injected into
 ``--inject-layer`` in turn, one line a fault: its expected origin, the origin found and its excess; ``--dump`` judges
-each run through its dump instead (``tpcheck diff --dump DIR`` then ``tpcheck compare DIR``)."""
+each run through its dump instead (``tpcheck diff --dump DIR`` then ``tpcheck compare DIR``). ``--variants``: impl
+patched to round otherwise than Hugging Face as real engines do (``tpcheck.engines.impl.variants``), each run a
+correct engine that is not HF's twin."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import make_log  # noqa: E402
+
+from tpcheck.engines.impl.variants import ROUND_TO_NEAREST  # noqa: E402
 
 TEXTS = [
     "Hello",
@@ -102,11 +107,19 @@ def run_one(args, pool, prompts, tp: int, dtype: str, inject: str | None = None)
     kw = dict(engine=args.engine)
     if inject:
         kw.update(inject=[inject], inject_layer=args.inject_layer)
-    if args.dump:
-        r = judged_dump(args, pool, prompts, tp, dtype, inject)
-    else:
-        r = tpcheck.diff(model=args.model, tp=tp, dtype=dtype, prompts=prompts, decode_steps=args.decode_steps,
-                         pool=pool, **kw)
+    names = [v for v in (args.variants or "").split(",") if v]
+    if names:  # patched for this run alone: the pooled engine reloaded clean after it
+        from tpcheck.engines.impl import variants
+        pool.get(args.model, tp, dtype).call(variants.apply, names)
+    try:
+        if args.dump:
+            r = judged_dump(args, pool, prompts, tp, dtype, inject)
+        else:
+            r = tpcheck.diff(model=args.model, tp=tp, dtype=dtype, prompts=prompts, decode_steps=args.decode_steps,
+                             pool=pool, **kw)
+    finally:
+        if names:
+            pool.get(args.model, tp, dtype).reload()
     w, fd = r.worst(), r.first_divergence
     over = r.meta.get("overflow")
     return {"tp": tp, "dtype": dtype, "lens": [len(p) for p in prompts], "passed": r.passed,
@@ -155,8 +168,15 @@ def main(argv=None) -> int:
     ap.add_argument("--faults", help="with --catalog: only these faults (comma-separated)")
     ap.add_argument("--pick", help="only these runs, by index into the runs' list (e.g. 0,1,2: the shortest three "
                     "one-prompt runs), so that a long matrix can be made in parts")
+    ap.add_argument("--variants", default="", help="impl only: correct variants patched into its ranks for every "
+                    "run (tpcheck.engines.impl.variants, comma-separated: rank_order_allreduce, sequential_k)")
     ap.add_argument("--json", help="write every run as JSON")
     args = ap.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    if names and args.engine != "impl":
+        ap.error("--variants patches impl's ranks: --engine impl only")
+    if unknown := sorted(set(names) - set(ROUND_TO_NEAREST)):  # judged as rounding to nearest
+        ap.error(f"--variants: {unknown} not one of {', '.join(ROUND_TO_NEAREST)}")
     log = make_log("trained_matrix")
     from transformers import AutoTokenizer  # submodule: loaded once arguments are checked
 
