@@ -51,6 +51,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from tpcheck.capture.core import handoff
 from tpcheck.capture.points import split_point
 from tpcheck.measure import own_attention
 from tpcheck.measure.gain import gain_fields
@@ -66,6 +67,8 @@ OWN_INPUTS: dict[str, tuple[str, ...]] = {
     "moe.topk_weights": ("moe.router", "moe.topk_ids"),
     # the per-head q / k norms (Qwen3, Gemma 3): each head's head_dim values of the projection, normalised
     "attn.q_norm": ("attn.q",), "attn.k_norm": ("attn.k",),
+    # a pipeline stage's hand-off (--pp): the layer's MLP output and its residual stream, as the stage sent them
+    "handoff": ("mlp.out", "attn.residual"),
 }
 #: Gemma 3 (``sandwich``): its attention and MLP outputs are normalised before their residual adds
 SANDWICH_INPUTS: dict[str, tuple[str, ...]] = {
@@ -213,6 +216,8 @@ def _own_op(model: nn.Module, layer: int | None, kind: str, get: Callable[[str],
         return y, rel * y.abs()
     if kind in ("attn.residual", "out"):
         return xs[0] + xs[1], 0.0
+    if kind == "handoff":  # a copy: what the stage computed, as the next one received it
+        return handoff(xs[0], xs[1]), 0.0
     if kind == "mlp.act":
         act = getattr(m.layers[layer].mlp, "act_fn", None)
         if act is not None and "Tanh" in type(act).__name__:  # Gemma 3's GeGLU (HF's gelu_pytorch_tanh)

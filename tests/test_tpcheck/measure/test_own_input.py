@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tpcheck.capture.core import with_handoffs
 from tpcheck.inputs.models.presets import preset_available
 from tpcheck.judge import judge
 from tpcheck.measure.own_input import input_points, own_check, own_error
@@ -52,6 +53,20 @@ def test_a_correct_float32_op_has_no_own_error_and_a_wrong_one_does(ckpt, hf_mod
     assert math.isnan(own_error(model, "layers.1.mlp.out", bad, gold["layers.1.mlp.out"], {}.__getitem__))
     assert math.isnan(own_error(model, "layers.0.attn.q_rope", f32["layers.0.attn.q_rope"],
                                 gold["layers.0.attn.q_rope"], get))  # no row layout: the positions are unknown
+
+
+def test_a_pipeline_hand_off_is_the_copy_of_what_its_stage_computed(ckpt, hf_model):
+    """A stage's hand-off (``--pp``) is its last layer's MLP output and residual stream as the next stage received
+    them: an error those carry (passing as inherited) passes in the copy, and a copy changed on the way is its own."""
+    assert input_points("layers.1.handoff", 3) == ["layers.1.mlp.out", "layers.1.attn.residual"]
+    d = ckpt("tiny")
+    gold, f32 = with_handoffs(_points(hf_model(d, "float64")), [1]), with_handoffs(_points(hf_model(d, "float32")), [1])
+    model, n = hf_model(d, "float32"), "layers.1.handoff"
+    assert own_error(model, n, f32[n], gold[n], f32.__getitem__) == 0
+    sent = f32[n].clone()
+    sent[1:] = f32[n][:-1]  # the rows shifted on the way: each arrives as its predecessor
+    err = own_error(model, n, sent, gold[n], f32.__getitem__)
+    assert err > 0.9 * float((sent.double() - gold[n]).norm() / gold[n].norm()) > 0
 
 
 @pytest.mark.skipif(not preset_available("tiny-gemma3"), reason="this transformers has no Gemma 3")

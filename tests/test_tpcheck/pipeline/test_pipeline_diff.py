@@ -173,3 +173,16 @@ def test_embedding_and_head_faults_land_on_their_stage(name, origin, ckpt, engin
     and skipped on the stages that hold its placeholder: found at its origin, no rank fails."""
     r = run_diff(ckpt, engines, "tiny", 2, inject=[name], pp=2)
     assert not r.passed and r.first_divergence["point"] == origin, r.first_divergence
+
+
+def test_a_hand_off_passes_on_what_its_stage_sent(ckpt, engines):
+    """The hand-off is a copy of the stage's last MLP output and residual stream: judged under a bound no rounding
+    meets at both, the MLP output passes as inherited, and so does the copy (before it had no op, and failed)."""
+    import tpcheck
+    from tpcheck.judge.tolerances import Tolerances
+    tight = {k: {"rel_max": {"*": 1e-12}} for k in ("mlp.out", "handoff")}
+    r = tpcheck.diff(model=str(ckpt("tiny")), tp=1, pp=2, dtype="bfloat16", prompts=[[3, 9, 27, 81, 5]],
+                     decode_steps=1, pool=engines, tolerances=Tolerances(kinds=tight))
+    h = r.table[r.table["kind"] == "handoff"]
+    assert len(h) == 4 and (h["rel_err"] > 1e-12).all() and h["inherited"].all() and (h["own_err"] == 0).all()
+    assert r.passed, r.summary()
