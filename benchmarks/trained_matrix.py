@@ -108,18 +108,14 @@ def run_one(args, pool, prompts, tp: int, dtype: str, inject: str | None = None)
     if inject:
         kw.update(inject=[inject], inject_layer=args.inject_layer)
     names = [v for v in (args.variants or "").split(",") if v]
-    if names:  # patched for this run alone: the pooled engine reloaded clean after it
-        from tpcheck.engines.impl import variants
-        pool.get(args.model, tp, dtype).call(variants.apply, names)
-    try:
-        if args.dump:
-            r = judged_dump(args, pool, prompts, tp, dtype, inject)
-        else:
-            r = tpcheck.diff(model=args.model, tp=tp, dtype=dtype, prompts=prompts, decode_steps=args.decode_steps,
-                             pool=pool, **kw)
-    finally:
-        if names:
-            pool.get(args.model, tp, dtype).reload()
+    if names:  # patched into the pooled engine before each run (patching twice is patching once); not reloaded
+        from tpcheck.engines.impl import variants  # after: a reload of a 262k-vocabulary model's ranks beside
+        pool.get(args.model, tp, dtype).call(variants.apply, names)  # the old ones ran out of memory at tp 4
+    if args.dump:
+        r = judged_dump(args, pool, prompts, tp, dtype, inject)
+    else:
+        r = tpcheck.diff(model=args.model, tp=tp, dtype=dtype, prompts=prompts, decode_steps=args.decode_steps,
+                         pool=pool, **kw)
     w, fd = r.worst(), r.first_divergence
     over = r.meta.get("overflow")
     return {"tp": tp, "dtype": dtype, "lens": [len(p) for p in prompts], "passed": r.passed,
