@@ -86,10 +86,13 @@ class KvHistory:
         self.layers: list[int] | None = None  # the layers kept, fixed at the first step that has any
         self.ranks: list[int] = []  # ranks whose keys or values differed from the first replica's: their own
 
-    def seed(self, batch: StepBatch, lens: list[int], kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def seed(self, batch: StepBatch, lens: list[int] | None,
+             kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """The positions a local pass gave each request of its first step ``batch`` as a cache prefix (``lens[b]``
         first positions; ``kv``: per layer ``(keys, values)``, prompts concatenated, as the engine was given them:
-        ``tpcheck.pipeline.local_rows.give_prefix``)."""
+        ``tpcheck.pipeline.local_rows.give_prefix``); nothing where it gave none (``kv`` None)."""
+        if kv is None or lens is None:
+            return
         offset = 0
         for rid, n in zip(batch.ids, lens):
             if n:

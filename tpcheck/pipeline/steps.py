@@ -182,9 +182,7 @@ class DiffPass:
             fill_gaps(c, self.log.gaps, golden, self.g_caches, self.r_caches, self.floor.references, self.isolated,
                       held)
         r = {name: [self.r_caches[name][rid] for rid in batch.ids] for name, _ in self.floor.references}
-        written = self.last.give(r, given)
-        if written is not None:  # the cache's history starts with the prefix, as the engine was given it
-            self.maker.kv_history.seed(batch, self.last.lens, written)
+        self.maker.kv_history.seed(batch, self.last.lens, self.last.give(r, given))  # the cache's: the prefix given
         return [self.g_caches.get(rid) for rid in batch.ids], r
 
     def _step(self, step: int, batch: StepBatch) -> tuple[list[Row], list[int]]:
