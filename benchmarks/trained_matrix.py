@@ -107,10 +107,9 @@ def run_one(args, pool, prompts, tp: int, dtype: str, inject: str | None = None)
     kw = dict(engine=args.engine)
     if inject:
         kw.update(inject=[inject], inject_layer=args.inject_layer)
-    names = [v for v in (args.variants or "").split(",") if v]
-    if names:  # patched into the pooled engine before each run (patching twice is patching once); not reloaded
-        from tpcheck.engines.impl import variants  # after: a reload of a 262k-vocabulary model's ranks beside
-        pool.get(args.model, tp, dtype).call(variants.apply, names)  # the old ones ran out of memory at tp 4
+    if args.variants:  # patched into the pooled engine before each run (patching twice is patching once); not
+        from tpcheck.engines.impl import variants  # reloaded after: a reload of a 262k-vocabulary model's ranks
+        pool.get(args.model, tp, dtype).call(variants.apply, args.variants)  # beside the old ones ran out of memory
     if args.dump:
         r = judged_dump(args, pool, prompts, tp, dtype, inject)
     else:
@@ -168,10 +167,10 @@ def main(argv=None) -> int:
                     "run (tpcheck.engines.impl.variants, comma-separated: rank_order_allreduce, sequential_k)")
     ap.add_argument("--json", help="write every run as JSON")
     args = ap.parse_args(argv)
-    names = [v for v in args.variants.split(",") if v]
-    if names and args.engine != "impl":
+    args.variants = [v for v in args.variants.split(",") if v]
+    if args.variants and args.engine != "impl":
         ap.error("--variants patches impl's ranks: --engine impl only")
-    if unknown := sorted(set(names) - set(ROUND_TO_NEAREST)):  # judged as rounding to nearest
+    if unknown := sorted(set(args.variants) - set(ROUND_TO_NEAREST)):  # judged as rounding to nearest
         ap.error(f"--variants: {unknown} not one of {', '.join(ROUND_TO_NEAREST)}")
     log = make_log("trained_matrix")
     from transformers import AutoTokenizer  # submodule: loaded once arguments are checked
