@@ -159,8 +159,9 @@ def own_check(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.T
     step's rows are (attention's ops). NaN where the op cannot be recomputed: an input missing (KeyError) or of
     another shape, a streamed model. ``parts``: a point whose ranks computed its columns from inputs that differ
     (replicas an ulp apart): ``(columns, get)`` of each rank group, the op redone on each group's own inputs for its
-    columns. The diff asks for it in dense models, and in mixture-of-experts models for the top-k weights alone
-    (``RowMaker._own``): their other points are judged by the floor alone."""
+    columns. The diff asks for it in dense models, and in mixture-of-experts models for the points no route decides
+    (attention, the norms before the experts) and the top-k weights (``RowMaker._own``): the routed points are
+    judged by the floor alone."""
     layer, kind = split_point(name)
     if kind not in OWN_INPUTS and kind not in SANDWICH_INPUTS and kind not in own_attention.KINDS or model is None \
             or engine.shape != golden.shape:

@@ -191,3 +191,18 @@ def test_columns_computed_on_each_rank_s_own_inputs_are_redone_there(ckpt, hf_mo
     bad = y.clone()
     bad[:, w + 3] += 1e-2 * bad.abs().max()  # one of rank 1's columns off: its own error still
     assert own_check(model, n, bad, gold[n], rank0, parts=parts).err > 1e-3
+
+
+def test_a_moe_model_s_attention_passes_an_inherited_error(ckpt, engines):
+    """In a mixture-of-experts model the points no route decides (attention, the norms before the experts) have
+    their op too: under a bound no rounding meets at q, q_rope, the context and o_proj, each goes over and passes as
+    inherited, its op right on the engine's own inputs (before, only the top-k weights had one, and these failed)."""
+    import tpcheck
+    from tpcheck.judge.tolerances import Tolerances
+    kinds = ("attn.q", "attn.q_rope", "attn.context", "attn.out")
+    tight = {k: {"rel_max": {"*": 1e-12}} for k in kinds}
+    r = tpcheck.diff(model=str(ckpt("tiny-mixtral")), tp=2, dtype="bfloat16", prompts=[[3, 9, 27, 81, 5]],
+                     decode_steps=1, pool=engines, tolerances=Tolerances(kinds=tight))
+    t = r.table[r.table["kind"].isin(kinds)]
+    assert len(t) == 4 * 2 * 2 * 2 and (t["rel_err"] > 1e-12).all() and t["inherited"].all()
+    assert (t["own_err"] == 0).all() and r.passed, r.summary()
