@@ -34,6 +34,24 @@ def add_checkpoint_args(ap, seed_help: str = "checkpoint seed") -> None:
     ap.add_argument("--seed", type=int, default=0, help=seed_help)
 
 
+def add_variants_arg(ap) -> None:
+    """``--variants``: impl patched to round otherwise than Hugging Face (``tpcheck.engines.impl.variants``)."""
+    ap.add_argument("--variants", default="", help="impl only: correct variants patched into its ranks for every "
+                    "run (tpcheck.engines.impl.variants, comma-separated: rank_order_allreduce, sequential_k)")
+
+
+def check_variants_arg(ap, args) -> list[str]:
+    """``args.variants`` as a list, refused (exit 2) for another engine than impl or a variant that is not judged
+    as rounding to nearest."""
+    from tpcheck.engines.impl.variants import ROUND_TO_NEAREST  # tpcheck: loaded once a script uses the option
+    names = [v for v in args.variants.split(",") if v]
+    if names and args.engine != "impl":
+        ap.error("--variants patches impl's ranks: --engine impl only")
+    if unknown := sorted(set(names) - set(ROUND_TO_NEAREST)):  # judged as rounding to nearest
+        ap.error(f"--variants: {unknown} not one of {', '.join(ROUND_TO_NEAREST)}")
+    return names
+
+
 def add_json_arg(ap) -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
 

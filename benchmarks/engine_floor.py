@@ -30,7 +30,7 @@ from tpcheck.engines.impl import variants
 from tpcheck.inputs.models.checkpoints import cached_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, however this script is run
-from common import check_json_arg, make_log, print_table  # noqa: E402
+from common import add_variants_arg, check_json_arg, check_variants_arg, make_log, print_table  # noqa: E402
 
 
 def prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -86,20 +86,14 @@ def judge_run(r) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="impl")
-    ap.add_argument("--variants", default="", help="impl only: correct variants patched into its ranks for every "
-                    "run (tpcheck.engines.impl.variants, comma-separated: rank_order_allreduce, sequential_k)")
+    add_variants_arg(ap)
     add_device_argument(ap, "the engines (and the golden and references, unless --golden-device)")
     ap.add_argument("--golden-device", type=device_name, default=None, help="the golden's and references' device "
                     "(tpcheck diff --golden-device; cpu: the figures measured before they could run on a GPU)")
     add_prompt_args(ap, "float32,bfloat16", 0)
     a = ap.parse_args(argv)
     check_json_arg(ap, a)
-    names = [v for v in a.variants.split(",") if v]
-    if names and a.engine != "impl":
-        ap.error("--variants patches impl's ranks: --engine impl only")
-    unknown = sorted(set(names) - set(variants.ROUND_TO_NEAREST))  # judged as rounding to nearest
-    if unknown:
-        ap.error(f"--variants: {unknown} not one of {', '.join(variants.ROUND_TO_NEAREST)}")
+    names = check_variants_arg(ap, a)
     log = make_log("engine_floor")
     ckpt, batches = batches_of(a)
     pool, rows, runs = EnginePool(device=a.device), [], []

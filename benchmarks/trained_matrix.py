@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import make_log  # noqa: E402
-
-from tpcheck.engines.impl.variants import ROUND_TO_NEAREST  # noqa: E402
+from common import add_variants_arg, check_variants_arg, make_log  # noqa: E402
 
 TEXTS = [
     "Hello",
@@ -163,15 +161,10 @@ def main(argv=None) -> int:
     ap.add_argument("--faults", help="with --catalog: only these faults (comma-separated)")
     ap.add_argument("--pick", help="only these runs, by index into the runs' list (e.g. 0,1,2: the shortest three "
                     "one-prompt runs), so that a long matrix can be made in parts")
-    ap.add_argument("--variants", default="", help="impl only: correct variants patched into its ranks for every "
-                    "run (tpcheck.engines.impl.variants, comma-separated: rank_order_allreduce, sequential_k)")
+    add_variants_arg(ap)
     ap.add_argument("--json", help="write every run as JSON")
     args = ap.parse_args(argv)
-    args.variants = [v for v in args.variants.split(",") if v]
-    if args.variants and args.engine != "impl":
-        ap.error("--variants patches impl's ranks: --engine impl only")
-    if unknown := sorted(set(args.variants) - set(ROUND_TO_NEAREST)):  # judged as rounding to nearest
-        ap.error(f"--variants: {unknown} not one of {', '.join(ROUND_TO_NEAREST)}")
+    args.variants = check_variants_arg(ap, args)
     log = make_log("trained_matrix")
     from transformers import AutoTokenizer  # submodule: loaded once arguments are checked
 

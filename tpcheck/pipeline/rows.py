@@ -116,13 +116,13 @@ class RowMaker:
             if subset is not None:
                 self.rows_not_produced[u.name] = self.rows_not_produced.get(u.name, 0) + g.shape[0] - len(subset)
                 g = g[subset]
-            where = (kv_lens, [0] * len(kv_lens)) if kind_of(u.name).rows == "cache" else (row_lens, starts)
+            k = kind_of(u.name)
+            where = (kv_lens, [0] * len(kv_lens)) if k.rows == "cache" else (row_lens, starts)
             rows.append(self._row(u, g, step, *where, want, order, subset))
             # a point of some rows (vLLM's logits: the sampled rows) too, where its op is row by row: the same op on
             # those rows of its inputs (attention's ops read other rows: their layout is the whole step's). In a
             # mixture-of-experts model, the points no route decides (attention, the norms before the experts) and
             # the top-k weights; the routed points are judged by the floor alone
-            k = kind_of(u.name)
             if (subset is None or k.name not in own_attention.KINDS) and \
                     (not self.ctx.sparse or k.route == "weights" or not (k.routed or k.route)):
                 self._own(rows[-1], u, g, engine_of, replicas_of, eng_teacher,
