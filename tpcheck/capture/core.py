@@ -72,10 +72,12 @@ def handoff(hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor
 
 def with_handoffs(points: dict[str, torch.Tensor], handoffs) -> dict[str, torch.Tensor]:
     """``points`` (a one-device run's: the golden's, a reference's) with the handoff of each layer in ``handoffs``
-    made from what that layer computed: its ``mlp.out`` (the hidden_states vLLM sends) and its ``attn.residual``
-    (the stream before that add), where both were captured."""
+    made from what that layer computed: the hidden_states vLLM sends, its MLP's output as the layer adds it to the
+    stream (``mlp.post_norm`` where the family normalises it first, Gemma 3; else ``mlp.out``), and its
+    ``attn.residual`` (the stream before that add), where both were captured."""
     for i in handoffs:
-        parts = points.get(f"layers.{i}.mlp.out"), points.get(f"layers.{i}.attn.residual")
+        sent = points.get(f"layers.{i}.mlp.post_norm")
+        parts = sent if sent is not None else points.get(f"layers.{i}.mlp.out"), points.get(f"layers.{i}.attn.residual")
         if parts[0] is not None and parts[1] is not None:
             points[f"layers.{i}.handoff"] = handoff(*parts)
     return points

@@ -74,6 +74,7 @@ OWN_INPUTS: dict[str, tuple[str, ...]] = {
 SANDWICH_INPUTS: dict[str, tuple[str, ...]] = {
     "attn.post_norm": ("attn.out",), "attn.residual": (PREV, "attn.post_norm"), "mlp.post_norm": ("mlp.out",),
     "out": ("attn.residual", "mlp.post_norm"),
+    "handoff": ("mlp.post_norm", "attn.residual"),  # vLLM's Gemma 3 layer sends its normalised MLP output
 }
 #: point kind -> the decoder layer's norm that computes it (the other families; ``SANDWICH_NORMS`` for Gemma 3)
 NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}

@@ -149,3 +149,25 @@ def test_gemma_faults_show_on_gemma_only(ckpt):
         assert FAULTS[name].applies(gemma, 2, "bfloat16") and not FAULTS[name].applies(qwen3, 2, "bfloat16")
     # Gemma's norms already scale before the cast back: that fault would be the engine's truth there
     assert not FAULTS["rmsnorm_weight_before_cast"].applies(gemma, 2, "bfloat16")
+
+
+def test_gemma_pipeline_hand_off(ckpt, engines):
+    """A Gemma 3 stage hands on its *normalised* MLP output (``post_feedforward_layernorm``: impl's and vLLM's
+    ``hidden_states``), not ``mlp.out``: a clean pp 2 run passes at the hand-off (it failed at 5e4x when the golden
+    built it from ``mlp.out``); under a bound no rounding meets at the normalised output and the hand-off, both
+    pass as inherited, the hand-off's op being that copy (own 0); a final norm applied mid-stage is found there."""
+    from tpcheck.judge.tolerances import Tolerances
+    d = str(ckpt("tiny-gemma3"))
+    prompts = _prompts(262, (9, 13), "pp")  # tiny-gemma3: a vocab of 262
+    clean = tpcheck.diff(model=d, tp=2, pp=2, dtype="bfloat16", prompts=prompts, decode_steps=1, pool=engines)
+    assert clean.passed, clean.summary() + "\n" + clean.table[~clean.table.passed].to_string()
+    assert (clean.table["kind"] == "handoff").sum() == 4  # two steps, both passes
+    tight = {k: {"rel_max": {"*": 1e-12}} for k in ("mlp.post_norm", "handoff")}
+    r = tpcheck.diff(model=d, tp=1, pp=2, dtype="bfloat16", prompts=prompts, decode_steps=1, pool=engines,
+                     tolerances=Tolerances(kinds=tight))
+    h = r.table[r.table["point"] == "layers.0.handoff"]
+    assert (h["rel_err"] > 1e-12).all() and h["inherited"].all() and (h["own_err"] == 0).all(), h.to_string()
+    assert r.passed, r.summary()
+    bad = tpcheck.diff(model=d, tp=1, pp=2, dtype="bfloat16", prompts=prompts, decode_steps=1, pool=engines,
+                       inject=["pp_final_norm_mid_stage"])
+    assert not bad.passed and bad.first_divergence["point"] == "layers.0.handoff", bad.summary()
