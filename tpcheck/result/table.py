@@ -102,10 +102,18 @@ _FIELD_DEFAULTS = {f.name: f.default for f in fields(Row) if f.default is not MI
 
 
 def _own_part(row: pd.Series) -> str:
-    """How much of a passing row's error its own op added (``own_err`` against the same threshold), where it was
-    measured (over half the threshold): near 0, what brings the row near its threshold is its inputs', and over the
-    threshold it would pass as inherited while its inputs pass."""
-    own, thr = float(row.get("own_err", math.nan)), float(row.get("threshold", math.nan))
+    """How much of a passing row's excess its own op added, where it was measured (over half the threshold), against
+    the bound that sets the excess: ``own_err`` against the threshold, or where the gain sets it, ``own_gain``
+    against the gain's bound (``|gain| / excess``: the declared rounding's allowance included, as the verdict's
+    ``own_gain`` rule reads it). Near 0, what brings the row near its threshold is its inputs', and over it the row
+    would pass as inherited while its inputs pass."""
+    def num(name: str) -> float:
+        return float(row.get(name, math.nan))
+    own, thr, x = num("own_err"), num("threshold"), num("excess")
+    gain, og, gthr = abs(num("gain")), abs(num("own_gain")), num("gain_threshold")
+    # the excess is the gain's where it is over rel_err's share and |gain| / excess is a gain bound (>= its threshold)
+    if thr > 0 and x > 0 and gain > 0 and x > num("rel_err") / thr * (1 + 1e-9) and gain / x >= gthr * (1 - 1e-9):
+        return f" (by its gain; its own op's gain: {og * x / gain:.2f}x)" if math.isfinite(og) else " (by its gain)"
     return f" (its own op's error: {own / thr:.2f}x)" if math.isfinite(own) and thr > 0 else ""
 
 

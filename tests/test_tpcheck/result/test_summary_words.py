@@ -124,6 +124,13 @@ def test_a_pass_says_how_much_of_its_closest_point_its_own_op_added(ckpt, engine
     assert "own op" not in r.summary()
     r.table.at[i, "own_err"] = 0.25 * r.table.at[i, "threshold"]
     assert r.summary().split("\n")[0].endswith(f"at {r.table.at[i, 'excess']:.2f}x (its own op's error: 0.25x)")
+    # where the gain sets the excess (a truncating engine's decode-step context), the own op's gain against the
+    # gain's bound: 0.5 of a bound of 0.01, its op adding 0.002 of it
+    r.table.at[i, "rel_err"], r.table.at[i, "gain"] = 0.1 * r.table.at[i, "threshold"], -0.005
+    r.table.at[i, "gain_threshold"], r.table.at[i, "excess"] = 0.004, 0.5
+    assert r.summary().split("\n")[0].endswith("at 0.50x (by its gain)")
+    r.table.at[i, "own_gain"] = -0.002
+    assert r.summary().split("\n")[0].endswith("at 0.50x (by its gain; its own op's gain: 0.20x)")
 
 
 # ------------------------------------------------------------------------------------------------ words, not reprs
