@@ -1,6 +1,7 @@
 """The origin of a failing run in the summary (``origin_lines``): where it first diverged and how far (one ratio),
 why (the kind of evidence: ``cause_of``) and what to check next (``tpcheck.result.hints``); the isolate line
-(``isolate_line``); whether the ranks failed a row (``ranks_cause``)."""
+(``isolate_line``); whether the ranks failed a row (``ranks_cause``); what a pass's closest point owes its own op
+(``closest_part``)."""
 from __future__ import annotations
 
 import math
@@ -202,3 +203,19 @@ def _gain_note(fd: dict, dtype: str) -> str:
         note += (f", of the sign and size of rounding toward zero to {dtype} instead of to nearest (-2^-{bits + 2} "
                  f"to -2^-{bits + 1} on average)")
     return note
+
+
+def closest_part(row) -> str:
+    """What the summary adds to a pass's closest point (``row``: its table row): how much of its excess its own op
+    added, where it was measured (over half the threshold), against the bound that sets the excess: ``own_err``
+    against the threshold, or where the gain sets it, ``own_gain`` against the gain's bound (``|gain| / excess``:
+    the declared rounding's allowance included, as the verdict's ``own_gain`` rule reads it). Near 0, what brings
+    the row near its threshold is its inputs', and over it the row would pass as inherited while its inputs pass."""
+    def num(name: str) -> float:
+        return float(row.get(name, math.nan))
+    own, thr, x = num("own_err"), num("threshold"), num("excess")
+    gain, og, gthr = abs(num("gain")), abs(num("own_gain")), num("gain_threshold")
+    # the excess is the gain's where it is over rel_err's share and |gain| / excess is a gain bound (>= its threshold)
+    if thr > 0 and x > 0 and gain > 0 and x > num("rel_err") / thr * (1 + 1e-9) and gain / x >= gthr * (1 - 1e-9):
+        return f" (by its gain; its own op's gain: {og * x / gain:.2f}x)" if math.isfinite(og) else " (by its gain)"
+    return f" (its own op's error: {own / thr:.2f}x)" if math.isfinite(own) and thr > 0 else ""

@@ -15,7 +15,7 @@ from tpcheck.measure.metrics import K_FACTOR
 from tpcheck.capture.points import point_order, split_point
 from tpcheck.inputs.files.validate import MAX_LAYERS, int_in, read_json
 from tpcheck.result.after_verdict import after_verdict
-from tpcheck.result.origin import isolate_line, origin_lines, rounding_allowance
+from tpcheck.result.origin import closest_part, isolate_line, origin_lines, rounding_allowance
 
 NAN = math.nan
 
@@ -99,22 +99,6 @@ class Row:
 
 COLUMNS = [f.name for f in fields(Row)]
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(Row) if f.default is not MISSING}  # a dict row's gaps
-
-
-def _own_part(row: pd.Series) -> str:
-    """How much of a passing row's excess its own op added, where it was measured (over half the threshold), against
-    the bound that sets the excess: ``own_err`` against the threshold, or where the gain sets it, ``own_gain``
-    against the gain's bound (``|gain| / excess``: the declared rounding's allowance included, as the verdict's
-    ``own_gain`` rule reads it). Near 0, what brings the row near its threshold is its inputs', and over it the row
-    would pass as inherited while its inputs pass."""
-    def num(name: str) -> float:
-        return float(row.get(name, math.nan))
-    own, thr, x = num("own_err"), num("threshold"), num("excess")
-    gain, og, gthr = abs(num("gain")), abs(num("own_gain")), num("gain_threshold")
-    # the excess is the gain's where it is over rel_err's share and |gain| / excess is a gain bound (>= its threshold)
-    if thr > 0 and x > 0 and gain > 0 and x > num("rel_err") / thr * (1 + 1e-9) and gain / x >= gthr * (1 - 1e-9):
-        return f" (by its gain; its own op's gain: {og * x / gain:.2f}x)" if math.isfinite(og) else " (by its gain)"
-    return f" (its own op's error: {own / thr:.2f}x)" if math.isfinite(own) and thr > 0 else ""
 
 
 def worst_key(table: pd.DataFrame) -> pd.Series:
@@ -247,7 +231,7 @@ class DiffResult:
         if fd is None:
             worst = self.worst()
             tail = "" if worst is None else (f"; closest to its threshold: {worst.point} (step {worst.step}) at "
-                                             f"{worst.excess:.2f}x" + _own_part(worst))
+                                             f"{worst.excess:.2f}x" + closest_part(worst))
             ops = ""
             if m.get("exact_ops") and "op_mismatch" in self.table:
                 n_ops = int(self.table["op_mismatch"].notna().sum())
