@@ -298,7 +298,11 @@ def test_engine_vllm_bfloat16_passes_with_the_local_pass_by_its_declared_roundin
     assert r.passed, r.summary()
     if r.meta["rounding"]["mode"] == "truncate":
         assert "rounding: declared truncate" in r.summary()
-        assert r.table[r.table["by_rounding"]]["point"].str.endswith(TRUNCATING).all()
+        # the allowance carries a truncating op's own gain, or a point after one that passes it on (its own op's
+        # gain within its bound: layers.0.out, the residual carrying attn.out's truncation, on an AVX2 CPU)
+        carried = r.table[r.table["by_rounding"]]
+        passed_on = carried["own_gain"].abs() <= carried["gain_threshold"]
+        assert len(carried) and (carried["point"].str.endswith(TRUNCATING) | passed_on).all(), carried
     other = {"truncate": "nearest", "nearest": "truncate"}[r.meta["rounding"]["mode"]]
     o = tpcheck.diff(str(ckpt), rounding=other, **run)
     rows = o.table.to_dict(orient="records")
