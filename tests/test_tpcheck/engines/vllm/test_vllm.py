@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from diff_runs import TRUNCATING, declared, truncated_only
+from diff_runs import declared, from_truncation, truncated_only
 from tpcheck.capture.rounding import cpu_has_bf16_rounding
 from tpcheck.engines.vllm.worker import VLLM_FAULTS as FAULTS
 
@@ -298,11 +298,9 @@ def test_engine_vllm_bfloat16_passes_with_the_local_pass_by_its_declared_roundin
     assert r.passed, r.summary()
     if r.meta["rounding"]["mode"] == "truncate":
         assert "rounding: declared truncate" in r.summary()
-        # the allowance carries a truncating op's own gain, or a point after one that passes it on (its own op's
-        # gain within its bound: layers.0.out, the residual carrying attn.out's truncation, on an AVX2 CPU)
-        carried = r.table[r.table["by_rounding"]]
-        passed_on = carried["own_gain"].abs() <= carried["gain_threshold"]
-        assert len(carried) and (carried["point"].str.endswith(TRUNCATING) | passed_on).all(), carried
+        carried = r.table[r.table["by_rounding"]]  # a truncating op's gain, or one passed on after it
+        assert len(carried) and all(map(from_truncation, carried["point"], carried["own_gain"],
+                                        carried["gain_threshold"])), carried
     other = {"truncate": "nearest", "nearest": "truncate"}[r.meta["rounding"]["mode"]]
     o = tpcheck.diff(str(ckpt), rounding=other, **run)
     rows = o.table.to_dict(orient="records")
