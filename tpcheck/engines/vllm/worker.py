@@ -30,27 +30,29 @@ def paged_kv_rows(cache: torch.Tensor, layout: str, block_ids: list[int], num_to
       ``(offset, d)`` in its half (``probe_cpu_index`` learns it from vLLM's own write kernel); None: plain
       row-major ``[block_size, head_dim]``;
     * ``"flash"``: flash-attention's ``[2, num_blocks, block_size, kv_heads, head_dim]`` (keys, values)."""
-    if layout == "cpu":
-        nb, heads, bs, two_d = cache.shape
-        d = two_d // 2
-        halves = cache.reshape(nb, heads, 2, bs * d)
-        if index is None:
-            index = (torch.arange(bs * d).view(bs, d),) * 2
-        # [nb, heads, bs, d] -> [nb, bs, heads, d]
-        k, v = (halves[:, :, i][:, :, idx.reshape(-1)].view(nb, heads, bs, d).permute(0, 2, 1, 3)
-                for i, idx in enumerate(index))
-    elif layout == "flash":
-        if cache.shape[0] != 2:
-            raise ValueError(f"a flash-attention KV cache is [2, blocks, block_size, heads, head_dim], got {tuple(cache.shape)}")
-        k, v = cache[0], cache[1]
-        bs = k.shape[1]
-    else:
+    if layout not in ("cpu", "flash"):
         raise ValueError(f"unknown KV cache layout {layout!r} (cpu, flash)")
+    if layout == "flash" and cache.shape[0] != 2:
+        raise ValueError(f"a flash-attention KV cache is [2, blocks, block_size, heads, head_dim], got {tuple(cache.shape)}")
+    bs = cache.shape[2]
     if num_tokens > len(block_ids) * bs:
         raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks of {bs}")
+    # the sequence's own blocks first: the cache is the whole pool (1 GiB over the layers with
+    # VLLM_CPU_KVCACHE_SPACE=1), and permuting all of it per layer and sequence took 3-4 s a layer on 2 cores
+    used = torch.tensor(block_ids[:-(-num_tokens // bs)], dtype=torch.long)
+    if layout == "cpu":
+        _, heads, _, two_d = cache.shape
+        d = two_d // 2
+        halves = cache[used].reshape(len(used), heads, 2, bs * d)
+        if index is None:
+            index = (torch.arange(bs * d).view(bs, d),) * 2
+        # [blocks, heads, bs, d] -> [blocks, bs, heads, d]
+        k, v = (halves[:, :, i][:, :, idx.reshape(-1)].view(len(used), heads, bs, d).permute(0, 2, 1, 3)
+                for i, idx in enumerate(index))
+    else:
+        k, v = cache[0][used], cache[1][used]
     pos = torch.arange(num_tokens)
-    blocks = torch.tensor(block_ids, dtype=torch.long)[pos // bs]
-    offs = pos % bs
+    blocks, offs = pos // bs, pos % bs  # into ``used``
     return (k[blocks, offs].reshape(num_tokens, -1).to("cpu", copy=True),
             v[blocks, offs].reshape(num_tokens, -1).to("cpu", copy=True))
 
