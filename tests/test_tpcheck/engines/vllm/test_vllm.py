@@ -306,9 +306,10 @@ def test_engine_vllm_bfloat16_passes_with_the_local_pass_by_its_declared_roundin
     o = tpcheck.diff(str(ckpt), rounding=other, **run)
     rows = o.table.to_dict(orient="records")
     assert o.passed == (not truncated_only(rows, "bfloat16")), o.summary()
-    if not o.passed:  # the origin line names the truncation, at the first op that truncates
-        assert re.search(r"^origin: layers\.0\.attn\.[qk]_rope .*rounding toward zero to bfloat16", o.summary(),
-                         re.M), o.summary()
+    if not o.passed:  # the origin is the first op that truncates, and its why names truncation
+        words = " ".join(o.summary().split())  # unwrapped
+        assert re.search(r"origin: layers\.0\.attn\.[qk]_rope \(step 0, isolated\):", words), o.summary()
+        assert "of the sign and size of rounding toward zero to bfloat16" in words, o.summary()
 
 
 def test_engine_vllm_points_are_selected_inside_the_ranks(pool, ckpt, monkeypatch):
