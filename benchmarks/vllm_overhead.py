@@ -5,6 +5,7 @@ and vLLM's generate throughput with the ``TPCHECK_DUMP`` plugin off, on (every p
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py [--preset small-hd32] [--repeats 3] [--tokens 32]
     .venv-vllm/bin/python benchmarks/vllm_overhead.py --per-kind    # each point kind dumped alone
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py --verdict-only --preset small-gemma3   # time to verdict alone
 
 Every measurement is a fresh process (vLLM's start is in the time to verdict, not in the throughput: a
 warm-up ``generate`` runs before the timed one), the variants interleaved so a load change on the machine hits
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="requests per generate")
     ap.add_argument("--points", default=r"logits|layers\.\d+\.out", help="the TPCHECK_DUMP_POINTS selection")
     ap.add_argument("--generate-only", action="store_true", help="skip the time-to-verdict diffs")
+    ap.add_argument("--verdict-only", action="store_true", help="only the time-to-verdict diffs (no generate runs)")
     ap.add_argument("--per-kind", action="store_true", help="instead: each point kind dumped alone (bytes per token "
                                                             "per layer, time per hook)")
     ap.add_argument("--json", help="--per-kind: also write the figures here")
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             for engine in verdict if not a.generate_only else ():
                 verdict[engine].append(time_to_verdict(ckpt, engine, a.tp, a.decode_steps, a.seq_len))
                 log(f"repeat {r}: diff --engine {engine}: {verdict[engine][-1]:.1f}s")
-            for name in gen:
+            for name in gen if not a.verdict_only else ():
                 dump = None if name == "off" else f"{tmp}/{len(gen[name])}-{names.index(name)}"
                 pts = a.points if name.startswith("selection") else None
                 os.environ["TPCHECK_DUMP_QUEUE_MB"] = "0" if name.endswith("in the step") else "256"
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(["diff (cold process, float32)", "time to verdict, s"],
                     [[f"--engine {e} ({a.seq_len} tokens x 2 prompts, {a.decode_steps} decode steps)", _median(v)]
                      for e, v in verdict.items()])
+    if a.verdict_only:
+        return 0
     off = statistics.median(gen["off"])
     print_table(["vLLM generate", "tokens/s", "vs off", "tokens/s until written", "vs off"],
                 [[f"dump {name}" + (f" ({a.points})" if name.startswith("selection") else ""), _median(v),
