@@ -56,8 +56,8 @@ def from_truncation(point: str, own_gain: float, gain_threshold: float) -> bool:
 def truncated_only(rows: list[dict], dtype: str) -> bool:
     """Whether a run's failing rows (``rows``: the result's, as dicts) are vLLM's bfloat16 truncation and nothing
     else, asserting it: every failing row is of the local pass, from truncation (``from_truncation``), within its
-    rel_err threshold, and failed by a gain of truncation's sign and size; on a CPU without AVX512-BF16 in bfloat16 there is such a row
-    at ``attn.q_rope`` (measured: every run). False where nothing failed."""
+    rel_err threshold, and failed by a gain of truncation's sign and size; on a CPU without AVX512-BF16 in
+    bfloat16 there is such a row at ``attn.q_rope`` (measured: every run). False where nothing failed."""
     from tpcheck.result.origin import truncation_like
     bad = [r for r in rows if not r["passed"]]
     for r in bad:
