@@ -193,10 +193,17 @@ def _inherited(t: pd.DataFrame, ok: np.ndarray, own_ok: np.ndarray, num_layers: 
     passed = {(m, s, p): bool(v) for m, s, p, v in zip(t["mode"], t["step"], t["point"], ok)}
     sandwich = bool(t["point"].str.endswith(".attn.post_norm").any())  # Gemma 3: its residual adds read the norms
     qk_norm = bool(t["point"].str.endswith(".attn.q_norm").any())  # Qwen3, Gemma 3: RoPE reads the normed q, k
+    names = set(t["point"])
+    moe = {}  # layer -> its sparse block's kind (tpcheck.measure.own_moe.layer_kind), from the points it holds
+    for p in names:
+        if p.endswith(".moe.experts"):
+            at = p.removesuffix("moe.experts")
+            moe[split_point(p)[0]] = "shared" if at + "moe.shared" in names else "moe"
     for i in sorted(candidates, key=lambda i: (t["mode"].iat[i], t["step"].iat[i], point_order(t["point"].iat[i]))):
         mode, step, point = t["mode"].iat[i], t["step"].iat[i], t["point"].iat[i]
         kv = (mode, step, point.replace(".attn.context", ".kv.k")) in passed  # the context read the cache back
-        inputs = own_input.input_points(point, num_layers, sandwich, qk_norm, kv) or [None]
+        inputs = own_input.input_points(point, num_layers, sandwich, qk_norm, kv, moe.get(split_point(point)[0], ""))\
+            or [None]
         if mode == "isolated" and own_input.reads_layer_input(split_point(point)[1]):
             inputs = inputs[1:]  # the layer's input is the teacher: the golden's
         if all(passed.get((mode, step, p), False) for p in inputs):

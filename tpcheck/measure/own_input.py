@@ -53,7 +53,7 @@ from torch import nn
 
 from tpcheck.capture.core import handoff
 from tpcheck.capture.points import split_point
-from tpcheck.measure import own_attention
+from tpcheck.measure import own_attention, own_moe
 from tpcheck.measure.gain import gain_fields
 from tpcheck.measure.metrics import dot_allowance, unit_roundoff
 
@@ -105,13 +105,17 @@ def layer_norm(layer: nn.Module, kind: str) -> nn.Module:
 
 
 def input_points(name: str, num_layers: int, sandwich: bool = False, qk_norm: bool = False,
-                 kv: bool = True) -> list[str] | None:
+                 kv: bool = True, moe: str = "") -> list[str] | None:
     """The points ``name``'s op reads (``PREV`` resolved to ``embed`` / ``layers.{i-1}.out``), or None for a point
     kind this module does not recompute; ``sandwich``: a Gemma 3 model (``SANDWICH_INPUTS``); ``qk_norm`` and
-    ``kv``: attention's (``tpcheck.measure.own_attention.inputs``)."""
+    ``kv``: attention's (``tpcheck.measure.own_attention.inputs``); ``moe``: the point's layer is sparse
+    (``tpcheck.measure.own_moe.layer_kind``: ``"moe"``, or ``"shared"`` with a shared expert)."""
     layer, kind = split_point(name)
     if kind in own_attention.KINDS:
         return [f"layers.{layer}.{p}" for p in own_attention.inputs(kind, qk_norm, kv)]
+    if moe and kind in own_moe.KINDS:
+        parts = own_moe.block_inputs(moe == "shared") if kind == "mlp.out" else own_moe.INPUTS[kind]
+        return [f"layers.{layer}.{p}" for p in parts]
     table = {**OWN_INPUTS, **SANDWICH_INPUTS} if sandwich else OWN_INPUTS
     if kind not in table:
         return None
@@ -160,16 +164,18 @@ def own_check(model: nn.Module, name: str, engine: torch.Tensor, golden: torch.T
     step's rows are (attention's ops). NaN where the op cannot be recomputed: an input missing (KeyError) or of
     another shape, a streamed model. ``parts``: a point whose ranks computed its columns from inputs that differ
     (replicas an ulp apart): ``(columns, get)`` of each rank group, the op redone on each group's own inputs for its
-    columns. The diff asks for it in dense models, and in mixture-of-experts models for the points no route decides
-    (attention, the norms before the experts) and the top-k weights (``RowMaker._own``): the routed points are
-    judged by the floor alone."""
+    columns. A sparse layer's router, experts, shared expert and output: ``tpcheck.measure.own_moe``."""
     layer, kind = split_point(name)
-    if kind not in OWN_INPUTS and kind not in SANDWICH_INPUTS and kind not in own_attention.KINDS or model is None \
-            or engine.shape != golden.shape:
+    if kind not in OWN_INPUTS and kind not in SANDWICH_INPUTS and kind not in own_attention.KINDS \
+            and kind not in own_moe.KINDS or model is None or engine.shape != golden.shape:
         return NOT_RECOMPUTED
+    sparse = kind in own_moe.KINDS and bool(own_moe.layer_kind(model, layer))
+
     def op(get: Callable[[str], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | float]:
         if kind in own_attention.KINDS:
             return own_attention.op(model, layer, kind, get, layout, engine.dtype)
+        if sparse:
+            return own_moe.op(model, layer, kind, get, tp, red_dtype or engine.dtype, engine.dtype)
         return _own_op(model, layer, kind, get, tp, red_dtype or engine.dtype)
     try:
         if parts:

@@ -16,7 +16,7 @@ from tpcheck.capture.batches import StepBatch
 from tpcheck.capture.points import all_point_names, kind_of, point_order, split_point
 from tpcheck.judge.coverage import check_known
 from tpcheck.judge.tolerances import Tolerances
-from tpcheck.measure import exact_ops, own_attention, own_input
+from tpcheck.measure import exact_ops, own_attention, own_input, own_moe
 from tpcheck.measure.ahead import Ahead
 from tpcheck.measure.gain import RowScale, gain_fields, row_scale_allowance, scale_source
 from tpcheck.measure.metrics import compare, mismatch, rel_err, ulp_floor
@@ -120,11 +120,9 @@ class RowMaker:
             where = (kv_lens, [0] * len(kv_lens)) if k.rows == "cache" else (row_lens, starts)
             rows.append(self._row(u, g, step, *where, want, order, subset))
             # a point of some rows (vLLM's logits: the sampled rows) too, where its op is row by row: the same op on
-            # those rows of its inputs (attention's ops read other rows: their layout is the whole step's). In a
-            # mixture-of-experts model, the points no route decides (attention, the norms before the experts) and
-            # the top-k weights; the routed points are judged by the floor alone
-            if (subset is None or k.name not in own_attention.KINDS) and \
-                    (not self.ctx.sparse or k.route == "weights" or not (k.routed or k.route)):
+            # those rows of its inputs (attention's ops read other rows: their layout is the whole step's). A
+            # routed point with a token's route flipped is left out above: its rows are not the op's
+            if subset is None or k.name not in own_attention.KINDS:
                 self._own(rows[-1], u, g, engine_of, replicas_of, eng_teacher,
                           own_attention.RowLayout(row_lens, starts, kv_lens), subset)
         return rows
@@ -143,7 +141,9 @@ class RowMaker:
         worst = max(row.rel_err, row.replica_rel_err) if u.replicas else row.rel_err
         if not worst > 0.5 * min(t.threshold(kind, dt, row.ref_rel_err) for t in tols) and not _gain_near(row):
             return
-        inputs = own_input.input_points(row.point, self.ctx.num_layers, own_input.is_sandwich(self.ctx.ref.model)) or []
+        model = self.ctx.ref.model
+        inputs = own_input.input_points(row.point, self.ctx.num_layers, own_input.is_sandwich(model),
+                                        moe=own_moe.layer_kind(model, layer)) or []
         teacher_at = (self.ctx.num_layers if kind == "final_norm" else layer) \
             if eng_teacher is not None and own_input.reads_layer_input(kind) else None
         red = self.ctx.reductions
