@@ -6,7 +6,10 @@ the noise floor to that on every configuration they run (a floor calibrated to H
   adds them in the activations' dtype starting from the rank's own, ``p_r + p_{r+1} + ... + p_{r-1}``: vLLM's CPU
   shared-memory all-reduce. At tp >= 3 the ranks round the same sum differently, so the replicated activations
   (the residual stream, the norms, the logits) differ by ulps from rank to rank; where a sum cancels (a massive
-  activation's ``mlp.out``) by the size of the error against the golden.
+  activation's ``mlp.out``) by the size of the error against the golden. In a mixture-of-experts model each rank
+  routes its own copy of the hidden state, so at a near tie the ranks may pick different experts for a token and
+  the all-reduce then mixes their shards: not a rounding but a wrong sum, which the diff reports at
+  ``moe.topk_ids`` (ranks holding different ids). Measured there, not hidden.
 * ``sequential_k``: every linear layer of the decoder accumulates its dot products one term at a time in float32,
   ``((x_1 w_1 + x_2 w_2) + x_3 w_3) + ...``, then adds the bias and rounds once to the dtype: the textbook order
   whose rounding error grows like ``sqrt(K)`` where a blocked BLAS kernel's grows like that of its blocks. The
