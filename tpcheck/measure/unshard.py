@@ -63,6 +63,8 @@ def _agree(tensors: list[tuple[int, torch.Tensor]]) -> tuple[str, float, str, di
         if not (t0.is_floating_point() and t.is_floating_point()):  # ids, counts: no rounding can change them
             n = int((t != t0).sum())
             note = note or (f"ranks {r0} vs {r} hold different values ({n} of {t.numel()} elements)" if n else "")
+            if n:  # kept: expert ids in another order are the same route (tpcheck.pipeline.routes)
+                differ[r] = t
             continue
         s = rank_spread(t0, t)
         if s > 0:
@@ -108,7 +110,7 @@ def unshard(name: str, placement, tensors: list[torch.Tensor | None]) -> list[Un
         return out
     if isinstance(placement, Replicate):
         note, s, by, differ = _agree(held)
-        return [Unsharded(name, held[0][1], note, s, by, {} if note else differ)]
+        return [Unsharded(name, held[0][1], note, s, by, differ)]
     if isinstance(placement, Partial):
         return [Unsharded(name, torch.stack([t for _, t in held]).sum(0))]
     if isinstance(placement, Shard):

@@ -13,11 +13,13 @@ The rule itself, and why it is sound, is ``tpcheck.judge.routing``.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from tpcheck.capture.points import KINDS, kind_of, split_point
 from tpcheck.judge.routing import RouteCheck, check_routes
+from tpcheck.measure.unshard import Unsharded
 
 NEAR_TIE_FACTOR = 2.0  # tpcheck check's near_tie_flips uses the same factor on the logits
 logger = logging.getLogger("tpcheck.pipeline.diff")  # the run's notes (tpcheck.pipeline.diff)
@@ -35,6 +37,25 @@ def sort_routes(points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         w = name[: -len("topk_ids")] + "topk_weights"
         if w in points and points[w].shape == ids.shape:
             out[w] = points[w].gather(-1, order)
+    return out
+
+
+def sort_unit_routes(routed: dict[str, Unsharded]) -> dict[str, Unsharded]:
+    """A step's route points (``moe.topk_ids`` / ``moe.topk_weights``, unsharded) in one order (``sort_routes``),
+    each replica that differs (a rank whose hidden state is ulps from the first one's: vLLM's rank-ordered
+    all-reduce) in its own rank's order. A rank whose ids are the first replica's in another order chose the same
+    experts: its ids replica is dropped and, with none left, the ranks' "different values" note with it (a near tie
+    ordered otherwise); a rank that chose other experts keeps the note (its shard of another expert is summed in)."""
+    sorted_ = sort_routes({n: u.tensor for n, u in routed.items()})
+    by_rank = {r: sort_routes({n: u.replicas.get(r, u.tensor) for n, u in routed.items()})
+               for r in {r for u in routed.values() for r in u.replicas}}
+    out = {}
+    for n, u in routed.items():
+        reps, note = {r: by_rank[r][n] for r in u.replicas}, u.rank_mismatch
+        if kind_of(n).route == "ids":
+            reps = {r: t for r, t in reps.items() if not torch.equal(t, sorted_[n])}
+            note = note if reps or "hold different values" not in note else ""
+        out[n] = replace(u, tensor=sorted_[n], replicas=reps, rank_mismatch=note)
     return out
 
 

@@ -23,7 +23,7 @@ from tpcheck.measure.metrics import compare, mismatch, rel_err, ulp_floor
 from tpcheck.measure.unshard import unshard
 from tpcheck.measure.wording import shape_text
 from tpcheck.pipeline.kv_history import KvHistory
-from tpcheck.pipeline.routes import sort_routes
+from tpcheck.pipeline.routes import sort_unit_routes
 from tpcheck.result.table import NAN, Row
 
 
@@ -177,13 +177,8 @@ class RowMaker:
         """MoE: the engine's top-k put in the one order (``routes.sort_routes``), and each layer's route checked
         against the golden's (before any routed point of the step is measured: they leave its flips out)."""
         self.routes.begin_step()
-        routed = {u.name: u for u, _ in units if kind_of(u.name).route in ("ids", "weights")}
-        sorted_ = sort_routes({n: u.tensor for n, u in routed.items()})
-        # each replica (a rank whose copy differs) in its own rank's order: the same experts, its own weights
-        by_rank = {r: sort_routes({n: u.replicas.get(r, u.tensor) for n, u in routed.items()})
-                   for r in {r for u in routed.values() for r in u.replicas}}
-        units = [(replace(u, tensor=sorted_[u.name], replicas={r: by_rank[r][u.name] for r in u.replicas})
-                  if u.name in sorted_ else u, sub) for u, sub in units]
+        sorted_ = sort_unit_routes({u.name: u for u, _ in units if kind_of(u.name).route in ("ids", "weights")})
+        units = [(sorted_.get(u.name, u), sub) for u, sub in units]
         for u, _ in units:
             layer = split_point(u.name)[0]
             if kind_of(u.name).route == "ids" and u.name in gold and f"layers.{layer}.moe.router" in gold:

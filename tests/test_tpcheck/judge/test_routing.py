@@ -10,7 +10,8 @@ import tpcheck
 from tpcheck.engines.impl.faults import FAULTS
 from tpcheck.judge.routing import check_routes
 from tpcheck.reference.forced_route import forced_route
-from tpcheck.pipeline.routes import RouteBook, sort_routes
+from tpcheck.measure.unshard import unshard
+from tpcheck.pipeline.routes import RouteBook, sort_routes, sort_unit_routes
 
 
 def test_check_routes_tells_near_ties_from_bugs():
@@ -44,6 +45,28 @@ def test_sort_routes_orders_ids_and_permutes_weights():
     out = sort_routes(pts)
     assert out["layers.0.moe.topk_ids"].tolist() == [[1, 3, 5]]
     assert out["layers.0.moe.topk_weights"].tolist() == [pytest.approx([.2, .3, .5])] and out["layers.0.out"] is pts["layers.0.out"]
+
+
+def test_each_rank_s_route_is_put_in_its_own_order():
+    """Ranks whose hidden states are ulps apart (a rank-ordered all-reduce) may order a near tie otherwise: the same
+    experts, no finding, each replica's weights in ascending expert order by its own ids. A rank that chose another
+    expert keeps the ranks' note."""
+    from impl.placements import Replicate
+    ids, w = "layers.0.moe.topk_ids", "layers.0.moe.topk_weights"
+    rank0 = (torch.tensor([[5, 1], [2, 3]]), torch.tensor([[.50, .49], [.6, .4]]))
+    swapped = (torch.tensor([[1, 5], [2, 3]]), torch.tensor([[.4901, .4999], [.6, .4]]))  # token 0 ordered otherwise
+    other = (torch.tensor([[5, 7], [2, 3]]), torch.tensor([[.50, .49], [.6, .4]]))  # token 0: expert 7 for 1
+
+    def units(r1):
+        return {n: unshard(n, Replicate(), [a, b])[0] for n, a, b in ((ids, rank0[0], r1[0]), (w, rank0[1], r1[1]))}
+
+    out = sort_unit_routes(units(swapped))
+    assert out[ids].rank_mismatch == "" and out[ids].replicas == {} and out[ids].tensor.tolist() == [[1, 5], [2, 3]]
+    assert out[w].tensor.tolist() == [pytest.approx([.49, .50]), pytest.approx([.6, .4])]
+    assert out[w].replicas[1].tolist() == [pytest.approx([.4901, .4999]), pytest.approx([.6, .4])]  # its own order
+    bad = sort_unit_routes(units(other))
+    assert bad[ids].rank_mismatch.startswith("ranks 0 vs 1 hold different values") and bad[ids].replicas[1].tolist() == \
+        [[5, 7], [2, 3]]
 
 
 def test_route_book_floor_and_exclusions():
