@@ -13,6 +13,7 @@ The rule itself, and why it is sound, is ``tpcheck.judge.routing``.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 
 import torch
@@ -52,11 +53,23 @@ def sort_unit_routes(routed: dict[str, Unsharded]) -> dict[str, Unsharded]:
     out = {}
     for n, u in routed.items():
         reps, note = {r: by_rank[r][n] for r in u.replicas}, u.rank_mismatch
-        if kind_of(n).route == "ids":
+        if kind_of(n).route == "ids" and "hold different values" in note:
             reps = {r: t for r, t in reps.items() if not torch.equal(t, sorted_[n])}
-            note = note if reps or "hold different values" not in note else ""
+            note = _other_experts(note, sorted_[n], reps)
         out[n] = replace(u, tensor=sorted_[n], replicas=reps, rank_mismatch=note)
     return out
+
+
+def _other_experts(note: str, ids: torch.Tensor, replicas: dict[int, torch.Tensor]) -> str:
+    """The ranks' note of a top-k whose replicas (sorted) still differ: which rank routes how many tokens to other
+    experts; "" where none does."""
+    if not replicas:
+        return ""
+    r = min(replicas)
+    first = re.match(r"ranks (\d+) vs", note)
+    n = int((replicas[r] != ids).any(-1).sum())
+    return (f"ranks {first.group(1) if first else 0} vs {r} route {n} of {ids.shape[0]} tokens to different experts "
+            f"(each rank computes its shard of its own choice, and the sum mixes them)")
 
 
 def routes_of(points: dict[str, torch.Tensor]) -> dict[int, torch.Tensor] | None:
