@@ -75,9 +75,12 @@ def layer_kind(model: nn.Module | None, layer: int | None) -> str:
     return "shared" if getattr(block, "shared_expert", None) is not None else "moe"
 
 
+_PLAIN = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _weights(t: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.device.type == "meta":
-        raise KeyError("expert weights")  # a quantized or offloaded expert: not recomputed here
+    if not isinstance(t, torch.Tensor) or t.dtype not in _PLAIN or t.device.type == "meta":
+        raise KeyError("expert weights")  # a quantized (FP8: scales elsewhere) or offloaded weight: not redone here
     return t.detach().double()
 
 
