@@ -17,21 +17,24 @@ it, each propagated to the output as an absolute bound per element:
 * ``h = act(g) * v``: ``dh = |act'(g)| dg |v| + |act(g)| dv`` plus two roundings (the activation's, the product's),
   ``2 u |h|``;
 * ``y_e = down h``: the accumulation over I products (``dot_allowance``; at tp > 1 each rank's partial over its
-  slice of I rounded and summed, ``(tp - 1) u_red`` of the same scale, as a row-parallel linear), and ``dh`` carried
-  through ``down``: the roundings are independent with random sign, so by the same probabilistic bound as the
-  accumulation's, ``lambda sqrt(sum_i down_i^2 dh_i^2 / 3)`` (``lambda`` standard deviations of uniform errors within
-  ``dh``), then the output's rounding ``u |y_e|``;
+  slice of I rounded and summed, ``(tp - 1) u_red`` of the same scale, as a row-parallel linear), and h's error
+  carried through ``down``: its parts (g's and v's accumulation and rounding through ``act'`` and the product, the
+  activation's and the product's roundings) are independent with random sign, so by the accumulation's
+  probabilistic bound, ``lambda sqrt(sum_i down_i^2 var(dh_i))`` (an accumulation bound counts as ``lambda``
+  deviations, a rounding of ``u |z|`` as a uniform one, ``(u z)^2 / 3``), then the output's rounding ``u |y_e|``;
 * the weighting and the sum over the k slots: ``|w_j| dy_e + 2 u |w_j y_e|`` (the weight as the kernel holds it, the
   product's rounding), summed over j.
 
-In bfloat16 that is ~4% of an element (``lambda / sqrt(3)`` times the three roundings of h, carried through
-``down``): a wrong expert, weight or shard errs by its whole size (tens of percent), and the point's own threshold
-(``k`` times the references') is what judges anything smaller; in float32 ~1e-6 of an element.
+Measured: ~5% of an element in bfloat16 (the references' own error there ~1%), ~1e-6 in float32. A wrong expert,
+weight or shard errs by its whole size (tens of percent) and a scale by its gain (``own_gain``); a noise-like error
+inside the experts under ~2x the point's threshold, on inputs within their floors, reads as inherited.
 
 **The shared expert** (``moe.shared``) is the same chain with one weight of 1; its gate (``moe.shared_gate``) and the
 router (``moe.router``) are linear ops of the layer's normed input, allowed their accumulation. **The block's output**
-(``mlp.out``) is ``experts + sigmoid(shared_gate) * shared`` (the sigmoid's and the product's roundings, ``2 u``) or a
-copy of the experts' sum, both all-reduced over the tp ranks at ``u_red``."""
+(``mlp.out``) is ``experts + sigmoid(shared_gate) * shared`` (the sigmoid's and the product's roundings, ``2 u``) or
+the experts' sum itself; at tp > 1 each rank combines its partial sums (a product and a sum) and the all-reduce adds
+them, so ``(2 tp u + (tp - 1) u_red)`` of the partials' scale (``down``'s, weighted: the ranks' partials may cancel,
+and the unsharded inputs do not show them: measured, impl's tp 2 and 4 err up to 29 u of the result there)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -55,13 +58,10 @@ def block_inputs(shared: bool) -> tuple[str, ...]:
 
 
 def sparse_block(layer: nn.Module) -> nn.Module | None:
-    """The decoder layer's mixture-of-experts block (transformers 5: ``mlp``; 4.x Mixtral: ``block_sparse_moe``),
-    or None for a dense layer."""
-    for name in ("mlp", "block_sparse_moe"):
-        block = getattr(layer, name, None)
-        if block is not None and hasattr(block, "experts"):
-            return block
-    return None
+    """The decoder layer's mixture-of-experts block (``mlp``, transformers 5: the MoE families need it), or None for
+    a dense layer."""
+    block = getattr(layer, "mlp", None)
+    return block if hasattr(block, "experts") else None
 
 
 def layer_kind(model: nn.Module | None, layer: int | None) -> str:
@@ -85,18 +85,13 @@ def _weights(t: torch.Tensor) -> torch.Tensor:
 
 
 def _expert(experts: nn.Module, e: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert ``e``'s (gate, up, down) weights, ``[I, H]``, ``[I, H]``, ``[H, I]``: transformers 5's fused 3-D
-    parameters (``gate_up_proj [E, 2I, H]``, gate first; ``down_proj [E, H, I]``) or 4.x's module per expert."""
-    gu = getattr(experts, "gate_up_proj", None)
-    if isinstance(gu, torch.Tensor):
-        gu, down = _weights(gu[e]), _weights(experts.down_proj[e])
-        if gu.shape[-1] != hidden and gu.shape[0] == hidden:  # stored [H, 2I] / [I, H]: the other convention
-            gu, down = gu.T, down.T
-        gate, up = gu.chunk(2, dim=0)
-    else:
-        ex = experts[e]
-        names = ("gate_proj", "up_proj", "down_proj") if hasattr(ex, "gate_proj") else ("w1", "w3", "w2")
-        gate, up, down = (_weights(getattr(ex, n).weight) for n in names)
+    """Expert ``e``'s (gate, up, down) weights, ``[I, H]``, ``[I, H]``, ``[H, I]``, from transformers 5's fused 3-D
+    parameters (``gate_up_proj [E, 2I, H]``, gate first; ``down_proj [E, H, I]``). A KeyError for another layout."""
+    gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise KeyError("experts layout")
+    gate, up = _weights(gu[e]).chunk(2, dim=0)
+    down = _weights(down[e])
     if gate.shape[-1] != hidden or down.shape != (hidden, gate.shape[0]):
         raise KeyError("expert shapes")
     return gate, up, down
@@ -142,11 +137,11 @@ def _routed(block: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch
     """The routed experts' weighted sum for rows ``x`` (the engine's ``ids`` and ``weights``), its allowance and its
     partial sums' scale (``gated_mlp``'s, weighted)."""
     experts = block.experts
-    n_experts = experts.gate_up_proj.shape[0] if hasattr(experts, "gate_up_proj") else len(experts)
+    n_experts = experts.gate_up_proj.shape[0]  # an AttributeError (not recomputed) for another layout
     if ids.shape != weights.shape or ids.shape[0] != x.shape[0] or bool((ids < 0).any()) \
             or bool((ids >= n_experts).any()):
         raise IndexError("topk ids")
-    act = _activation(experts if hasattr(experts, "act_fn") else experts[0])
+    act = _activation(experts)
     y, b, scale = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x)
     for e in ids.unique().tolist():
         rows, slots = (ids == e).nonzero(as_tuple=True)
