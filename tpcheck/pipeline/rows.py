@@ -174,8 +174,9 @@ class RowMaker:
             row.replica_own_err = math.nan if any(math.isnan(e) for e in errs) else max(errs)
 
     def _routes(self, units: list, gold: dict) -> list:
-        """MoE: the engine's top-k put in the one order (``routes.sort_routes``), and each layer's route checked
-        against the golden's (before any routed point of the step is measured: they leave its flips out)."""
+        """MoE: the engine's top-k put in the one order, each replica by its own ids (``routes.sort_unit_routes``),
+        and each layer's route checked against the golden's (before any routed point of the step is measured: they
+        leave its flips out)."""
         self.routes.begin_step()
         sorted_ = sort_unit_routes({u.name: u for u, _ in units if kind_of(u.name).route in ("ids", "weights")})
         units = [(sorted_.get(u.name, u), sub) for u, sub in units]
