@@ -105,16 +105,19 @@ def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return act
 
 
+def _dot_bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What ``y = x w^T`` accumulated in float32 in any order may err (``metrics.dot_allowance``)."""
+    return dot_allowance(x.abs() @ w.abs().T, x.square() @ w.square().T, y, x.shape[-1], unit_roundoff(torch.float32))
+
+
 def gated_mlp(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: Callable, x: torch.Tensor, u: float,
               red: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``down(act(gate x) * up x)`` in float64 for rows ``x``, its allowance per element (module docstring; the
     output's rounding included; ``u`` the run's unit roundoff, ``red`` the partial sums' reduction) and the scale of
     the partial sums it is made of (``down``'s: ``dot_allowance``'s scale, the sum's largest terms or the result)."""
     u_acc = unit_roundoff(torch.float32)
-    xa, x2 = x.abs(), x.square()
     g, v = x @ gate.T, x @ up.T
-    dg = dot_allowance(xa @ gate.abs().T, x2 @ gate.square().T, g, x.shape[-1], u_acc)
-    dv = dot_allowance(xa @ up.abs().T, x2 @ up.square().T, v, x.shape[-1], u_acc)
+    dg, dv = _dot_bound(x, gate, g), _dot_bound(x, up, v)
     with torch.enable_grad():  # act'(g), elementwise: the gradient of the sum
         g_ = g.detach().requires_grad_(True)
         a_ = act(g_)
@@ -192,8 +195,7 @@ def op(model: nn.Module, layer: int, kind: str, get: Callable[[str], torch.Tenso
     if kind in ("moe.router", "moe.shared_gate"):
         w = _weights((block.gate if kind == "moe.router" else block.shared_expert_gate).weight)
         y = x @ w.T
-        return y, dot_allowance(x.abs() @ w.abs().T, x.square() @ w.square().T, y, x.shape[-1],
-                                unit_roundoff(torch.float32))
+        return y, _dot_bound(x, w, y)
     if kind == "moe.shared":
         return _shared(block, x, u, red)[:2]
     if kind == "moe.experts":

@@ -53,7 +53,7 @@ def sort_unit_routes(routed: dict[str, Unsharded]) -> dict[str, Unsharded]:
     out = {}
     for n, u in routed.items():
         reps, note = {r: by_rank[r][n] for r in u.replicas}, u.rank_mismatch
-        if kind_of(n).route == "ids" and "hold different values" in note:
+        if kind_of(n).route == "ids" and u.replicas:  # ranks that hold other ids (not other shapes: no replicas)
             reps = {r: t for r, t in reps.items() if not torch.equal(t, sorted_[n])}
             note = _other_experts(note, sorted_[n], reps)
         out[n] = replace(u, tensor=sorted_[n], replicas=reps, rank_mismatch=note)

@@ -165,7 +165,7 @@ class RowMaker:
         def own(tensor: torch.Tensor, rank: int | None) -> own_input.Own:
             parts = [(slice(a, b), get_of(rank if rank in ranks else ranks[0])) for ranks, a, b in u.columns] \
                 if by_rank else None
-            return own_input.own_check(self.ctx.ref.model, row.point, tensor, golden, get_of(rank),
+            return own_input.own_check(model, row.point, tensor, golden, get_of(rank),
                                        getattr(red, "tp", 1), rd, layout, parts)
         row.own_err, own_gain = own(u.tensor, None)
         row.own_gain = own_gain if self.isolated else math.nan  # the gain is judged in the local pass alone
